@@ -1,0 +1,2 @@
+//! Project automation for kvroute, run as `cargo xtask <command>`.
+fn main() {}
