@@ -1,2 +1,84 @@
-//! Project automation for kvroute, run as `cargo xtask <command>`.
-fn main() {}
+//! Project automation for kvroute, run as `cargo xtask <command>` (the alias lives in
+//! `.cargo/config.toml`). `cargo xtask ci` is the one gate CI runs: formatting, lints, tests, docs,
+//! benches compiling, the tidy checks, loom models and short fuzz runs, each timed.
+//!
+//! xtask depends on no kvroute crate: it drives them through `cargo`, so it builds fast and never
+//! needs the code under test to compile before it can report what is broken.
+
+mod ci;
+mod fuzz;
+mod tidy;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+/// kvroute's project automation.
+#[derive(Parser)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The whole gate: fmt, clippy, tests, docs, benches compile, tidy, loom, short fuzz.
+    Ci(ci::CiArgs),
+    /// Only the tidy checks (crate docs, workspace dependencies, layering).
+    Tidy,
+    /// Run every fuzz target (or one) for a while. Needs the nightly toolchain and cargo-fuzz.
+    Fuzz(fuzz::FuzzArgs),
+    /// Run a benchmark binary with its own arguments, e.g. `bench indexer --trace FILE`.
+    Bench {
+        /// Which bench: `indexer` (trace replay through the KV index).
+        which: String,
+        /// Arguments passed through to the bench binary.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let root = project_root();
+    match cli.command {
+        Command::Ci(args) => ci::run(&root, &args),
+        Command::Tidy => tidy::run_all(&root),
+        Command::Fuzz(args) => fuzz::run(&root, &args),
+        Command::Bench { which, args } => bench(&root, &which, &args),
+    }
+}
+
+/// The workspace root (the parent of `xtask/`).
+fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
+
+/// Bench binaries (harness = false) that print figures; `cargo xtask bench NAME` runs them in
+/// release mode with the caller's arguments.
+const BENCHES: &[(&str, &str, &str)] = &[("indexer", "kvroute-indexer", "trace_replay")];
+
+fn bench(root: &Path, which: &str, args: &[String]) -> Result<()> {
+    let Some((_, package, bench)) = BENCHES.iter().find(|(name, _, _)| *name == which) else {
+        let known: Vec<_> = BENCHES.iter().map(|(name, _, _)| *name).collect();
+        anyhow::bail!(
+            "unknown bench `{which}`: expected one of {}",
+            known.join(", ")
+        );
+    };
+    let mut cmd = std::process::Command::new(cargo());
+    cmd.current_dir(root)
+        .args(["bench", "--quiet", "-p", package, "--bench", bench, "--"])
+        .args(args);
+    ci::run_command(&mut cmd)
+}
+
+/// The cargo that invoked us (so `cargo +toolchain xtask` stays on that toolchain).
+fn cargo() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
+}

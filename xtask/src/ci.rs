@@ -1,0 +1,223 @@
+//! `cargo xtask ci`: the gate. Runs each step in order, prints how long it took, and stops at the
+//! first failure with a message naming the step and the command to reproduce it.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::{cargo, fuzz, tidy};
+
+/// Options of `cargo xtask ci`.
+#[derive(clap::Args)]
+pub(crate) struct CiArgs {
+    /// Seconds each fuzz target runs for.
+    #[arg(long, default_value_t = 15)]
+    fuzz_seconds: u64,
+    /// Skip the fuzz step (for machines without the nightly toolchain; CI never passes this).
+    #[arg(long)]
+    no_fuzz: bool,
+}
+
+/// Where the NATS server is expected when `KVROUTE_NATS_URL` is not set.
+const DEFAULT_NATS: &str = "127.0.0.1:4222";
+
+pub(crate) fn run(root: &Path, args: &CiArgs) -> Result<()> {
+    let started = Instant::now();
+    let mut timings: Vec<(&str, Duration)> = Vec::new();
+    let mut step = |name: &'static str, f: &mut dyn FnMut() -> Result<()>| -> Result<()> {
+        eprintln!("\n==> [{name}]");
+        let t = Instant::now();
+        let result = f();
+        let took = t.elapsed();
+        timings.push((name, took));
+        match result {
+            Ok(()) => {
+                eprintln!("==> [{name}] ok in {:.1}s", took.as_secs_f64());
+                Ok(())
+            }
+            Err(e) => {
+                print_timings(&timings);
+                Err(e.context(format!("`cargo xtask ci` failed at step `{name}`")))
+            }
+        }
+    };
+
+    setup_nats_env();
+
+    step("fmt", &mut || {
+        cargo_in(root, &["fmt", "--all", "--", "--check"])
+            .context("code is not formatted: run `cargo fmt --all`")
+    })?;
+    step("clippy", &mut || {
+        cargo_in(
+            root,
+            &[
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--locked",
+                "--",
+                "-D",
+                "warnings",
+            ],
+        )
+    })?;
+    step("tidy", &mut || tidy::run_all(root))?;
+    step("test", &mut || run_tests(root))?;
+    step("doc", &mut || {
+        let mut cmd = cargo_cmd(root);
+        cmd.args(["doc", "--workspace", "--no-deps", "--locked"])
+            .env("RUSTDOCFLAGS", "-D warnings");
+        run_command(&mut cmd)
+    })?;
+    step("bench-check", &mut || {
+        cargo_in(root, &["check", "--workspace", "--benches", "--locked"])
+    })?;
+    step("loom", &mut || run_loom(root))?;
+    if args.no_fuzz {
+        eprintln!("\n==> [fuzz] skipped: --no-fuzz was given");
+    } else {
+        step("fuzz", &mut || fuzz::run_all(root, args.fuzz_seconds))?;
+    }
+
+    print_timings(&timings);
+    eprintln!(
+        "cargo xtask ci: all steps passed in {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn print_timings(timings: &[(&str, Duration)]) {
+    eprintln!("\nstep timings:");
+    for (name, took) in timings {
+        eprintln!("  {name:<12} {:>7.1}s", took.as_secs_f64());
+    }
+}
+
+/// Tests: cargo-nextest when it is installed (faster, one process per test), else `cargo test`.
+/// nextest does not run doctests, so those run separately.
+fn run_tests(root: &Path) -> Result<()> {
+    let has_nextest = Command::new(cargo())
+        .args(["nextest", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if has_nextest {
+        cargo_in(
+            root,
+            &[
+                "nextest",
+                "run",
+                "--workspace",
+                "--locked",
+                "--no-fail-fast",
+                "--profile",
+                "ci",
+            ],
+        )?;
+        cargo_in(root, &["test", "--workspace", "--doc", "--locked"])
+    } else {
+        eprintln!("cargo-nextest not found; using `cargo test`");
+        cargo_in(root, &["test", "--workspace", "--locked", "--no-fail-fast"])
+    }
+}
+
+/// Loom models compile the crate with `--cfg loom`, which changes every artifact, so they build in
+/// a target directory of their own to keep the main one warm.
+const LOOM_CRATES: &[&str] = &["kvroute-indexer"];
+
+fn run_loom(root: &Path) -> Result<()> {
+    let target = loom_target_dir(root);
+    for krate in LOOM_CRATES {
+        if !root.join("crates").join(krate).exists() {
+            continue;
+        }
+        let mut cmd = cargo_cmd(root);
+        cmd.args([
+            "test",
+            "--release",
+            "--locked",
+            "-p",
+            krate,
+            "--lib",
+            "loom",
+        ])
+        .env("RUSTFLAGS", "--cfg loom")
+        .env("CARGO_TARGET_DIR", &target)
+        .env("LOOM_MAX_PREEMPTIONS", "3");
+        run_command(&mut cmd)?;
+    }
+    Ok(())
+}
+
+fn loom_target_dir(root: &Path) -> std::path::PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => Path::new(&dir).join("loom"),
+        None => root.join("target").join("loom"),
+    }
+}
+
+/// Tests that need NATS read `KVROUTE_NATS_URL`. Set it when a server answers, so a machine
+/// without NATS still passes every test that does not need it.
+fn setup_nats_env() {
+    if std::env::var_os("KVROUTE_NATS_URL").is_some() {
+        return;
+    }
+    match nats_answers(DEFAULT_NATS) {
+        Ok(()) => {
+            let url = format!("nats://{DEFAULT_NATS}");
+            eprintln!("NATS answers at {url}; tests that need it will use it (KVROUTE_NATS_URL)");
+            set_env("KVROUTE_NATS_URL", &url);
+        }
+        Err(e) => eprintln!("NATS not reachable at {DEFAULT_NATS} ({e:#}); KVROUTE_NATS_URL unset"),
+    }
+}
+
+#[allow(unsafe_code)]
+fn set_env(key: &str, value: &str) {
+    // SAFETY: called from `main`'s thread before any other thread exists.
+    unsafe { std::env::set_var(key, value) }
+}
+
+/// A NATS server greets every client with an `INFO {...}` line.
+fn nats_answers(addr: &str) -> Result<()> {
+    let addr: SocketAddr = addr.parse()?;
+    let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line)?;
+    if !line.starts_with("INFO ") {
+        bail!("expected an `INFO` greeting, got {line:?}");
+    }
+    (&stream).write_all(b"PING\r\n")?;
+    Ok(())
+}
+
+pub(crate) fn cargo_cmd(root: &Path) -> Command {
+    let mut cmd = Command::new(cargo());
+    cmd.current_dir(root);
+    cmd
+}
+
+fn cargo_in(root: &Path, args: &[&str]) -> Result<()> {
+    let mut cmd = cargo_cmd(root);
+    cmd.args(args);
+    run_command(&mut cmd)
+}
+
+/// Runs a command with inherited output; a non-zero exit is an error that shows the command line.
+pub(crate) fn run_command(cmd: &mut Command) -> Result<()> {
+    let shown = format!("{cmd:?}");
+    eprintln!("$ {shown}");
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not start {shown}"))?;
+    if !status.success() {
+        bail!("command failed ({status}): {shown}");
+    }
+    Ok(())
+}
