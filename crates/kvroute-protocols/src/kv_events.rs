@@ -22,7 +22,9 @@ pub struct LocalBlockHash(pub u64);
 pub struct ExternalSequenceBlockHash(pub u64);
 
 /// Where a cached block lives on the worker.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum StorageTier {
     /// GPU memory (the default: what engines report today).

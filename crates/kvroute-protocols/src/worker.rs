@@ -26,7 +26,10 @@ impl WorkerWithDpRank {
 
     /// A worker without data parallelism (rank 0).
     pub const fn from_worker_id(worker_id: WorkerId) -> Self {
-        Self { worker_id, dp_rank: 0 }
+        Self {
+            worker_id,
+            dp_rank: 0,
+        }
     }
 }
 
