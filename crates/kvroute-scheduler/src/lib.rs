@@ -1,0 +1,33 @@
+//! The scheduler core of kvroute: per-(worker, dp rank) active load, the routing cost model,
+//! eligibility filters, worker selection with temperature, and the admission queue.
+//!
+//! Entry types: [`Scheduler`] (register workers with [`WorkerSpec`], [`Scheduler::select`] a
+//! worker for a [`SelectRequest`], then track the request with [`Scheduler::add_request`],
+//! [`Scheduler::mark_prefill_completed`], [`Scheduler::add_output_tokens`], [`Scheduler::free`]
+//! and [`Scheduler::expire`]) and [`AdmissionQueue`].
+//!
+//! It is a synchronous, deterministic core: time (`now` as a [`std::time::Duration`] since any
+//! fixed epoch) and randomness (any [`rand::Rng`]) come in as arguments. It must not depend on
+//! tokio, the network, or the indexer: overlap scores arrive as a plain slice of
+//! `(WorkerWithDpRank, blocks)` that the router fills from the indexer.
+
+mod config;
+mod fxhash;
+mod load;
+mod queue;
+mod scheduler;
+mod select;
+mod workers;
+
+pub use config::{
+    ConfigError, CostWeights, DEFAULT_REQUEST_EXPIRY, LoadThresholds, PrefillThreshold,
+    SchedulerConfig,
+};
+pub use load::{LoadError, NewRequest, RequestId, WorkerLoad};
+pub use queue::{AdmissionQueue, QueueMeta, QueuePolicy, TryPushError};
+pub use scheduler::{MetricsSnapshot, Scheduler, SchedulerMetrics};
+pub use select::{CandidateCost, Decision, FilterStage, SelectError, SelectRequest};
+pub use workers::{MAX_TAINTS, WorkerError, WorkerSpec};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,378 @@
+//! Active load per (worker, dp rank): which requests run where, their outstanding prefill tokens,
+//! and the KV blocks they hold.
+//!
+//! A prompt block held by several active requests on one worker is counted once. Blocks held by a
+//! single request decay with that request's progress (`1 - generated / expected` once the caller
+//! gave an expected output length), as in the reference, because a request near its end will soon
+//! release them. All block weights are fixed-point integers so that the totals return exactly to
+//! zero when the last request leaves, whatever order things happened in.
+//!
+//! Who holds a block alone is found in O(1) without per-block owner lists: each block entry keeps
+//! its reference count and the wrapping sum of its holders' request indices, and when the count is
+//! one that sum *is* the holder.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use kvroute_protocols::WorkerWithDpRank;
+
+use crate::fxhash::FxHashMap;
+use crate::workers::Workers;
+
+/// Fixed-point one for block weights (a block owned by one request weighs `fraction / ONE`).
+pub(crate) const FRACTION_ONE: u64 = 1 << 16;
+
+/// The caller's identifier of an in-flight request (the router maps its own ids onto these).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "req-{}", self.0)
+    }
+}
+
+/// A request that was routed and is about to be sent to its worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NewRequest<'a> {
+    /// The request.
+    pub id: RequestId,
+    /// Where it was routed.
+    pub worker: WorkerWithDpRank,
+    /// Prompt length in tokens.
+    pub isl_tokens: u64,
+    /// Sequence hashes of the prompt's full blocks, in order.
+    pub block_hashes: &'a [u64],
+    /// Prompt blocks already cached on `worker` (they need no prefill).
+    pub overlap_blocks: u32,
+    /// Expected output length, which makes the request's exclusive blocks decay as it generates.
+    pub expected_output_tokens: Option<u32>,
+}
+
+/// Load figures of one (worker, dp rank), as the cost model sees them.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct WorkerLoad {
+    /// Requests added and not yet freed or expired.
+    pub active_requests: u64,
+    /// Prompt tokens still to prefill (zero for a request once its prefill completed).
+    pub prefill_tokens: u64,
+    /// Distinct blocks held by two or more active requests.
+    pub shared_blocks: u64,
+    /// Active decode blocks: shared blocks plus single-owner blocks weighted by their owner's
+    /// remaining fraction.
+    pub decode_blocks: f64,
+}
+
+/// Why a load operation was refused. None of these change any state.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LoadError {
+    /// The worker is not registered (or was removed).
+    #[error("worker {0} is not registered with the scheduler")]
+    UnknownWorker(WorkerWithDpRank),
+    /// The id is already active; each request must be added once.
+    #[error("request {0} is already active; request ids must be unique among active requests")]
+    DuplicateRequest(RequestId),
+    /// The id is not active: never added, already freed, or expired.
+    #[error("request {0} is not active (never added, already freed, or expired)")]
+    UnknownRequest(RequestId),
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct SlotLoad {
+    pub(crate) active_requests: u64,
+    pub(crate) prefill_tokens: u64,
+    pub(crate) shared_blocks: u64,
+    /// Sum over requests of `exclusive blocks * fraction`, in units of `1 / FRACTION_ONE`.
+    pub(crate) exclusive_weighted: u64,
+}
+
+impl SlotLoad {
+    #[inline]
+    pub(crate) fn decode_blocks(&self) -> f64 {
+        self.shared_blocks as f64 + self.exclusive_weighted as f64 / FRACTION_ONE as f64
+    }
+
+    pub(crate) fn snapshot(&self) -> WorkerLoad {
+        WorkerLoad {
+            active_requests: self.active_requests,
+            prefill_tokens: self.prefill_tokens,
+            shared_blocks: self.shared_blocks,
+            decode_blocks: self.decode_blocks(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct BlockRef {
+    refs: u32,
+    /// Wrapping sum of the holders' request indices; equals the holder when `refs == 1`.
+    owners: u32,
+}
+
+#[derive(Debug)]
+struct RequestState {
+    id: RequestId,
+    slot: u32,
+    prompt: Box<[u64]>,
+    prefill_tokens: u64,
+    output_tokens: u64,
+    output_blocks: u64,
+    expected_output_tokens: Option<u32>,
+    fraction: u64,
+    exclusive: u64,
+    started_at: Duration,
+}
+
+/// All active requests and the block bookkeeping behind [`SlotLoad`].
+#[derive(Debug, Default)]
+pub(crate) struct Requests {
+    slab: Vec<Option<RequestState>>,
+    free: Vec<u32>,
+    by_id: FxHashMap<RequestId, u32>,
+    blocks: FxHashMap<(u32, u64), BlockRef>,
+    /// For each active block hash, the slots holding it (for the "already active" count).
+    pub(crate) holders: FxHashMap<u64, Vec<u32>>,
+    /// Requests in arrival order, for expiry; freed entries are skipped lazily.
+    arrivals: VecDeque<(Duration, RequestId, u32)>,
+}
+
+impl Requests {
+    pub(crate) fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    pub(crate) fn add(
+        &mut self,
+        workers: &mut Workers,
+        block_size: u32,
+        req: &NewRequest<'_>,
+        now: Duration,
+    ) -> Result<(), LoadError> {
+        let Some(&slot_idx) = workers.slot_of.get(&req.worker) else {
+            return Err(LoadError::UnknownWorker(req.worker));
+        };
+        if self.by_id.contains_key(&req.id) {
+            return Err(LoadError::DuplicateRequest(req.id));
+        }
+        let Some(slot) = workers.slot_mut(slot_idx) else {
+            return Err(LoadError::UnknownWorker(req.worker));
+        };
+        let ri = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.slab.push(None);
+                (self.slab.len() - 1) as u32
+            }
+        };
+        let cached_tokens = u64::from(req.overlap_blocks) * u64::from(block_size);
+        let mut state = RequestState {
+            id: req.id,
+            slot: slot_idx,
+            prompt: req.block_hashes.into(),
+            prefill_tokens: req.isl_tokens.saturating_sub(cached_tokens),
+            output_tokens: 0,
+            output_blocks: 0,
+            expected_output_tokens: req.expected_output_tokens,
+            fraction: FRACTION_ONE,
+            exclusive: 0,
+            started_at: now,
+        };
+        let load = &mut slot.load;
+        load.active_requests += 1;
+        load.prefill_tokens += state.prefill_tokens;
+        for &h in req.block_hashes {
+            let entry = self
+                .blocks
+                .entry((slot_idx, h))
+                .or_insert(BlockRef { refs: 0, owners: 0 });
+            match entry.refs {
+                0 => {
+                    state.exclusive += 1;
+                    load.exclusive_weighted += state.fraction;
+                    self.holders.entry(h).or_default().push(slot_idx);
+                }
+                1 => {
+                    // The block stops being exclusive to its single holder.
+                    let p = entry.owners;
+                    let prev = if p == ri {
+                        &mut state
+                    } else {
+                        self.slab[p as usize]
+                            .as_mut()
+                            .expect("block owner is an active request")
+                    };
+                    prev.exclusive -= 1;
+                    load.exclusive_weighted -= prev.fraction;
+                    load.shared_blocks += 1;
+                }
+                _ => {}
+            }
+            entry.refs += 1;
+            entry.owners = entry.owners.wrapping_add(ri);
+        }
+        self.slab[ri as usize] = Some(state);
+        self.by_id.insert(req.id, ri);
+        self.arrivals.push_back((now, req.id, ri));
+        Ok(())
+    }
+
+    pub(crate) fn mark_prefill_completed(
+        &mut self,
+        workers: &mut Workers,
+        id: RequestId,
+    ) -> Result<(), LoadError> {
+        let ri = *self.by_id.get(&id).ok_or(LoadError::UnknownRequest(id))?;
+        let state = self.slab[ri as usize]
+            .as_mut()
+            .expect("indexed request is present");
+        if let Some(slot) = workers.slot_mut(state.slot) {
+            slot.load.prefill_tokens -= state.prefill_tokens;
+        }
+        state.prefill_tokens = 0;
+        Ok(())
+    }
+
+    pub(crate) fn add_output_tokens(
+        &mut self,
+        workers: &mut Workers,
+        block_size: u32,
+        id: RequestId,
+        tokens: u64,
+    ) -> Result<(), LoadError> {
+        let ri = *self.by_id.get(&id).ok_or(LoadError::UnknownRequest(id))?;
+        let state = self.slab[ri as usize]
+            .as_mut()
+            .expect("indexed request is present");
+        // A request's slot outlives it: removing a worker frees its requests first.
+        let Some(slot) = workers.slot_mut(state.slot) else {
+            return Ok(());
+        };
+        let load = &mut slot.load;
+        // Output means the prompt has been prefilled.
+        load.prefill_tokens -= state.prefill_tokens;
+        state.prefill_tokens = 0;
+
+        state.output_tokens = state.output_tokens.saturating_add(tokens);
+        let blocks_now = state.output_tokens / u64::from(block_size);
+        let new_blocks = blocks_now - state.output_blocks;
+        state.output_blocks = blocks_now;
+        state.exclusive += new_blocks;
+        load.exclusive_weighted += new_blocks * state.fraction;
+
+        if let Some(expected) = state.expected_output_tokens.filter(|&e| e > 0) {
+            let done = u128::from(state.output_tokens.min(u64::from(expected)));
+            let spent = (u128::from(FRACTION_ONE) * done / u128::from(expected)) as u64;
+            let fraction = FRACTION_ONE - spent;
+            load.exclusive_weighted -= state.exclusive * state.fraction;
+            load.exclusive_weighted += state.exclusive * fraction;
+            state.fraction = fraction;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn free(&mut self, workers: &mut Workers, id: RequestId) -> Result<(), LoadError> {
+        let ri = self
+            .by_id
+            .remove(&id)
+            .ok_or(LoadError::UnknownRequest(id))?;
+        let mut state = self.slab[ri as usize]
+            .take()
+            .expect("indexed request is present");
+        self.free.push(ri);
+        let Some(slot) = workers.slot_mut(state.slot) else {
+            return Ok(());
+        };
+        let load = &mut slot.load;
+        load.active_requests -= 1;
+        load.prefill_tokens -= state.prefill_tokens;
+        load.exclusive_weighted -= state.output_blocks * state.fraction;
+        state.exclusive -= state.output_blocks;
+        let prompt = std::mem::take(&mut state.prompt);
+        for &h in prompt.iter() {
+            let key = (state.slot, h);
+            let (refs, owners) = {
+                let entry = self.blocks.get_mut(&key).expect("held block is tracked");
+                entry.refs -= 1;
+                entry.owners = entry.owners.wrapping_sub(ri);
+                (entry.refs, entry.owners)
+            };
+            match refs {
+                0 => {
+                    state.exclusive -= 1;
+                    load.exclusive_weighted -= state.fraction;
+                    self.blocks.remove(&key);
+                    if let Some(hs) = self.holders.get_mut(&h) {
+                        if let Some(pos) = hs.iter().position(|&s| s == state.slot) {
+                            hs.swap_remove(pos);
+                        }
+                        if hs.is_empty() {
+                            self.holders.remove(&h);
+                        }
+                    }
+                }
+                1 => {
+                    // The remaining holder now owns the block alone.
+                    let q = owners;
+                    let next = if q == ri {
+                        &mut state
+                    } else {
+                        self.slab[q as usize]
+                            .as_mut()
+                            .expect("block owner is an active request")
+                    };
+                    next.exclusive += 1;
+                    load.exclusive_weighted += next.fraction;
+                    load.shared_blocks -= 1;
+                }
+                _ => {}
+            }
+        }
+        debug_assert_eq!(
+            state.exclusive, 0,
+            "a freed request must leave no exclusive blocks"
+        );
+        Ok(())
+    }
+
+    /// Frees every request that started at or before `now - ttl`; returns their ids.
+    pub(crate) fn expire(
+        &mut self,
+        workers: &mut Workers,
+        now: Duration,
+        ttl: Duration,
+    ) -> Vec<RequestId> {
+        let mut expired = Vec::new();
+        while let Some(&(started, id, ri)) = self.arrivals.front() {
+            if started.saturating_add(ttl) > now {
+                break;
+            }
+            self.arrivals.pop_front();
+            if self.is_live(started, id, ri) && self.free(workers, id).is_ok() {
+                tracing::warn!(request = %id, "expiring a request nobody freed");
+                expired.push(id);
+            }
+        }
+        // Freed requests leave their arrival entries behind; drop them once they dominate.
+        if self.arrivals.len() > 2 * self.by_id.len() + 1024 {
+            let mut arrivals = std::mem::take(&mut self.arrivals);
+            arrivals.retain(|&(started, id, ri)| self.is_live(started, id, ri));
+            self.arrivals = arrivals;
+        }
+        expired
+    }
+
+    fn is_live(&self, started: Duration, id: RequestId, ri: u32) -> bool {
+        matches!(&self.slab[ri as usize], Some(s) if s.id == id && s.started_at == started)
+    }
+
+    /// The active requests routed to slot `slot_idx`.
+    pub(crate) fn on_slot(&self, slot_idx: u32) -> Vec<RequestId> {
+        self.slab
+            .iter()
+            .flatten()
+            .filter(|s| s.slot == slot_idx)
+            .map(|s| s.id)
+            .collect()
+    }
+}

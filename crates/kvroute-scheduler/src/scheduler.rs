@@ -1,0 +1,176 @@
+//! The [`Scheduler`]: registered workers, their active load, and the metrics counters.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use kvroute_protocols::{WorkerId, WorkerWithDpRank};
+
+use crate::config::{ConfigError, SchedulerConfig};
+use crate::load::{LoadError, NewRequest, RequestId, Requests, WorkerLoad};
+use crate::select::Scratch;
+use crate::workers::{WorkerError, WorkerSpec, Workers};
+
+/// Load tracking, cost model and selection over a fleet of (worker, dp rank) slots.
+///
+/// Synchronous and deterministic: the caller passes `now` (time since any fixed epoch) and the
+/// RNG, so the same code serves the live router and trace replay in virtual time. One instance is
+/// meant to be owned by one task (wrap it in a mutex to share it).
+#[derive(Debug)]
+pub struct Scheduler {
+    pub(crate) config: SchedulerConfig,
+    pub(crate) workers: Workers,
+    pub(crate) requests: Requests,
+    pub(crate) scratch: Scratch,
+    metrics: Arc<SchedulerMetrics>,
+}
+
+impl Scheduler {
+    /// A scheduler with no workers; fails if `config` does not validate.
+    pub fn new(config: SchedulerConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            workers: Workers::default(),
+            requests: Requests::default(),
+            scratch: Scratch::default(),
+            metrics: Arc::default(),
+        })
+    }
+
+    /// The validated configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Registers a worker and all of its dp ranks with zero load.
+    pub fn add_worker(&mut self, spec: &WorkerSpec) -> Result<(), WorkerError> {
+        self.workers.add(spec)
+    }
+
+    /// Unregisters a worker, dropping the load of every request still routed to it; returns those
+    /// requests (the caller fails or re-routes them). Unknown workers return an empty list.
+    pub fn remove_worker(&mut self, worker_id: WorkerId) -> Vec<RequestId> {
+        let Some(ranks) = self.workers.ranks_of.get(&worker_id).cloned() else {
+            return Vec::new();
+        };
+        let mut dropped = Vec::new();
+        for idx in ranks {
+            for id in self.requests.on_slot(idx) {
+                if self.requests.free(&mut self.workers, id).is_ok() {
+                    self.metrics.requests_freed.fetch_add(1, Ordering::Relaxed);
+                    dropped.push(id);
+                }
+            }
+        }
+        self.workers.remove(worker_id);
+        dropped
+    }
+
+    /// Every registered (worker, dp rank).
+    pub fn workers(&self) -> impl Iterator<Item = WorkerWithDpRank> + '_ {
+        self.workers
+            .live
+            .iter()
+            .filter_map(|&i| self.workers.slot(i))
+            .map(|s| s.key)
+    }
+
+    /// Records a routed request's load on its worker.
+    pub fn add_request(&mut self, req: &NewRequest<'_>, now: Duration) -> Result<(), LoadError> {
+        self.requests
+            .add(&mut self.workers, self.config.block_size, req, now)?;
+        self.metrics.requests_added.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The request's prompt is prefilled: its tokens stop counting as prefill load.
+    pub fn mark_prefill_completed(&mut self, id: RequestId) -> Result<(), LoadError> {
+        self.requests.mark_prefill_completed(&mut self.workers, id)
+    }
+
+    /// The request generated `tokens` more output tokens: each full block of output adds a decode
+    /// block, and with an expected length the request's exclusive blocks decay to
+    /// `1 - generated / expected`. Implies prefill completed.
+    pub fn add_output_tokens(&mut self, id: RequestId, tokens: u64) -> Result<(), LoadError> {
+        self.requests
+            .add_output_tokens(&mut self.workers, self.config.block_size, id, tokens)
+    }
+
+    /// The request ended (success, error, cancellation): all of its load is released.
+    pub fn free(&mut self, id: RequestId) -> Result<(), LoadError> {
+        self.requests.free(&mut self.workers, id)?;
+        self.metrics.requests_freed.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Frees requests older than the configured expiry at `now` (time must not go backwards);
+    /// returns them. Call it periodically: it costs O(1) when nothing expired.
+    pub fn expire(&mut self, now: Duration) -> Vec<RequestId> {
+        let expired = self
+            .requests
+            .expire(&mut self.workers, now, self.config.request_expiry);
+        self.metrics
+            .requests_expired
+            .fetch_add(expired.len() as u64, Ordering::Relaxed);
+        expired
+    }
+
+    /// Number of active requests across all workers.
+    pub fn active_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// The load of one (worker, dp rank), or `None` if it is not registered.
+    pub fn worker_load(&self, worker: WorkerWithDpRank) -> Option<WorkerLoad> {
+        let idx = *self.workers.slot_of.get(&worker)?;
+        self.workers.slot(idx).map(|s| s.load.snapshot())
+    }
+
+    /// The shared metrics counters (cheap to clone and read from another thread).
+    pub fn metrics(&self) -> Arc<SchedulerMetrics> {
+        Arc::clone(&self.metrics)
+    }
+
+    pub(crate) fn metrics_ref(&self) -> &SchedulerMetrics {
+        &self.metrics
+    }
+}
+
+/// Monotonic counters, readable while the scheduler runs (exported by the router).
+#[derive(Debug, Default)]
+pub struct SchedulerMetrics {
+    pub(crate) requests_added: AtomicU64,
+    pub(crate) requests_freed: AtomicU64,
+    pub(crate) requests_expired: AtomicU64,
+    pub(crate) decisions: AtomicU64,
+    pub(crate) selection_errors: AtomicU64,
+}
+
+/// A point-in-time copy of [`SchedulerMetrics`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MetricsSnapshot {
+    /// Requests whose load was recorded.
+    pub requests_added: u64,
+    /// Requests freed by the caller (or by their worker's removal).
+    pub requests_freed: u64,
+    /// Requests nobody freed, dropped after the expiry time.
+    pub requests_expired: u64,
+    /// Successful selections.
+    pub decisions: u64,
+    /// Selections that returned an error.
+    pub selection_errors: u64,
+}
+
+impl SchedulerMetrics {
+    /// Reads every counter.
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        MetricsSnapshot {
+            requests_added: self.requests_added.load(Ordering::Relaxed),
+            requests_freed: self.requests_freed.load(Ordering::Relaxed),
+            requests_expired: self.requests_expired.load(Ordering::Relaxed),
+            decisions: self.decisions.load(Ordering::Relaxed),
+            selection_errors: self.selection_errors.load(Ordering::Relaxed),
+        }
+    }
+}

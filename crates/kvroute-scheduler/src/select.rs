@@ -1,0 +1,619 @@
+//! Eligibility, the cost model and worker selection.
+//!
+//! Filters run in a fixed order, each with its own error when it leaves nobody:
+//! `allowed_worker_ids`, the exact pin (worker, optional dp rank), dp rank ranges, required
+//! taints, then the busy thresholds. Every survivor gets the default cost
+//! `prefill_load_scale * max(prefill_blocks - overlap_credit * overlap_blocks, 0) + decode_blocks`
+//! times its preferred-taint multiplier, where, as in the reference, `prefill_blocks` counts the
+//! worker's outstanding prefill plus this whole prompt and `decode_blocks` counts the worker's
+//! active blocks plus this prompt's blocks not already active there.
+
+use std::fmt;
+use std::sync::atomic::Ordering;
+
+use kvroute_protocols::{
+    DpRank, RequestPhase, RouterConfigOverride, RoutingConstraints, RoutingHints, WorkerId,
+    WorkerWithDpRank,
+};
+use rand::Rng;
+
+use crate::config::{
+    ConfigError, CostWeights, LoadThresholds, PrefillThreshold, effective_temperature,
+};
+use crate::fxhash::FxHashMap;
+use crate::load::RequestId;
+use crate::scheduler::Scheduler;
+use crate::workers::Slot;
+
+/// What selection needs to know about one request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SelectRequest<'a> {
+    /// For the debug log line only.
+    pub request_id: Option<RequestId>,
+    /// Prompt length in tokens.
+    pub isl_tokens: u64,
+    /// Sequence hashes of the prompt's full blocks.
+    pub block_hashes: &'a [u64],
+    /// Cached prefix length per worker, in blocks, from the indexer; absent workers have none.
+    pub overlaps: &'a [(WorkerWithDpRank, u32)],
+    /// When set, only these workers are considered.
+    pub allowed_worker_ids: Option<&'a [WorkerId]>,
+    /// Exact pin to one worker.
+    pub pinned_worker: Option<WorkerId>,
+    /// Pin to one dp rank (of the pinned worker, or of any worker).
+    pub pinned_dp_rank: Option<DpRank>,
+    /// Required and preferred taints.
+    pub constraints: Option<&'a RoutingConstraints>,
+    /// Per-request overrides of the cost weights and temperature.
+    pub overrides: Option<&'a RouterConfigOverride>,
+}
+
+impl<'a> SelectRequest<'a> {
+    /// A request for a prompt of `isl_tokens` with these block hashes and overlap scores.
+    pub fn new(
+        isl_tokens: u64,
+        block_hashes: &'a [u64],
+        overlaps: &'a [(WorkerWithDpRank, u32)],
+    ) -> Self {
+        Self {
+            isl_tokens,
+            block_hashes,
+            overlaps,
+            ..Self::default()
+        }
+    }
+
+    /// The same request constrained by `hints` for `phase` (allowed workers, the phase's pins,
+    /// taint constraints).
+    pub fn with_hints(mut self, hints: &'a RoutingHints, phase: RequestPhase) -> Self {
+        self.allowed_worker_ids = hints.allowed_worker_ids.as_deref();
+        self.pinned_worker = hints.pinned_worker(phase);
+        self.pinned_dp_rank = hints.pinned_dp_rank(phase);
+        self.constraints = hints.routing_constraints.as_ref();
+        self
+    }
+}
+
+/// One candidate's cost and how it was computed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CandidateCost {
+    /// The candidate.
+    pub worker: WorkerWithDpRank,
+    /// Prompt blocks cached there.
+    pub overlap_blocks: u32,
+    /// Outstanding prefill plus this prompt, in blocks (0 when prefill is not tracked).
+    pub prefill_blocks: f64,
+    /// `max(prefill_blocks - overlap_credit * overlap_blocks, 0)`.
+    pub credited_prefill_blocks: f64,
+    /// Active decode blocks plus this prompt's blocks not already active there.
+    pub decode_blocks: f64,
+    /// Preferred-taint multiplier (1.0 without preferences).
+    pub taint_multiplier: f64,
+    /// `(prefill_load_scale * credited_prefill_blocks + decode_blocks) * taint_multiplier`.
+    pub cost: f64,
+}
+
+impl fmt::Display for CandidateCost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} cost={:.3} prefill={:.3}->{:.3} (overlap {}) decode={:.3} x{:.3}",
+            self.worker,
+            self.cost,
+            self.prefill_blocks,
+            self.credited_prefill_blocks,
+            self.overlap_blocks,
+            self.decode_blocks,
+            self.taint_multiplier
+        )
+    }
+}
+
+/// The outcome of a selection: the chosen worker and every candidate's breakdown.
+#[derive(Debug, Clone, Copy)]
+pub struct Decision<'a> {
+    /// The chosen candidate.
+    pub chosen: CandidateCost,
+    /// Every eligible candidate, in slot order (borrowed from the scheduler's scratch space so a
+    /// decision allocates nothing).
+    pub candidates: &'a [CandidateCost],
+    /// The temperature used.
+    pub temperature: f64,
+}
+
+/// A filter stage that can leave no worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FilterStage {
+    /// No worker is registered at all.
+    Registered,
+    /// None of the registered workers is in `allowed_worker_ids`.
+    AllowedWorkerIds,
+    /// No allowed worker serves the pinned dp rank.
+    DpRank,
+    /// No remaining worker carries every required taint.
+    RequiredTaints,
+}
+
+impl fmt::Display for FilterStage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FilterStage::Registered => "no worker is registered",
+            FilterStage::AllowedWorkerIds => "no registered worker is in allowed_worker_ids",
+            FilterStage::DpRank => "no allowed worker serves the pinned dp rank",
+            FilterStage::RequiredTaints => "no remaining worker carries every required taint",
+        })
+    }
+}
+
+/// Why no worker was selected.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SelectError {
+    /// A filter left no candidate.
+    #[error("no endpoints: {stage}")]
+    NoEndpoints {
+        /// The filter that removed the last candidates.
+        stage: FilterStage,
+    },
+    /// Candidates exist but every one is above the busy thresholds.
+    #[error("all {eligible} eligible workers are overloaded (above the busy thresholds)")]
+    AllEligibleWorkersOverloaded {
+        /// How many passed every other filter.
+        eligible: usize,
+    },
+    /// The pinned worker is above the busy thresholds.
+    #[error("pinned worker {worker_id} (dp rank {dp_rank:?}) is overloaded")]
+    PinnedWorkerOverloaded {
+        /// The pinned worker.
+        worker_id: WorkerId,
+        /// The pinned rank, if one was given.
+        dp_rank: Option<DpRank>,
+    },
+    /// The pinned worker is not registered.
+    #[error("pinned worker {worker_id} is not registered")]
+    PinnedWorkerUnknown {
+        /// The pinned worker.
+        worker_id: WorkerId,
+    },
+    /// The pinned worker is excluded by `allowed_worker_ids`.
+    #[error("pinned worker {worker_id} is not in allowed_worker_ids")]
+    PinnedWorkerNotAllowed {
+        /// The pinned worker.
+        worker_id: WorkerId,
+    },
+    /// The pinned dp rank is outside the pinned worker's ranks.
+    #[error(
+        "worker {worker_id} serves dp ranks {start}..{end}, pinned dp rank {dp_rank} is outside"
+    )]
+    DpRankOutOfRange {
+        /// The pinned worker.
+        worker_id: WorkerId,
+        /// The pinned rank.
+        dp_rank: DpRank,
+        /// The worker's first rank.
+        start: DpRank,
+        /// One past its last rank.
+        end: DpRank,
+    },
+    /// A per-request override is out of range.
+    #[error("invalid router_config_override: {0}")]
+    InvalidOverride(#[from] ConfigError),
+}
+
+/// Reusable buffers so that a selection allocates nothing in the steady state.
+#[derive(Debug, Default)]
+pub(crate) struct Scratch {
+    eligible: Vec<u32>,
+    candidates: Vec<CandidateCost>,
+    /// Per slot: this request's overlap and already-active blocks, valid when stamped with the
+    /// current generation (so nothing has to be cleared between selections).
+    marks: Vec<Mark>,
+    generation: u32,
+    weights: Vec<f64>,
+    preferred: Vec<(u64, f64)>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Mark {
+    generation: u32,
+    overlap: u32,
+    active: u32,
+}
+
+impl Mark {
+    #[inline]
+    fn current(&mut self, generation: u32) -> &mut Self {
+        if self.generation != generation {
+            *self = Mark {
+                generation,
+                overlap: 0,
+                active: 0,
+            };
+        }
+        self
+    }
+}
+
+/// Required-taint mask of a request; `None` when a required taint is unknown to every worker.
+fn required_mask(
+    constraints: Option<&RoutingConstraints>,
+    taints: &crate::workers::TaintInterner,
+) -> Option<u64> {
+    let mut mask = 0;
+    for t in constraints
+        .map(|c| c.required_taints.as_slice())
+        .unwrap_or_default()
+    {
+        mask |= taints.get(t)?;
+    }
+    Some(mask)
+}
+
+#[inline]
+pub(crate) fn above(slot: &Slot, t: &LoadThresholds) -> bool {
+    if let (Some(frac), Some(cap)) = (t.decode_blocks_fraction, slot.kv_capacity_blocks)
+        && cap > 0
+        && slot.load.decode_blocks() > frac * cap as f64
+    {
+        return true;
+    }
+    match t.prefill_tokens {
+        Some(PrefillThreshold::Absolute(n)) => slot.load.prefill_tokens > n,
+        Some(PrefillThreshold::FractionOfBatch(frac)) => slot
+            .max_batched_tokens
+            .is_some_and(|b| slot.load.prefill_tokens as f64 > frac * b as f64),
+        None => false,
+    }
+}
+
+impl Scheduler {
+    /// Fills `scratch.eligible` with the slots that pass every filter, or says which filter
+    /// left none.
+    fn collect_eligible(&mut self, req: &SelectRequest<'_>) -> Result<(), SelectError> {
+        let workers = &self.workers;
+        let mut out = std::mem::take(&mut self.scratch.eligible);
+        out.clear();
+        if workers.live.is_empty() {
+            self.scratch.eligible = out;
+            return Err(SelectError::NoEndpoints {
+                stage: FilterStage::Registered,
+            });
+        }
+        let allowed = req.allowed_worker_ids;
+        let allowed_set: Option<FxHashMap<WorkerId, ()>> = allowed
+            .filter(|a| a.len() > 16)
+            .map(|a| a.iter().map(|&w| (w, ())).collect());
+        let is_allowed = |w: WorkerId| match (&allowed_set, allowed) {
+            (Some(set), _) => set.contains_key(&w),
+            (None, Some(list)) => list.contains(&w),
+            (None, None) => true,
+        };
+
+        let source: &[u32] = match req.pinned_worker {
+            Some(w) => {
+                if !is_allowed(w) {
+                    self.scratch.eligible = out;
+                    return Err(SelectError::PinnedWorkerNotAllowed { worker_id: w });
+                }
+                let Some(ranks) = workers.ranks_of.get(&w) else {
+                    self.scratch.eligible = out;
+                    return Err(SelectError::PinnedWorkerUnknown { worker_id: w });
+                };
+                if let Some(r) = req.pinned_dp_rank {
+                    let keys = ranks
+                        .iter()
+                        .filter_map(|&i| workers.slot(i))
+                        .map(|s| s.key.dp_rank);
+                    let (start, end) =
+                        keys.fold((DpRank::MAX, 0), |(lo, hi), r| (lo.min(r), hi.max(r + 1)));
+                    if !(start..end).contains(&r) {
+                        self.scratch.eligible = out;
+                        return Err(SelectError::DpRankOutOfRange {
+                            worker_id: w,
+                            dp_rank: r,
+                            start,
+                            end,
+                        });
+                    }
+                }
+                ranks
+            }
+            None => &workers.live,
+        };
+
+        let required = required_mask(req.constraints, &workers.taints);
+        let (mut passed_allowed, mut passed_rank, mut passed_taints) = (0usize, 0usize, 0usize);
+        for &idx in source {
+            let Some(slot) = workers.slot(idx) else {
+                continue;
+            };
+            if !is_allowed(slot.key.worker_id) {
+                continue;
+            }
+            passed_allowed += 1;
+            if req.pinned_dp_rank.is_some_and(|r| r != slot.key.dp_rank) {
+                continue;
+            }
+            passed_rank += 1;
+            match required {
+                Some(mask) if slot.taints & mask == mask => {}
+                _ => continue,
+            }
+            passed_taints += 1;
+            if above(slot, &self.config.busy) {
+                continue;
+            }
+            out.push(idx);
+        }
+        let empty = out.is_empty();
+        self.scratch.eligible = out;
+        if !empty {
+            return Ok(());
+        }
+        Err(if passed_allowed == 0 {
+            SelectError::NoEndpoints {
+                stage: FilterStage::AllowedWorkerIds,
+            }
+        } else if passed_rank == 0 {
+            SelectError::NoEndpoints {
+                stage: FilterStage::DpRank,
+            }
+        } else if passed_taints == 0 {
+            SelectError::NoEndpoints {
+                stage: FilterStage::RequiredTaints,
+            }
+        } else if let Some(worker_id) = req.pinned_worker {
+            SelectError::PinnedWorkerOverloaded {
+                worker_id,
+                dp_rank: req.pinned_dp_rank,
+            }
+        } else {
+            SelectError::AllEligibleWorkersOverloaded {
+                eligible: passed_taints,
+            }
+        })
+    }
+
+    /// Whether the request should wait in the admission queue rather than be routed now: every
+    /// eligible worker is above the queue threshold, or above the busy thresholds. Other
+    /// eligibility errors are returned as they would be by [`Scheduler::select`].
+    pub fn should_queue(&mut self, req: &SelectRequest<'_>) -> Result<bool, SelectError> {
+        match self.collect_eligible(req) {
+            Ok(()) => {}
+            Err(
+                SelectError::AllEligibleWorkersOverloaded { .. }
+                | SelectError::PinnedWorkerOverloaded { .. },
+            ) => return Ok(true),
+            Err(e) => return Err(e),
+        }
+        let t = &self.config.queue_threshold;
+        if t.decode_blocks_fraction.is_none() && t.prefill_tokens.is_none() {
+            return Ok(false);
+        }
+        let workers = &self.workers;
+        Ok(self
+            .scratch
+            .eligible
+            .iter()
+            .filter_map(|&i| workers.slot(i))
+            .all(|s| above(s, t)))
+    }
+
+    /// Chooses a worker for `req`. Temperature 0 takes the cheapest candidate, breaking ties
+    /// uniformly at random; temperature `T > 0` samples with probability proportional to
+    /// `exp(-(c - c_min) / ((c_max - c_min) * T))` (uniform when all costs are equal).
+    ///
+    /// Selection does not record load: call [`Scheduler::add_request`] once the request is
+    /// actually sent.
+    pub fn select<R: Rng + ?Sized>(
+        &mut self,
+        req: &SelectRequest<'_>,
+        rng: &mut R,
+    ) -> Result<Decision<'_>, SelectError> {
+        match self.select_inner(req, rng) {
+            Ok(i) => {
+                self.metrics_ref().decisions.fetch_add(1, Ordering::Relaxed);
+                let candidates = &self.scratch.candidates;
+                let chosen = candidates[i];
+                let temperature =
+                    effective_temperature(self.config.temperature, req.overrides).unwrap_or(0.0);
+                tracing::debug!(
+                    request = ?req.request_id,
+                    chosen = %chosen,
+                    candidates = %CandidateList(candidates),
+                    temperature,
+                    "selected worker: cost = prefill_load_scale * max(prefill - credit * overlap, 0) + decode"
+                );
+                Ok(Decision {
+                    chosen,
+                    candidates,
+                    temperature,
+                })
+            }
+            Err(e) => {
+                self.metrics_ref()
+                    .selection_errors
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(request = ?req.request_id, error = %e, "worker selection failed");
+                Err(e)
+            }
+        }
+    }
+
+    fn select_inner<R: Rng + ?Sized>(
+        &mut self,
+        req: &SelectRequest<'_>,
+        rng: &mut R,
+    ) -> Result<usize, SelectError> {
+        let mut weights = self.config.cost;
+        if let Some(o) = req.overrides {
+            weights = weights.with_override(o);
+            weights.validate()?;
+        }
+        let temperature = effective_temperature(self.config.temperature, req.overrides)?;
+        self.collect_eligible(req)?;
+        self.score(req, &weights);
+        let costs = &self.scratch.candidates;
+        Ok(if temperature == 0.0 {
+            pick_min(costs, rng)
+        } else {
+            pick_softmax(costs, temperature, &mut self.scratch.weights, rng)
+        })
+    }
+
+    /// Fills `scratch.candidates` with the cost of every eligible slot.
+    fn score(&mut self, req: &SelectRequest<'_>, w: &CostWeights) {
+        let workers = &self.workers;
+        let s = &mut self.scratch;
+        let n_slots = workers.slots.len();
+        if s.marks.len() < n_slots {
+            s.marks.resize(n_slots, Mark::default());
+        }
+        s.generation = s.generation.wrapping_add(1);
+        if s.generation == 0 {
+            // After 2^32 selections the stamps wrap: clear them once.
+            s.marks.fill(Mark::default());
+            s.generation = 1;
+        }
+        let generation = s.generation;
+        let marks = &mut s.marks[..];
+        for (worker, blocks) in req.overlaps {
+            if let Some(&idx) = workers.slot_of.get(worker) {
+                marks[idx as usize].current(generation).overlap = *blocks;
+            }
+        }
+        if w.assume_kv_reuse {
+            for h in req.block_hashes {
+                if let Some(holders) = self.requests.holders.get(h) {
+                    for &idx in holders {
+                        marks[idx as usize].current(generation).active += 1;
+                    }
+                }
+            }
+        }
+        s.preferred.clear();
+        let has_preferences = req
+            .constraints
+            .is_some_and(|c| !c.preferred_taints.is_empty());
+        if let Some(c) = req.constraints {
+            for (name, &weight) in &c.preferred_taints {
+                // A preferred taint that no worker carries matches nobody.
+                if let Some(bit) = workers.taints.get(name) {
+                    s.preferred.push((bit, f64::from(weight)));
+                }
+            }
+        }
+
+        let block_size = f64::from(self.config.block_size);
+        let prompt_blocks = req.block_hashes.len() as f64;
+        s.candidates.clear();
+        for &idx in &s.eligible {
+            let Some(slot) = workers.slot(idx) else {
+                continue;
+            };
+            let mark = s.marks[idx as usize];
+            let (overlap_blocks, active) = if mark.generation == generation {
+                (mark.overlap, mark.active)
+            } else {
+                (0, 0)
+            };
+            let prefill_blocks = if w.track_prefill_tokens {
+                (slot.load.prefill_tokens + req.isl_tokens) as f64 / block_size
+            } else {
+                0.0
+            };
+            let credited_prefill_blocks =
+                (prefill_blocks - w.overlap_credit * f64::from(overlap_blocks)).max(0.0);
+            let already_active = f64::from(active).min(prompt_blocks);
+            let decode_blocks = slot.load.decode_blocks() + (prompt_blocks - already_active);
+            let taint_multiplier = if has_preferences {
+                let bias: f64 = s
+                    .preferred
+                    .iter()
+                    .filter(|(bit, _)| slot.taints & bit != 0)
+                    .map(|(_, w)| w)
+                    .sum();
+                (-bias.tanh()).exp()
+            } else {
+                1.0
+            };
+            let cost =
+                (w.prefill_load_scale * credited_prefill_blocks + decode_blocks) * taint_multiplier;
+            s.candidates.push(CandidateCost {
+                worker: slot.key,
+                overlap_blocks,
+                prefill_blocks,
+                credited_prefill_blocks,
+                decode_blocks,
+                taint_multiplier,
+                cost,
+            });
+        }
+    }
+}
+
+/// Index of the cheapest candidate; ties broken uniformly (reservoir sampling over the ties).
+pub(crate) fn pick_min<R: Rng + ?Sized>(costs: &[CandidateCost], rng: &mut R) -> usize {
+    let mut best = 0;
+    let mut best_cost = f64::INFINITY;
+    let mut ties = 0u32;
+    for (i, c) in costs.iter().enumerate() {
+        if c.cost < best_cost {
+            best = i;
+            best_cost = c.cost;
+            ties = 1;
+        } else if c.cost == best_cost {
+            ties += 1;
+            if rng.gen_range(0..ties) == 0 {
+                best = i;
+            }
+        }
+    }
+    best
+}
+
+/// Index sampled with probability `exp(-(c - c_min) / ((c_max - c_min) * t))`, normalised.
+pub(crate) fn pick_softmax<R: Rng + ?Sized>(
+    costs: &[CandidateCost],
+    t: f64,
+    weights: &mut Vec<f64>,
+    rng: &mut R,
+) -> usize {
+    let (lo, hi) = costs
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), c| {
+            (lo.min(c.cost), hi.max(c.cost))
+        });
+    let spread = hi - lo;
+    // Equal costs (or a NaN/infinite spread) carry no preference: sample uniformly.
+    if !(spread.is_finite() && spread > 0.0) {
+        return rng.gen_range(0..costs.len());
+    }
+    let scale = 1.0 / (spread * t);
+    weights.clear();
+    weights.extend(costs.iter().map(|c| (-(c.cost - lo) * scale).exp()));
+    let total: f64 = weights.iter().sum();
+    let mut target = rng.gen_range(0.0..total);
+    for (i, &p) in weights.iter().enumerate() {
+        if target < p {
+            return i;
+        }
+        target -= p;
+    }
+    costs.len() - 1
+}
+
+/// Formats a candidate list on one line (only evaluated when debug logging is on).
+struct CandidateList<'a>(&'a [CandidateCost]);
+
+impl fmt::Display for CandidateList<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, c) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{c}")?;
+        }
+        Ok(())
+    }
+}
