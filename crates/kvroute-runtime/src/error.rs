@@ -1,0 +1,102 @@
+//! Errors of the request plane as a caller sees them.
+
+use std::time::Duration;
+
+/// Why a request, its stream, or a unary call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RequestError {
+    /// The worker cannot be reached, or its connection dropped while the request was in flight.
+    /// Nothing more will arrive; the caller may migrate the request to another worker.
+    #[error("worker at {addr} is unavailable: {reason}")]
+    WorkerUnavailable {
+        /// The worker's address.
+        addr: String,
+        /// What happened (connection refused, reset, closed, ...).
+        reason: String,
+    },
+    /// Connecting (TCP plus handshake) took longer than the configured connect timeout.
+    #[error("connecting to worker at {addr} took longer than {after:?}")]
+    ConnectTimeout {
+        /// The worker's address.
+        addr: String,
+        /// The timeout that expired.
+        after: Duration,
+    },
+    /// The worker answered the handshake with something other than a compatible hello.
+    #[error("handshake with worker at {addr} failed: {message}")]
+    Handshake {
+        /// The worker's address.
+        addr: String,
+        /// What was wrong.
+        message: String,
+    },
+    /// No response item arrived within the first-response timeout; the stream was killed.
+    #[error("no response within {after:?} of sending the request")]
+    FirstResponseTimeout {
+        /// The timeout that expired.
+        after: Duration,
+    },
+    /// A frame would exceed the maximum frame size; it was not sent.
+    #[error("frame of {} bytes exceeds the maximum frame size of {max} bytes", size.map_or_else(|| "more than max".to_owned(), |s| s.to_string()))]
+    FrameTooLarge {
+        /// The frame's size, when known.
+        size: Option<usize>,
+        /// The maximum frame size.
+        max: usize,
+    },
+    /// A value could not be encoded.
+    #[error("could not encode a frame body: {message}")]
+    Encode {
+        /// The encoder's message.
+        message: String,
+    },
+    /// A response body could not be decoded as the expected type.
+    #[error("could not decode a response from the worker: {message}")]
+    Decode {
+        /// The decoder's message.
+        message: String,
+    },
+    /// The worker refused the request as malformed (it could not decode it).
+    #[error("the worker refused the request as malformed: {message}")]
+    BadRequest {
+        /// The worker's message.
+        message: String,
+    },
+    /// The engine refused or failed the request.
+    #[error("the engine failed the request: {message}")]
+    Engine {
+        /// The engine's message.
+        message: String,
+    },
+    /// The worker does not implement the call.
+    #[error("the worker does not support this call: {message}")]
+    Unsupported {
+        /// The worker's message.
+        message: String,
+    },
+    /// The connection already carries as many concurrent streams as the worker allows; the
+    /// request was not started (another connection or worker may take it).
+    #[error("the worker refused the stream: {message}")]
+    TooManyStreams {
+        /// The worker's message, naming the limit.
+        message: String,
+    },
+    /// The worker no longer (or does not yet) hold the requested KV events.
+    #[error("the worker cannot serve the requested KV events: {message}")]
+    EventsUnavailable {
+        /// The worker's message, naming the range it holds.
+        message: String,
+    },
+}
+
+impl RequestError {
+    /// Whether the request never reached a live engine or lost its worker, so that sending it to
+    /// another worker is sound (connection refused, timed out, or dropped).
+    pub fn is_worker_unavailable(&self) -> bool {
+        matches!(
+            self,
+            RequestError::WorkerUnavailable { .. } | RequestError::ConnectTimeout { .. }
+        )
+    }
+}

@@ -1,0 +1,212 @@
+//! The worker's KV event publisher: numbers events, keeps the last N for gap recovery, and
+//! forwards them to the event plane.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use kvroute_protocols::DpRank;
+use kvroute_protocols::WorkerId;
+use kvroute_protocols::kv_events::{KvCacheEvent, KvCacheEventData, RouterEvent, StorageTier};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use crate::event_plane::{EventPlane, encode_router_event};
+
+/// How many recent events a worker keeps for gap recovery unless told otherwise.
+pub const DEFAULT_RING_CAPACITY: usize = 1024;
+
+/// The event-plane subject workers publish their KV events on.
+pub const KV_EVENT_SUBJECT: &str = "kv_events";
+
+/// A worker's KV event publisher. Cheap to clone; every clone numbers events from one counter.
+///
+/// Event ids start at 0 and increase by one per event, so a subscriber that sees a jump knows how
+/// many events it lost and can ask the worker for exactly that range.
+#[derive(Clone)]
+pub struct KvEventPublisher {
+    worker_id: WorkerId,
+    state: Arc<Mutex<Ring>>,
+    sink: Option<mpsc::UnboundedSender<RouterEvent>>,
+}
+
+struct Ring {
+    next_id: u64,
+    capacity: usize,
+    events: VecDeque<RouterEvent>,
+}
+
+/// The requested range of events is not held.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RangeError {
+    /// The first requested event was already dropped from the ring.
+    #[error("events from {from} were dropped; this worker holds events {oldest}..={newest}")]
+    Evicted {
+        /// The first requested id.
+        from: u64,
+        /// The oldest id held.
+        oldest: u64,
+        /// The newest id held.
+        newest: u64,
+    },
+    /// The range is empty or reversed.
+    #[error("event range {from}..={to} is empty; expected from <= to")]
+    Empty {
+        /// The first requested id.
+        from: u64,
+        /// The last requested id.
+        to: u64,
+    },
+}
+
+/// A worker's answer to "dump everything you hold".
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvDump {
+    /// Every event published up to and including this id is reflected in `events` (later ones
+    /// may be too); apply the dump, then the events after this id. `None` when nothing was
+    /// published yet.
+    pub last_event_id: Option<u64>,
+    /// The worker's cached blocks as `Stored` events, each carrying `last_event_id` (or 0).
+    pub events: Vec<RouterEvent>,
+}
+
+impl KvEventPublisher {
+    /// A publisher for `worker_id` that keeps the last `capacity` events and publishes nowhere
+    /// else (gap recovery and dumps still work).
+    pub fn new(worker_id: WorkerId, capacity: usize) -> Self {
+        Self {
+            worker_id,
+            state: Arc::new(Mutex::new(Ring {
+                next_id: 0,
+                capacity: capacity.max(1),
+                events: VecDeque::with_capacity(capacity.clamp(1, 4096)),
+            })),
+            sink: None,
+        }
+    }
+
+    /// A publisher that also forwards every event, in id order, to `plane` on
+    /// [`KV_EVENT_SUBJECT`]. Must be called inside a tokio runtime (it spawns the forwarder).
+    pub fn with_event_plane(
+        worker_id: WorkerId,
+        capacity: usize,
+        plane: Arc<dyn EventPlane>,
+    ) -> Self {
+        let (tx, mut rx) = mpsc::unbounded_channel::<RouterEvent>();
+        tokio::spawn(async move {
+            while let Some(event) = rx.recv().await {
+                let payload = encode_router_event(&event);
+                if let Err(error) = plane.publish(KV_EVENT_SUBJECT, payload).await {
+                    tracing::warn!(%error, "dropping a KV event the event plane refused");
+                }
+            }
+        });
+        Self {
+            sink: Some(tx),
+            ..Self::new(worker_id, capacity)
+        }
+    }
+
+    /// The worker these events are attributed to.
+    pub fn worker_id(&self) -> WorkerId {
+        self.worker_id
+    }
+
+    /// Numbers `data` with the next event id, keeps it, forwards it, and returns it.
+    pub fn publish(&self, dp_rank: DpRank, data: KvCacheEventData) -> RouterEvent {
+        self.publish_tier(dp_rank, StorageTier::Device, data)
+    }
+
+    /// Like [`KvEventPublisher::publish`] for a block tier other than device memory.
+    pub fn publish_tier(
+        &self,
+        dp_rank: DpRank,
+        storage_tier: StorageTier,
+        data: KvCacheEventData,
+    ) -> RouterEvent {
+        let mut ring = self.state.lock();
+        let event = RouterEvent {
+            worker_id: self.worker_id,
+            storage_tier,
+            event: KvCacheEvent {
+                event_id: ring.next_id,
+                data,
+                dp_rank,
+            },
+        };
+        ring.next_id += 1;
+        if ring.events.len() == ring.capacity {
+            ring.events.pop_front();
+        }
+        ring.events.push_back(event.clone());
+        // Sending under the lock keeps the forwarded order equal to the id order.
+        if let Some(sink) = &self.sink {
+            let _ = sink.send(event.clone());
+        }
+        event
+    }
+
+    /// The id of the newest event, or `None` before the first.
+    pub fn last_event_id(&self) -> Option<u64> {
+        self.state.lock().next_id.checked_sub(1)
+    }
+
+    /// The held events with ids in `from..=to` (clipped to the newest published event).
+    pub fn range(&self, from: u64, to: u64) -> Result<Vec<RouterEvent>, RangeError> {
+        if from > to {
+            return Err(RangeError::Empty { from, to });
+        }
+        let ring = self.state.lock();
+        let Some(oldest) = ring.events.front().map(|e| e.event.event_id) else {
+            return Ok(Vec::new());
+        };
+        let newest = ring.next_id - 1;
+        if from < oldest {
+            return Err(RangeError::Evicted {
+                from,
+                oldest,
+                newest,
+            });
+        }
+        if from > newest {
+            return Ok(Vec::new());
+        }
+        let start = (from - oldest) as usize;
+        let end = (to.min(newest) - oldest) as usize;
+        Ok(ring.events.range(start..=end).cloned().collect())
+    }
+
+    /// Builds a dump from the engine's current blocks: the last event id is read *before* the
+    /// engine is asked, so every event up to it is reflected in the blocks.
+    pub fn dump_with(&self, engine_dump: impl FnOnce() -> Vec<KvCacheEvent>) -> KvDump {
+        let last_event_id = self.last_event_id();
+        let events = engine_dump()
+            .into_iter()
+            .map(|mut event| {
+                event.event_id = last_event_id.unwrap_or(0);
+                RouterEvent {
+                    worker_id: self.worker_id,
+                    storage_tier: StorageTier::Device,
+                    event,
+                }
+            })
+            .collect();
+        KvDump {
+            last_event_id,
+            events,
+        }
+    }
+}
+
+impl std::fmt::Debug for KvEventPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvEventPublisher")
+            .field("worker_id", &self.worker_id)
+            .field("last_event_id", &self.last_event_id())
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests;

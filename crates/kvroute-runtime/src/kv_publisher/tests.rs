@@ -1,0 +1,78 @@
+use kvroute_protocols::kv_events::KvCacheEventData;
+
+use super::*;
+
+fn ids(events: &[RouterEvent]) -> Vec<u64> {
+    events.iter().map(|e| e.event.event_id).collect()
+}
+
+/// Publishes `published` events into a ring of `capacity`, then asks for `from..=to`.
+fn check(capacity: usize, published: u64, (from, to): (u64, u64), expect: Result<Vec<u64>, &str>) {
+    let publisher = KvEventPublisher::new(1, capacity);
+    for _ in 0..published {
+        publisher.publish(0, KvCacheEventData::Cleared);
+    }
+    let got = publisher
+        .range(from, to)
+        .map(|e| ids(&e))
+        .map_err(|e| e.to_string());
+    match expect {
+        Ok(expect) => assert_eq!(got, Ok(expect)),
+        Err(fragment) => {
+            let error = got.unwrap_err();
+            assert!(
+                error.contains(fragment),
+                "{error:?} should mention {fragment:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn ranges_come_from_the_ring() {
+    check(4, 0, (0, 5), Ok(vec![]));
+    check(4, 3, (0, 2), Ok(vec![0, 1, 2]));
+    check(4, 3, (1, 1), Ok(vec![1]));
+    check(4, 3, (2, 99), Ok(vec![2]));
+    check(4, 3, (3, 99), Ok(vec![]));
+    check(4, 10, (6, 9), Ok(vec![6, 7, 8, 9]));
+    check(4, 10, (5, 9), Err("holds events 6..=9"));
+    check(4, 10, (9, 8), Err("expected from <= to"));
+    check(1, 10, (9, 9), Ok(vec![9]));
+}
+
+#[test]
+fn ids_increase_by_one_and_the_last_is_reported() {
+    let publisher = KvEventPublisher::new(7, 2);
+    assert_eq!(publisher.last_event_id(), None);
+    let a = publisher.publish(2, KvCacheEventData::Cleared);
+    let b = publisher.clone().publish(3, KvCacheEventData::Cleared);
+    assert_eq!(
+        (a.event.event_id, b.event.event_id),
+        (0, 1),
+        "clones share one counter"
+    );
+    assert_eq!((a.worker_id, b.event.dp_rank), (7, 3));
+    assert_eq!(publisher.last_event_id(), Some(1));
+}
+
+#[test]
+fn a_dump_carries_the_id_read_before_the_engine_was_asked() {
+    let publisher = KvEventPublisher::new(7, 8);
+    publisher.publish(0, KvCacheEventData::Cleared);
+    let dump = publisher.dump_with(|| {
+        // An event published while the engine builds its dump is after the dump's id.
+        publisher.publish(0, KvCacheEventData::Cleared);
+        vec![KvCacheEvent {
+            event_id: 999,
+            data: KvCacheEventData::Cleared,
+            dp_rank: 1,
+        }]
+    });
+    assert_eq!(dump.last_event_id, Some(0));
+    assert_eq!(ids(&dump.events), vec![0]);
+    assert_eq!(
+        (dump.events[0].worker_id, dump.events[0].event.dp_rank),
+        (7, 1)
+    );
+}

@@ -1,0 +1,88 @@
+//! The transport under the kvroute router: the request plane (length-prefixed bincode frames over
+//! TCP, many streams multiplexed per connection, cancellation, typed worker-loss errors), the
+//! event plane (publish/subscribe by subject), discovery (instances with roles and leases), the
+//! push router (round-robin, random, power-of-two-choices, direct), the worker side (serve an
+//! [`Engine`], publish numbered KV events, answer gap-recovery and dump calls) and a ZMQ listener
+//! that turns a vLLM or SGLang engine's KV event feed into router events.
+//!
+//! Entry types: [`Engine`] and [`WorkerServer`] on the worker, [`Client`] and [`PushRouter`] on
+//! the caller, [`Discovery`] ([`InProcessDiscovery`], [`StaticDiscovery`]), [`EventPlane`]
+//! ([`InProcessEventPlane`]), [`KvEventPublisher`], [`ZmqKvListener`].
+//!
+//! This crate moves bytes and tracks liveness; it must not contain routing policy (no cost model,
+//! no KV overlap matching) and depends on no kvroute crate other than `kvroute-protocols`.
+//!
+//! # Example: serve an engine, call it directly and through the push router
+//!
+//! ```
+//! use std::sync::Arc;
+//! use futures::StreamExt;
+//! use kvroute_runtime::*;
+//!
+//! /// Streams the numbers `0..n` for a request `n`.
+//! struct Count;
+//!
+//! impl Engine for Count {
+//!     type Request = u32;
+//!     type Response = u32;
+//!     fn generate(&self, n: u32, _context: RequestContext) -> Result<ResponseStream<u32>, EngineError> {
+//!         Ok(Box::pin(futures::stream::iter(0..n)))
+//!     }
+//! }
+//!
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! // The worker: numbered KV events (kept for gap recovery), the server, a discovery record.
+//! let discovery = InProcessDiscovery::new(std::time::Duration::from_secs(10));
+//! let publisher = KvEventPublisher::new(7, DEFAULT_RING_CAPACITY);
+//! let config = WorkerServerConfig::new(7).with_kv_events(publisher);
+//! let server = WorkerServer::bind("127.0.0.1:0", Arc::new(Count), config).await.unwrap();
+//! let info = InstanceInfo::new(7, server.local_addr().to_string(), 16);
+//! let _lease = discovery.register(info).await.unwrap();
+//!
+//! // A caller with one connection.
+//! let client: Client<u32, u32> =
+//!     Client::connect(&server.local_addr().to_string(), ClientConfig::default()).await.unwrap();
+//! let items: Vec<u32> = client.generate("req-1", &3).await.unwrap().map(Result::unwrap).collect().await;
+//! assert_eq!(items, vec![0, 1, 2]);
+//!
+//! // A router over whatever discovery lists.
+//! let router: PushRouter<u32, u32> = PushRouter::new(discovery.watch(), PushRouterConfig::default());
+//! let stream = router.generate("req-2", &2, RouteMode::PowerOfTwoChoices).await.unwrap();
+//! assert_eq!(stream.worker_id(), 7);
+//! assert_eq!(stream.map(Result::unwrap).collect::<Vec<_>>().await, vec![0, 1]);
+//! # });
+//! ```
+
+mod client;
+mod discovery;
+mod engine;
+mod error;
+mod event_plane;
+mod frame;
+mod kv_publisher;
+mod llm;
+mod push_router;
+mod server;
+mod zmq_listener;
+
+pub use client::{Client, ClientConfig, ClientStream, EncodedRequest};
+pub use discovery::{
+    Discovery, DiscoveryError, DiscoveryEvent, InProcessDiscovery, InstanceInfo, InstanceSet,
+    Lease, StaticDiscovery, StaticFleetError, WorkerRole, diff_instances,
+};
+pub use engine::{Engine, EngineError, RequestContext, ResponseStream};
+pub use error::RequestError;
+pub use event_plane::{
+    DEFAULT_SUBSCRIBER_CAPACITY, EventPlane, EventPlaneError, InProcessEventPlane, Message,
+    Subscription, decode_router_event, encode_router_event,
+};
+pub use frame::{DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION};
+pub use kv_publisher::{
+    DEFAULT_RING_CAPACITY, KV_EVENT_SUBJECT, KvDump, KvEventPublisher, RangeError,
+};
+pub use llm::{LlmClient, LlmClientStream, LlmEngine, LlmPushRouter, LlmResponse, LlmRoutedStream};
+pub use push_router::{PushRouter, PushRouterConfig, RouteError, RouteMode, RoutedStream};
+pub use server::{WorkerServer, WorkerServerConfig};
+pub use zmq_listener::{
+    BlockHasher, ZmqKvListener, ZmqKvListenerConfig, ZmqListenerError, ZmqListenerStats,
+};

@@ -1,0 +1,453 @@
+//! The worker side of the request plane: serves an [`Engine`] over TCP.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use kvroute_protocols::SessionControl;
+use kvroute_protocols::WorkerId;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::{AbortHandle, JoinSet};
+use tokio_util::codec::{FramedRead, FramedWrite};
+
+use crate::engine::{Engine, EngineError, RequestContext};
+use crate::frame::{self, CancelKind, Frame, HelloAck, Kind, WireError, WireErrorCode};
+use crate::kv_publisher::{KvEventPublisher, RangeError};
+
+/// How a [`WorkerServer`] runs.
+#[derive(Debug, Clone)]
+pub struct WorkerServerConfig {
+    /// The worker's instance id, told to clients in the handshake.
+    pub worker_id: WorkerId,
+    /// The largest frame accepted or sent, in bytes.
+    pub max_frame_bytes: usize,
+    /// How long a new connection may take to send its hello.
+    pub handshake_timeout: Duration,
+    /// The most streams one connection may have running at once; more are refused with
+    /// [`crate::RequestError::TooManyStreams`], so one caller cannot exhaust the worker's tasks.
+    pub max_streams_per_connection: usize,
+    /// The KV event publisher whose ring answers gap-recovery calls; without one those calls are
+    /// answered as unsupported.
+    pub kv_events: Option<KvEventPublisher>,
+}
+
+impl WorkerServerConfig {
+    /// Defaults for `worker_id`: [`crate::DEFAULT_MAX_FRAME_BYTES`] frames, a 5 s handshake
+    /// timeout, 65,536 streams per connection, no KV events.
+    pub fn new(worker_id: WorkerId) -> Self {
+        Self {
+            worker_id,
+            max_frame_bytes: frame::DEFAULT_MAX_FRAME_BYTES,
+            handshake_timeout: Duration::from_secs(5),
+            max_streams_per_connection: 65_536,
+            kv_events: None,
+        }
+    }
+
+    /// The same config answering gap-recovery and dump calls from `publisher`.
+    pub fn with_kv_events(mut self, publisher: KvEventPublisher) -> Self {
+        self.kv_events = Some(publisher);
+        self
+    }
+}
+
+/// A running worker server. Dropping it (or [`WorkerServer::abort`]) closes the listener and every
+/// connection at once, which is what a crashed worker looks like to its callers.
+#[derive(Debug)]
+pub struct WorkerServer {
+    local_addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl WorkerServer {
+    /// Binds `addr` (use port 0 for an ephemeral port) and serves `engine` on it.
+    pub async fn bind<E: Engine>(
+        addr: impl tokio::net::ToSocketAddrs,
+        engine: Arc<E>,
+        config: WorkerServerConfig,
+    ) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(addr).await?;
+        Ok(Self::serve(listener, engine, config))
+    }
+
+    /// Serves `engine` on an already bound listener.
+    pub fn serve<E: Engine>(
+        listener: TcpListener,
+        engine: Arc<E>,
+        config: WorkerServerConfig,
+    ) -> Self {
+        let local_addr = listener
+            .local_addr()
+            .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
+        let shared = Arc::new(Shared { engine, config });
+        let task = tokio::spawn(accept_loop(listener, shared));
+        Self { local_addr, task }
+    }
+
+    /// The address the server listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Stops accepting and drops every connection and in-flight stream now.
+    pub fn abort(&self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for WorkerServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+struct Shared<E> {
+    engine: Arc<E>,
+    config: WorkerServerConfig,
+}
+
+async fn accept_loop<E: Engine>(listener: TcpListener, shared: Arc<Shared<E>>) {
+    // Connections live in this set so that aborting the accept task drops all of them.
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((socket, peer)) => {
+                    let _ = socket.set_nodelay(true);
+                    connections.spawn(serve_connection(socket, peer, shared.clone()));
+                }
+                Err(error) => {
+                    // Accept errors (e.g. too many open files) are transient; back off briefly.
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+}
+
+struct StreamEntry {
+    context: RequestContext,
+    task: AbortHandle,
+}
+
+async fn serve_connection<E: Engine>(socket: TcpStream, peer: SocketAddr, shared: Arc<Shared<E>>) {
+    let max = shared.config.max_frame_bytes;
+    let (read_half, write_half) = socket.into_split();
+    let mut reader = FramedRead::new(read_half, frame::codec(max));
+    let (tx, rx) = mpsc::channel::<Bytes>(1024);
+    let writer = tokio::spawn(write_loop(
+        FramedWrite::new(write_half, frame::codec(max)),
+        rx,
+    ));
+
+    let outcome = match tokio::time::timeout(shared.config.handshake_timeout, reader.next()).await {
+        Ok(Some(Ok(raw))) => match Frame::parse(raw) {
+            Ok(f) if f.kind == Kind::Hello => frame::check_hello(&f.body),
+            Ok(f) => Err(format!("expected a hello frame first, got {:?}", f.kind)),
+            Err(e) => Err(e.to_string()),
+        },
+        Ok(Some(Err(e))) => Err(format!("unreadable hello frame: {e}")),
+        Ok(None) => Err("connection closed before hello".to_owned()),
+        Err(_) => Err("no hello within the handshake timeout".to_owned()),
+    };
+    let outcome = match outcome {
+        Ok(()) => {
+            let ack = HelloAck {
+                version: frame::PROTOCOL_VERSION,
+                worker_id: shared.config.worker_id,
+                max_frame_bytes: max as u64,
+            };
+            if let Ok(f) = frame::encode(Kind::HelloAck, 0, &ack, max) {
+                let _ = tx.send(f).await;
+            }
+            run_streams(&mut reader, &tx, &shared).await
+        }
+        Err(message) => Err(message),
+    };
+    if let Err(message) = outcome {
+        tracing::debug!(%peer, %message, "closing request-plane connection");
+        let _ = tx
+            .send(frame::encode_raw(Kind::GoAway, 0, message.as_bytes()))
+            .await;
+    }
+    drop(tx);
+    // Let the writer flush what is queued (the go-away above) before the socket closes.
+    let _ = tokio::time::timeout(Duration::from_secs(1), writer).await;
+}
+
+/// Reads frames until the peer closes (Ok) or violates the protocol (Err with a message for it).
+async fn run_streams<E: Engine>(
+    reader: &mut FramedRead<
+        tokio::net::tcp::OwnedReadHalf,
+        tokio_util::codec::LengthDelimitedCodec,
+    >,
+    tx: &mpsc::Sender<Bytes>,
+    shared: &Arc<Shared<E>>,
+) -> Result<(), String> {
+    let max = shared.config.max_frame_bytes;
+    let mut tasks: JoinSet<u64> = JoinSet::new();
+    let mut streams: HashMap<u64, StreamEntry> = HashMap::new();
+    // Every stream still running when this returns is killed: its engine stream is dropped with
+    // the JoinSet, and its context says so for engines that watch it.
+    let result = loop {
+        let raw = tokio::select! {
+            raw = reader.next() => raw,
+            Some(done) = tasks.join_next(), if !tasks.is_empty() => {
+                match done {
+                    Ok(id) => {
+                        streams.remove(&id);
+                    }
+                    // A panicked engine stream: find it by task id and fail it for the caller.
+                    Err(e) => {
+                        let id = streams.iter().find(|(_, s)| s.task.id() == e.id()).map(|(id, _)| *id);
+                        if let Some(id) = id {
+                            streams.remove(&id);
+                            send_error(tx, id, WireErrorCode::Engine, "the engine stream panicked".to_owned(), max).await;
+                        }
+                    }
+                }
+                continue;
+            }
+        };
+        let raw = match raw {
+            None => break Ok(()),
+            Some(Ok(raw)) => raw,
+            Some(Err(e)) => {
+                break Err(format!(
+                    "refusing frame: {e} (maximum frame size is {max} bytes)"
+                ));
+            }
+        };
+        let f = match Frame::parse(raw) {
+            Ok(f) => f,
+            Err(e) => break Err(format!("refusing frame: {e}")),
+        };
+        match f.kind {
+            Kind::Request => {
+                if streams.contains_key(&f.stream) {
+                    break Err(format!("stream id {} is already in use", f.stream));
+                }
+                let limit = shared.config.max_streams_per_connection;
+                if streams.len() >= limit {
+                    let message =
+                        format!("this connection already runs {limit} streams, the most allowed");
+                    send_error(tx, f.stream, WireErrorCode::TooManyStreams, message, max).await;
+                    continue;
+                }
+                let decoded = frame::decode::<(String, E::Request)>(&f.body, max);
+                let (request_id, request) = match decoded {
+                    Ok(pair) => pair,
+                    Err(message) => {
+                        send_error(tx, f.stream, WireErrorCode::BadRequest, message, max).await;
+                        continue;
+                    }
+                };
+                let context = RequestContext::new(request_id);
+                let task = tasks.spawn(run_stream(
+                    shared.clone(),
+                    f.stream,
+                    request,
+                    context.clone(),
+                    tx.clone(),
+                ));
+                streams.insert(f.stream, StreamEntry { context, task });
+            }
+            Kind::Cancel => {
+                let kind = match frame::cancel_kind(&f.body) {
+                    Ok(kind) => kind,
+                    Err(message) => break Err(format!("bad cancel frame: {message}")),
+                };
+                match kind {
+                    CancelKind::Stop => {
+                        if let Some(entry) = streams.get(&f.stream) {
+                            entry.context.stop_generating();
+                        }
+                    }
+                    CancelKind::Kill => {
+                        if let Some(entry) = streams.remove(&f.stream) {
+                            entry.context.kill();
+                            entry.task.abort();
+                        }
+                    }
+                }
+            }
+            Kind::SessionControl => {
+                let reply = match frame::decode::<SessionControl>(&f.body, max) {
+                    Ok(control) => shared.engine.session_control(control).map_err(engine_error),
+                    Err(message) => Err(WireError {
+                        code: WireErrorCode::BadRequest,
+                        message,
+                    }),
+                };
+                send_reply(tx, f.stream, reply, max).await;
+            }
+            Kind::EventsRange => {
+                let reply = match (
+                    frame::decode::<(u64, u64)>(&f.body, max),
+                    &shared.config.kv_events,
+                ) {
+                    (Err(message), _) => Err(WireError {
+                        code: WireErrorCode::BadRequest,
+                        message,
+                    }),
+                    (Ok(_), None) => Err(no_kv_events()),
+                    (Ok((from, to)), Some(publisher)) => {
+                        publisher
+                            .range(from, to)
+                            .map_err(|e: RangeError| WireError {
+                                code: WireErrorCode::EventsUnavailable,
+                                message: e.to_string(),
+                            })
+                    }
+                };
+                send_reply(tx, f.stream, reply, max).await;
+            }
+            Kind::KvDump => {
+                let reply = match &shared.config.kv_events {
+                    None => Err(no_kv_events()),
+                    Some(publisher) => Ok(publisher.dump_with(|| shared.engine.kv_dump())),
+                };
+                send_reply(tx, f.stream, reply, max).await;
+            }
+            Kind::Ping => {
+                let _ = tx.send(frame::encode_raw(Kind::Pong, f.stream, &[])).await;
+            }
+            other => break Err(format!("a worker does not accept {other:?} frames")),
+        }
+    };
+    for entry in streams.values() {
+        entry.context.kill();
+    }
+    result
+}
+
+async fn run_stream<E: Engine>(
+    shared: Arc<Shared<E>>,
+    stream: u64,
+    request: E::Request,
+    context: RequestContext,
+    tx: mpsc::Sender<Bytes>,
+) -> u64 {
+    let max = shared.config.max_frame_bytes;
+    // However this task ends early (a kill, the connection dropping, the server aborting), the
+    // engine is told through the context as well as by its stream being dropped.
+    let guard = KillOnDrop(Some(context.clone()));
+    let mut responses = match shared.engine.generate(request, context) {
+        Ok(responses) => responses,
+        Err(e) => {
+            let e = engine_error(e);
+            send_error(&tx, stream, e.code, e.message, max).await;
+            return stream;
+        }
+    };
+    while let Some(item) = responses.next().await {
+        let f = match frame::encode(Kind::Item, stream, &item, max) {
+            Ok(f) => f,
+            Err(e) => {
+                send_error(&tx, stream, WireErrorCode::TooLarge, e.to_string(), max).await;
+                return stream;
+            }
+        };
+        if tx.send(f).await.is_err() {
+            return stream;
+        }
+    }
+    let _ = tx.send(frame::encode_raw(Kind::End, stream, &[])).await;
+    guard.disarm();
+    stream
+}
+
+/// Kills a request's context when dropped, unless disarmed after a normal end.
+struct KillOnDrop(Option<RequestContext>);
+
+impl KillOnDrop {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(context) = self.0.take() {
+            context.kill();
+        }
+    }
+}
+
+fn engine_error(e: EngineError) -> WireError {
+    let code = match e {
+        EngineError::Unsupported { .. } => WireErrorCode::Unsupported,
+        _ => WireErrorCode::Engine,
+    };
+    WireError {
+        code,
+        message: e.to_string(),
+    }
+}
+
+fn no_kv_events() -> WireError {
+    WireError {
+        code: WireErrorCode::Unsupported,
+        message: "this worker publishes no KV events".to_owned(),
+    }
+}
+
+async fn send_error(
+    tx: &mpsc::Sender<Bytes>,
+    stream: u64,
+    code: WireErrorCode,
+    message: String,
+    max: usize,
+) {
+    if let Ok(f) = frame::encode(Kind::Error, stream, &WireError { code, message }, max) {
+        let _ = tx.send(f).await;
+    }
+}
+
+async fn send_reply<T: serde::Serialize>(
+    tx: &mpsc::Sender<Bytes>,
+    stream: u64,
+    reply: Result<T, WireError>,
+    max: usize,
+) {
+    let f = match reply {
+        Ok(value) => frame::encode(Kind::Reply, stream, &value, max),
+        Err(e) => frame::encode(Kind::Error, stream, &e, max),
+    };
+    match f {
+        Ok(f) => {
+            let _ = tx.send(f).await;
+        }
+        Err(e) => send_error(tx, stream, WireErrorCode::TooLarge, e.to_string(), max).await,
+    }
+}
+
+/// Writes queued frames, flushing only when the queue is momentarily empty so that many small
+/// frames share one syscall.
+pub(crate) async fn write_loop<W>(
+    mut sink: FramedWrite<W, tokio_util::codec::LengthDelimitedCodec>,
+    mut rx: mpsc::Receiver<Bytes>,
+) where
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    while let Some(f) = rx.recv().await {
+        if sink.feed(f).await.is_err() {
+            return;
+        }
+        while let Ok(f) = rx.try_recv() {
+            if sink.feed(f).await.is_err() {
+                return;
+            }
+        }
+        if SinkExt::<Bytes>::flush(&mut sink).await.is_err() {
+            return;
+        }
+    }
+    let _ = SinkExt::<Bytes>::close(&mut sink).await;
+}

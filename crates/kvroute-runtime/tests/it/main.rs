@@ -1,0 +1,13 @@
+//! Integration tests of the kvroute runtime over loopback: the request plane under concurrency,
+//! cancellation, worker loss and hostile input; gap recovery; discovery; the push router; the
+//! ZMQ KV event listener.
+
+mod cancel;
+mod discovery;
+mod failure;
+mod frames;
+mod kv;
+mod router;
+mod streams;
+mod support;
+mod zmq;
