@@ -1,0 +1,485 @@
+//! Replays a Mooncake-format trace against the index as a fleet would drive it.
+//!
+//! `cargo bench -p kvroute-indexer --bench trace_replay -- --trace FILE [--workers 8]
+//! [--block-size 16] [--trace-block-size 512] [--cache-blocks 16384] [--threads N] [--limit N]`
+//!
+//! Each request's `hash_ids` expand deterministically into engine blocks of synthetic tokens. A
+//! simulation (untimed, run first) routes each request to the worker with the longest cached
+//! prefix (ties to the least loaded), stores its new blocks there and evicts that worker's least
+//! recently used leaves beyond `--cache-blocks`, producing the event stream and the expected
+//! answer of every query. The timed phase replays queries and events against the index, checks
+//! every answer, and exits non-zero on any mismatch. The last line printed is one JSON object.
+
+use std::cmp::Reverse;
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use kvroute_indexer::hash::{HashSalt, compute_block_hash, compute_seq_hashes};
+use kvroute_indexer::{ConcurrentIndex, FastMap, KvIndex, OverlapScores};
+use kvroute_protocols::WorkerWithDpRank;
+use kvroute_protocols::kv_events::{
+    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
+    KvCacheStoredBlockData, LocalBlockHash, RouterEvent, StorageTier,
+};
+
+struct Args {
+    trace: String,
+    workers: usize,
+    block_size: usize,
+    trace_block_size: usize,
+    cache_blocks: usize,
+    threads: usize,
+    limit: usize,
+}
+
+fn parse_args() -> anyhow::Result<Args> {
+    let mut args = Args {
+        trace: String::new(),
+        workers: 8,
+        block_size: 16,
+        trace_block_size: 512,
+        cache_blocks: 16384,
+        threads: 1,
+        limit: usize::MAX,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "--bench" {
+            continue; // Passed by `cargo bench` to every bench binary.
+        }
+        let value = it.next().with_context(|| format!("{flag} needs a value"))?;
+        let num = || {
+            value
+                .parse::<usize>()
+                .with_context(|| format!("{flag} {value}: not a number"))
+        };
+        match flag.as_str() {
+            "--trace" => args.trace = value.clone(),
+            "--workers" => args.workers = num()?,
+            "--block-size" => args.block_size = num()?,
+            "--trace-block-size" => args.trace_block_size = num()?,
+            "--cache-blocks" => args.cache_blocks = num()?,
+            "--threads" => args.threads = num()?.max(1),
+            "--limit" => args.limit = num()?,
+            _ => bail!(
+                "unknown flag {flag}; expected --trace, --workers, --block-size, --trace-block-size, --cache-blocks, --threads or --limit"
+            ),
+        }
+    }
+    if args.trace.is_empty() {
+        bail!("--trace FILE is required");
+    }
+    if args.block_size == 0 || !args.trace_block_size.is_multiple_of(args.block_size) {
+        bail!("--trace-block-size must be a positive multiple of --block-size");
+    }
+    if !(1..=64).contains(&args.workers) {
+        bail!("--workers must be 1..=64, got {}", args.workers);
+    }
+    Ok(args)
+}
+
+/// One step of the replay.
+enum Op {
+    /// Query request `r`.
+    Query(usize),
+    Event(RouterEvent),
+}
+
+/// The pre-generated workload: queries, their expected answers, and the events between them.
+struct Workload {
+    ops: Vec<Op>,
+    /// Local hashes of every request, concatenated; request `r` is `offsets[r]..offsets[r + 1]`.
+    local: Vec<LocalBlockHash>,
+    offsets: Vec<usize>,
+    /// Expected device score of worker `w` for request `r` at `r * workers + w`.
+    expected: Vec<u32>,
+    stored_blocks: u64,
+    removed_blocks: u64,
+    matched_blocks: u64,
+}
+
+/// Per-request decay of a simulated worker's load.
+const LOAD_DECAY: f64 = 0.9;
+
+/// What one simulated worker holds: blocks by sequence hash with their LRU stamp and depth.
+#[derive(Default)]
+struct SimWorker {
+    held: FastMap<u64, (u64, u32)>,
+    lru: BTreeSet<(u64, Reverse<u32>, u64)>,
+    /// Blocks prefilled here recently, decaying by [`LOAD_DECAY`] per request in the fleet.
+    load: f64,
+    next_event_id: u64,
+}
+
+impl SimWorker {
+    fn touch(&mut self, seq: u64, depth: u32, stamp: u64) {
+        if let Some((old, _)) = self.held.insert(seq, (stamp, depth)) {
+            self.lru.remove(&(old, Reverse(depth), seq));
+        }
+        self.lru.insert((stamp, Reverse(depth), seq));
+    }
+
+    fn event(&mut self, worker: usize, data: KvCacheEventData) -> RouterEvent {
+        let event_id = self.next_event_id;
+        self.next_event_id += 1;
+        RouterEvent {
+            worker_id: worker as u64,
+            storage_tier: StorageTier::Device,
+            event: KvCacheEvent {
+                event_id,
+                data,
+                dp_rank: 0,
+            },
+        }
+    }
+}
+
+/// Engine block ids are opaque to the index; derive them from the sequence hash like vLLM does.
+fn ext_of(seq: u64) -> ExternalSequenceBlockHash {
+    ExternalSequenceBlockHash(seq ^ 0x5bd1_e995_5bd1_e995)
+}
+
+fn load_trace(args: &Args) -> anyhow::Result<Vec<(usize, Vec<u64>)>> {
+    let text = std::fs::read_to_string(&args.trace)
+        .with_context(|| format!("reading trace {}", args.trace))?;
+    let mut out = Vec::new();
+    for (n, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {
+        if out.len() >= args.limit {
+            break;
+        }
+        let v: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("trace line {}", n + 1))?;
+        let input = v["input_length"].as_u64().context("input_length")? as usize;
+        let ids = v["hash_ids"]
+            .as_array()
+            .context("hash_ids")?
+            .iter()
+            .map(|h| h.as_u64().context("hash_id"))
+            .collect::<anyhow::Result<Vec<u64>>>()?;
+        out.push((input, ids));
+    }
+    Ok(out)
+}
+
+/// The engine blocks' local hashes of one trace block: synthetic tokens derived from its id.
+fn expand(hash_id: u64, per_id: usize, block_size: usize) -> Vec<LocalBlockHash> {
+    let salt = HashSalt::default();
+    let mut tokens = vec![0u32; block_size];
+    (0..per_id)
+        .map(|j| {
+            for (t, tok) in tokens.iter_mut().enumerate() {
+                let x = (hash_id << 24) ^ ((j as u64) << 12) ^ t as u64;
+                *tok = (x.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as u32;
+            }
+            compute_block_hash(&tokens, &salt)
+        })
+        .collect()
+}
+
+fn simulate(args: &Args, trace: &[(usize, Vec<u64>)]) -> Workload {
+    let per_id = args.trace_block_size / args.block_size;
+    let mut by_id: FastMap<u64, Vec<LocalBlockHash>> = FastMap::default();
+    let mut sims: Vec<SimWorker> = (0..args.workers).map(|_| SimWorker::default()).collect();
+    let mut w = Workload {
+        ops: Vec::new(),
+        local: Vec::new(),
+        offsets: vec![0],
+        expected: Vec::new(),
+        stored_blocks: 0,
+        removed_blocks: 0,
+        matched_blocks: 0,
+    };
+    let mut scores = vec![0u32; args.workers];
+    for (r, (input, ids)) in trace.iter().enumerate() {
+        let start = w.local.len();
+        for (k, &id) in ids.iter().enumerate() {
+            let covered = input.saturating_sub(k * args.trace_block_size) / args.block_size;
+            let blocks = by_id
+                .entry(id)
+                .or_insert_with(|| expand(id, per_id, args.block_size));
+            w.local.extend_from_slice(&blocks[..covered.min(per_id)]);
+        }
+        w.offsets.push(w.local.len());
+        let local = &w.local[start..];
+        let chain = compute_seq_hashes(local);
+        for (s, sim) in scores.iter_mut().zip(&sims) {
+            *s = chain
+                .iter()
+                .take_while(|h| sim.held.contains_key(&h.0))
+                .count() as u32;
+        }
+        w.expected.extend_from_slice(&scores);
+        w.ops.push(Op::Query(r));
+        // Cost as in the reference's default: blocks to prefill plus the worker's load (blocks
+        // routed to it recently, decaying), lower is better; ties to the lower load, then id.
+        let n = chain.len() as f64;
+        let best = (0..args.workers)
+            .min_by(|&a, &b| {
+                let cost = |i: usize| n - f64::from(scores[i]) + sims[i].load;
+                cost(a)
+                    .total_cmp(&cost(b))
+                    .then(sims[a].load.total_cmp(&sims[b].load))
+            })
+            .unwrap_or(0);
+        for sim in &mut sims {
+            sim.load *= LOAD_DECAY;
+        }
+        let matched = scores[best] as usize;
+        w.matched_blocks += matched as u64;
+        let stamp = r as u64 + 1;
+        let sim = &mut sims[best];
+        sim.load += n - matched as f64;
+        for (depth, seq) in chain.iter().enumerate() {
+            sim.touch(seq.0, depth as u32, stamp);
+        }
+        if matched < chain.len() {
+            let blocks: Vec<KvCacheStoredBlockData> = (matched..chain.len())
+                .map(|i| KvCacheStoredBlockData {
+                    block_hash: ext_of(chain[i].0),
+                    tokens_hash: local[i],
+                })
+                .collect();
+            w.stored_blocks += blocks.len() as u64;
+            let data = KvCacheEventData::Stored(KvCacheStoreData {
+                parent_hash: matched.checked_sub(1).map(|i| ext_of(chain[i].0)),
+                blocks,
+            });
+            w.ops.push(Op::Event(sim.event(best, data)));
+        }
+        let mut evicted = Vec::new();
+        while sim.held.len() > args.cache_blocks {
+            let Some((_, _, seq)) = sim.lru.pop_first() else {
+                break;
+            };
+            sim.held.remove(&seq);
+            evicted.push(ext_of(seq));
+        }
+        if !evicted.is_empty() {
+            w.removed_blocks += evicted.len() as u64;
+            let data = KvCacheEventData::Removed(KvCacheRemoveData {
+                block_hashes: evicted,
+            });
+            w.ops.push(Op::Event(sim.event(best, data)));
+        }
+    }
+    w
+}
+
+/// A field of /proc/self/status in kB (0 when unavailable).
+fn status_kb(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn verify(got: &OverlapScores, expected: &[u32], r: usize) -> anyhow::Result<()> {
+    for (w, &e) in expected.iter().enumerate() {
+        let s = got.score(WorkerWithDpRank::from_worker_id(w as u64));
+        if s != e {
+            bail!("request {r}: index says worker {w} holds {s} leading blocks, expected {e}");
+        }
+    }
+    Ok(())
+}
+
+struct Timings {
+    apply: Duration,
+    find: Duration,
+    latencies_ns: Vec<u64>,
+    events: u64,
+    /// The index's own accounting and the process RSS (kB) at the end, index still alive.
+    memory: kvroute_indexer::MemoryStats,
+    rss_after_kb: u64,
+    /// Blocks per second queried by the extra reader threads, if any.
+    concurrent_find: Option<f64>,
+}
+
+impl Timings {
+    fn new(requests: usize) -> Self {
+        Self {
+            apply: Duration::ZERO,
+            find: Duration::ZERO,
+            latencies_ns: Vec::with_capacity(requests),
+            events: 0,
+            memory: kvroute_indexer::MemoryStats::default(),
+            rss_after_kb: 0,
+            concurrent_find: None,
+        }
+    }
+}
+
+/// The timed replay on one thread against a plain index.
+fn replay(w: &Workload, workers: usize) -> anyhow::Result<Timings> {
+    let mut index = KvIndex::new();
+    let mut t = Timings::new(w.offsets.len());
+    let mut scratch = Vec::new();
+    for op in &w.ops {
+        match op {
+            Op::Query(r) => {
+                let q = &w.local[w.offsets[*r]..w.offsets[*r + 1]];
+                let start = Instant::now();
+                let scores = index.find_matches_with(q, &mut scratch);
+                let dt = start.elapsed();
+                t.find += dt;
+                t.latencies_ns.push(dt.as_nanos() as u64);
+                verify(&scores, &w.expected[r * workers..(r + 1) * workers], *r)?;
+            }
+            Op::Event(ev) => {
+                let start = Instant::now();
+                let out = index.apply_event(ev);
+                t.apply += start.elapsed();
+                t.events += 1;
+                if let Err(e) = out.result {
+                    bail!("event {} rejected: {e}", ev.event.event_id);
+                }
+                if let Some(gap) = out.gap {
+                    bail!("unexpected gap {gap:?}");
+                }
+            }
+        }
+    }
+    t.memory = index.memory();
+    t.rss_after_kb = status_kb("VmRSS:");
+    Ok(t)
+}
+
+/// The same replay through [`ConcurrentIndex`] while `readers` threads query it nonstop.
+fn replay_shared(w: &Arc<Workload>, workers: usize, readers: usize) -> anyhow::Result<Timings> {
+    let shared = Arc::new(ConcurrentIndex::new());
+    let done = Arc::new(AtomicBool::new(false));
+    let extra = Arc::new(AtomicU64::new(0));
+    let handles: Vec<_> = (0..readers)
+        .map(|k| {
+            let (shared, done, extra, w) = (
+                Arc::clone(&shared),
+                Arc::clone(&done),
+                Arc::clone(&extra),
+                Arc::clone(w),
+            );
+            std::thread::spawn(move || {
+                let n = w.offsets.len() - 1;
+                let mut r = k * 7919 % n.max(1);
+                let mut blocks = 0u64;
+                while !done.load(Ordering::Relaxed) {
+                    let q = &w.local[w.offsets[r]..w.offsets[r + 1]];
+                    std::hint::black_box(shared.find_matches(q));
+                    blocks += q.len() as u64;
+                    r = (r + 1) % n;
+                }
+                extra.fetch_add(blocks, Ordering::Relaxed);
+            })
+        })
+        .collect();
+    let wall = Instant::now();
+    let mut t = Timings::new(w.offsets.len());
+    let mut result = Ok(());
+    for op in &w.ops {
+        match op {
+            Op::Query(r) => {
+                let q = &w.local[w.offsets[*r]..w.offsets[*r + 1]];
+                let start = Instant::now();
+                let scores = shared.find_matches(q);
+                let dt = start.elapsed();
+                t.find += dt;
+                t.latencies_ns.push(dt.as_nanos() as u64);
+                if let Err(e) = verify(&scores, &w.expected[r * workers..(r + 1) * workers], *r) {
+                    result = Err(e);
+                    break;
+                }
+            }
+            Op::Event(ev) => {
+                let start = Instant::now();
+                shared.submit(ev.clone());
+                t.apply += start.elapsed();
+                t.events += 1;
+            }
+        }
+    }
+    let wall = wall.elapsed();
+    done.store(true, Ordering::Relaxed);
+    for h in handles {
+        let _ = h.join();
+    }
+    result?;
+    t.memory = shared.read(|index| index.memory());
+    t.rss_after_kb = status_kb("VmRSS:");
+    t.concurrent_find = Some(extra.load(Ordering::Relaxed) as f64 / wall.as_secs_f64());
+    Ok(t)
+}
+
+fn percentile(sorted: &[u64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i] as f64 / 1000.0
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Arc::new(parse_args()?);
+    // Load and simulate on another thread: glibc gives it its own malloc arena, so the memory it
+    // frees is not recycled by the index on this thread, and the RSS delta below is the index's.
+    let workload = {
+        let args = Arc::clone(&args);
+        std::thread::spawn(move || -> anyhow::Result<Workload> {
+            let trace = load_trace(&args)?;
+            Ok(simulate(&args, &trace))
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("simulation panicked"))??
+    };
+    let workload = Arc::new(workload);
+    let rss_before_kb = status_kb("VmRSS:");
+    let mut t = if args.threads > 1 {
+        replay_shared(&workload, args.workers, args.threads - 1)?
+    } else {
+        replay(&workload, args.workers)?
+    };
+    t.latencies_ns.sort_unstable();
+    let queried = workload.local.len() as u64;
+    let applied = workload.stored_blocks + workload.removed_blocks;
+    let apply_s = t.apply.as_secs_f64();
+    let find_s = t.find.as_secs_f64();
+    let blocks = t.memory.indexed_blocks.max(1);
+    let rss_delta = t.rss_after_kb.saturating_sub(rss_before_kb) * 1024;
+    let report = serde_json::json!({
+        "events_applied": t.events,
+        "blocks_queried": queried,
+        "blocks_stored": workload.stored_blocks,
+        "blocks_removed": workload.removed_blocks,
+        "apply_blocks_per_s": (applied as f64 / apply_s).round(),
+        "find_blocks_per_s": (queried as f64 / find_s).round(),
+        "block_ops_per_s": ((queried + applied) as f64 / (apply_s + find_s)).round(),
+        "find_p50_us": percentile(&t.latencies_ns, 0.50),
+        "find_p99_us": percentile(&t.latencies_ns, 0.99),
+        "bytes_per_block": (rss_delta as f64 / blocks as f64).round(),
+        "accounted_bytes_per_block": (t.memory.table_bytes as f64 / blocks as f64).round(),
+        "blocks_indexed": t.memory.indexed_blocks,
+        "live_nodes": t.memory.live_nodes,
+        "peak_rss_mb": (status_kb("VmHWM:") as f64 / 1024.0).round(),
+        "hit_rate": (workload.matched_blocks as f64 / queried.max(1) as f64 * 1e4).round() / 1e4,
+        "threads": args.threads,
+        "concurrent_find_blocks_per_s": t.concurrent_find.map(f64::round),
+    });
+    println!(
+        "kvroute-indexer trace replay: {} requests, {} workers, block size {}, cache {} blocks/worker",
+        workload.offsets.len() - 1,
+        args.workers,
+        args.block_size,
+        args.cache_blocks
+    );
+    println!("{:<28} {:>16}", "metric", "value");
+    if let Some(map) = report.as_object() {
+        for (k, v) in map {
+            println!("{k:<28} {v:>16}");
+        }
+    }
+    println!("{report}");
+    Ok(())
+}

@@ -1,0 +1,575 @@
+//! The index from cached blocks to the workers that hold them.
+//!
+//! Layout: the shared table of each storage tier maps a block's *sequence hash* (which names the
+//! whole prefix ending at that block, so its position is implied) to the set of worker slots
+//! holding it, an inline `u64` bitset for slots 0..64 plus a spill table for larger fleets. Each
+//! worker lane (worker, dp rank, tier) maps the engine's opaque block ids to sequence hashes, which
+//! resolves parents of new chains and the blocks named by removals. A query computes the request's
+//! sequence-hash chain and walks it, intersecting worker sets until none is left.
+//!
+//! Per indexed block this costs one 16-byte lane entry plus, shared by every worker holding the
+//! block, one 16-byte node entry: no per-node allocation, no pointers to chase.
+
+use kvroute_protocols::kv_events::{
+    ExternalSequenceBlockHash, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
+    KvCacheStoredBlockData, LocalBlockHash, RouterEvent, StorageTier,
+};
+use kvroute_protocols::{WorkerId, WorkerWithDpRank};
+
+use crate::error::{ErrorCounts, IndexError};
+use crate::fasthash::FastMap;
+use crate::gap::{EventGap, EventOrder, GapTracker};
+use crate::hash::{SequenceHash, next_seq_hash};
+use crate::scores::{OverlapScores, TierScore};
+use crate::table::U64Map;
+
+mod audit;
+#[cfg(test)]
+mod tests;
+
+const TIERS: usize = StorageTier::ALL.len();
+
+/// Slots below this number live in a node's inline bitset.
+const INLINE_SLOTS: u32 = 64;
+
+/// The KV cache index: apply events, answer overlap queries.
+///
+/// Single-writer: mutation takes `&mut self`, queries `&self`; wrap it in
+/// [`crate::ConcurrentIndex`] to query from many threads while events arrive.
+#[derive(Debug, Default)]
+pub struct KvIndex {
+    tiers: [TierNodes; TIERS],
+    slots: Vec<SlotState>,
+    slot_of: FastMap<WorkerWithDpRank, u32>,
+    free_slots: Vec<u32>,
+    gaps: GapTracker,
+    errors: ErrorCounts,
+    late_events: u64,
+    gaps_seen: u64,
+}
+
+/// What applying one event did besides changing the index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub struct ApplyOutcome {
+    /// Events lost before this one, which the caller should ask the worker for.
+    pub gap: Option<EventGap>,
+    /// The first problem found in the event (all problems are counted).
+    pub result: Result<(), IndexError>,
+}
+
+/// Size of the index, from its own accounting.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Distinct (prefix, tier) nodes held by at least one worker.
+    pub live_nodes: usize,
+    /// Blocks held, summed over workers, ranks and tiers.
+    pub indexed_blocks: usize,
+    /// Worker ranks known to the index.
+    pub workers: usize,
+    /// Bytes reserved by the index's tables (buckets times entry size, control bytes included).
+    pub table_bytes: usize,
+}
+
+/// Shared nodes of one tier: which slots hold each prefix.
+#[derive(Debug, Default)]
+struct TierNodes {
+    /// Sequence hash -> bits of slots 0..64. Present while any slot holds the node.
+    lo: U64Map,
+    /// Sequence hash -> bits of slots 64.. (word `j` covers slots `64 * (j + 1)..`). Present only
+    /// while a slot of 64 or above holds the node.
+    hi: FastMap<u64, Box<[u64]>>,
+}
+
+/// One worker rank's lanes, one per tier.
+#[derive(Debug, Default)]
+struct SlotState {
+    worker: Option<WorkerWithDpRank>,
+    lanes: [Lane; TIERS],
+}
+
+/// What one worker rank holds in one tier.
+#[derive(Debug, Default)]
+struct Lane {
+    /// Engine block id -> sequence hash.
+    blocks: U64Map,
+    /// Sequence hash -> holders beyond the first, for engines that cache one prefix under two
+    /// block ids. Empty in practice, so it costs one branch.
+    aliases: FastMap<u64, u32>,
+}
+
+impl TierNodes {
+    /// Adds `slot` to the node; says whether it already held it.
+    fn add(&mut self, seq: u64, slot: u32) -> bool {
+        let (lo, _) = self.lo.get_or_insert(seq, 0);
+        if slot < INLINE_SLOTS {
+            let mask = 1u64 << slot;
+            let had = *lo & mask != 0;
+            *lo |= mask;
+            return had;
+        }
+        let word = (slot / 64 - 1) as usize;
+        let mask = 1u64 << (slot % 64);
+        let words = self
+            .hi
+            .entry(seq)
+            .or_insert_with(|| vec![0; word + 1].into_boxed_slice());
+        if words.len() <= word {
+            let mut grown = words.to_vec();
+            grown.resize(word + 1, 0);
+            *words = grown.into_boxed_slice();
+        }
+        let had = words[word] & mask != 0;
+        words[word] |= mask;
+        had
+    }
+
+    /// Removes `slot` from the node, dropping the node once nobody holds it.
+    fn remove(&mut self, seq: u64, slot: u32) {
+        if slot < INLINE_SLOTS {
+            if let Some(bits) = self.lo.get(seq) {
+                let bits = bits & !(1u64 << slot);
+                if bits == 0 && (self.hi.is_empty() || !self.hi.contains_key(&seq)) {
+                    self.lo.remove(seq);
+                } else {
+                    *self.lo.get_or_insert(seq, 0).0 = bits;
+                }
+            }
+            return;
+        }
+        let word = (slot / 64 - 1) as usize;
+        let Some(words) = self.hi.get_mut(&seq) else {
+            return;
+        };
+        if let Some(w) = words.get_mut(word) {
+            *w &= !(1u64 << (slot % 64));
+        }
+        if words.iter().all(|w| *w == 0) {
+            self.hi.remove(&seq);
+            if self.lo.get(seq) == Some(0) {
+                self.lo.remove(seq);
+            }
+        }
+    }
+}
+
+impl Lane {
+    /// Releases one holding of `seq` by `slot`.
+    fn release(&mut self, nodes: &mut TierNodes, seq: u64, slot: u32) {
+        if !self.aliases.is_empty()
+            && let Some(extra) = self.aliases.get_mut(&seq)
+        {
+            *extra -= 1;
+            if *extra == 0 {
+                self.aliases.remove(&seq);
+            }
+            return;
+        }
+        nodes.remove(seq, slot);
+    }
+
+    /// Drops everything, giving the lane's memory back.
+    fn clear(&mut self, nodes: &mut TierNodes, slot: u32) {
+        for (_, seq) in self.blocks.iter() {
+            nodes.remove(seq, slot);
+        }
+        self.blocks = U64Map::default();
+        self.aliases = FastMap::default();
+    }
+}
+
+impl KvIndex {
+    /// An empty index.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Applies one event, checking its id for lost events first. The event is applied even when
+    /// a gap precedes it or it arrives late: the gap is the caller's cue to recover what was lost.
+    pub fn apply_event(&mut self, event: &RouterEvent) -> ApplyOutcome {
+        let worker = WorkerWithDpRank::new(event.worker_id, event.event.dp_rank);
+        ApplyOutcome {
+            gap: self.track_event_id(worker, event.event.event_id),
+            result: self.apply_event_untracked(event),
+        }
+    }
+
+    /// Records an event id from `worker`, returning the ids lost before it, if any; late ids are
+    /// counted (see [`KvIndex::late_events`]).
+    pub fn track_event_id(&mut self, worker: WorkerWithDpRank, event_id: u64) -> Option<EventGap> {
+        match self.gaps.observe(worker, event_id) {
+            EventOrder::InOrder => None,
+            EventOrder::Gap(gap) => {
+                self.gaps_seen += 1;
+                Some(gap)
+            }
+            EventOrder::Late => {
+                self.late_events += 1;
+                None
+            }
+        }
+    }
+
+    /// Applies one event without looking at its id (for dumps, recovery replays and predictions).
+    pub fn apply_event_untracked(&mut self, event: &RouterEvent) -> Result<(), IndexError> {
+        let worker = WorkerWithDpRank::new(event.worker_id, event.event.dp_rank);
+        let tier = event.storage_tier;
+        match &event.event.data {
+            KvCacheEventData::Stored(data) => self.store(worker, tier, data),
+            KvCacheEventData::Removed(data) => self.remove(worker, tier, data),
+            KvCacheEventData::Cleared => {
+                self.clear(worker, tier);
+                Ok(())
+            }
+        }
+    }
+
+    /// Applies a chain of stored blocks for one worker lane.
+    pub fn store(
+        &mut self,
+        worker: WorkerWithDpRank,
+        tier: StorageTier,
+        data: &KvCacheStoreData,
+    ) -> Result<(), IndexError> {
+        let prev = self.resolve_parent(worker, tier, data.parent_hash)?;
+        self.store_chain(worker, tier, prev, &data.blocks).1
+    }
+
+    /// The sequence hash a chain continuing `parent` starts from (`None` starts a sequence).
+    pub(crate) fn resolve_parent(
+        &mut self,
+        worker: WorkerWithDpRank,
+        tier: StorageTier,
+        parent: Option<ExternalSequenceBlockHash>,
+    ) -> Result<Option<SequenceHash>, IndexError> {
+        let Some(parent) = parent else {
+            return Ok(None);
+        };
+        let found = self.slot_of.get(&worker).and_then(|&slot| {
+            self.slots[slot as usize].lanes[tier.index()]
+                .blocks
+                .get(parent.0)
+        });
+        match found {
+            Some(seq) => Ok(Some(SequenceHash(seq))),
+            None => {
+                self.errors.parent_not_found += 1;
+                Err(IndexError::ParentNotFound {
+                    worker,
+                    tier,
+                    parent,
+                })
+            }
+        }
+    }
+
+    /// Stores `blocks` as a chain continuing `prev`; returns where the chain ends, so a long
+    /// chain can be applied in pieces, and the first problem found.
+    pub(crate) fn store_chain(
+        &mut self,
+        worker: WorkerWithDpRank,
+        tier: StorageTier,
+        mut prev: Option<SequenceHash>,
+        blocks: &[KvCacheStoredBlockData],
+    ) -> (Option<SequenceHash>, Result<(), IndexError>) {
+        let slot = self.slot_for(worker);
+        let nodes = &mut self.tiers[tier.index()];
+        let lane = &mut self.slots[slot as usize].lanes[tier.index()];
+        lane.blocks.reserve(blocks.len());
+        let mut first_err = Ok(());
+        for block in blocks {
+            let seq = next_seq_hash(prev, block.tokens_hash);
+            prev = Some(seq);
+            if !lane.blocks.insert_new(block.block_hash.0, seq.0) {
+                self.errors.duplicate_store += 1;
+                if first_err.is_ok() {
+                    first_err = Err(IndexError::DuplicateStore {
+                        worker,
+                        tier,
+                        block: block.block_hash,
+                    });
+                }
+            } else if nodes.add(seq.0, slot) {
+                *lane.aliases.entry(seq.0).or_insert(0) += 1;
+            }
+        }
+        (prev, first_err)
+    }
+
+    /// Applies evictions for one worker lane.
+    pub fn remove(
+        &mut self,
+        worker: WorkerWithDpRank,
+        tier: StorageTier,
+        data: &KvCacheRemoveData,
+    ) -> Result<(), IndexError> {
+        self.remove_blocks(worker, tier, &data.block_hashes)
+    }
+
+    /// Removes `blocks` from one worker lane, counting those it does not hold.
+    pub(crate) fn remove_blocks(
+        &mut self,
+        worker: WorkerWithDpRank,
+        tier: StorageTier,
+        blocks: &[ExternalSequenceBlockHash],
+    ) -> Result<(), IndexError> {
+        let Some(&slot) = self.slot_of.get(&worker) else {
+            self.errors.block_not_found += blocks.len() as u64;
+            return match blocks.first() {
+                Some(&block) => Err(IndexError::BlockNotFound {
+                    worker,
+                    tier,
+                    block,
+                }),
+                None => Ok(()),
+            };
+        };
+        let nodes = &mut self.tiers[tier.index()];
+        let lane = &mut self.slots[slot as usize].lanes[tier.index()];
+        let mut first_err = Ok(());
+        for &block in blocks {
+            match lane.blocks.remove(block.0) {
+                Some(seq) => lane.release(nodes, seq, slot),
+                None => {
+                    self.errors.block_not_found += 1;
+                    if first_err.is_ok() {
+                        first_err = Err(IndexError::BlockNotFound {
+                            worker,
+                            tier,
+                            block,
+                        });
+                    }
+                }
+            }
+        }
+        lane.blocks.maybe_shrink();
+        first_err
+    }
+
+    /// Drops every block of one worker lane (the engine cleared its cache in that tier).
+    pub fn clear(&mut self, worker: WorkerWithDpRank, tier: StorageTier) {
+        if let Some(&slot) = self.slot_of.get(&worker) {
+            let nodes = &mut self.tiers[tier.index()];
+            self.slots[slot as usize].lanes[tier.index()].clear(nodes, slot);
+        }
+    }
+
+    /// Removes every rank of a worker, in every tier, and forgets its event ids.
+    pub fn remove_worker(&mut self, worker_id: WorkerId) {
+        let ranks: Vec<WorkerWithDpRank> = self
+            .slot_of
+            .keys()
+            .filter(|w| w.worker_id == worker_id)
+            .copied()
+            .collect();
+        for rank in ranks {
+            self.remove_worker_rank(rank);
+        }
+        self.gaps.forget_worker(worker_id);
+    }
+
+    /// Removes one rank of a worker, in every tier, and forgets its event ids.
+    pub fn remove_worker_rank(&mut self, worker: WorkerWithDpRank) {
+        self.gaps.forget(worker);
+        let Some(slot) = self.slot_of.remove(&worker) else {
+            return;
+        };
+        let state = &mut self.slots[slot as usize];
+        for (lane, nodes) in state.lanes.iter_mut().zip(self.tiers.iter_mut()) {
+            lane.clear(nodes, slot);
+        }
+        state.worker = None;
+        self.free_slots.push(slot);
+    }
+
+    /// For each worker, the number of leading blocks of `local` it holds (see [`OverlapScores`]).
+    pub fn find_matches(&self, local: &[LocalBlockHash]) -> OverlapScores {
+        let mut chain = Vec::new();
+        self.find_matches_with(local, &mut chain)
+    }
+
+    /// [`KvIndex::find_matches`] reusing `chain` as scratch for the request's sequence hashes.
+    pub fn find_matches_with(
+        &self,
+        local: &[LocalBlockHash],
+        chain: &mut Vec<u64>,
+    ) -> OverlapScores {
+        chain.clear();
+        let mut out = OverlapScores::default();
+        for tier in StorageTier::ALL {
+            let nodes = &self.tiers[tier.index()];
+            if nodes.lo.is_empty() {
+                continue;
+            }
+            self.walk(nodes, local, chain, |slot, depth| {
+                let Some(worker) = self.slots[slot as usize].worker else {
+                    return;
+                };
+                if tier == StorageTier::Device {
+                    out.scores.insert(worker, depth);
+                    let size = self.slots[slot as usize].lanes[0].blocks.len();
+                    out.tree_sizes.insert(worker, size);
+                } else {
+                    out.lower_tiers.push(TierScore {
+                        worker,
+                        tier,
+                        blocks: depth,
+                    });
+                }
+            });
+        }
+        out
+    }
+
+    /// Walks the request's chain through one tier, reporting each slot's match depth (> 0 only).
+    fn walk(
+        &self,
+        nodes: &TierNodes,
+        local: &[LocalBlockHash],
+        chain: &mut Vec<u64>,
+        mut report: impl FnMut(u32, u32),
+    ) {
+        let wide_words = self
+            .slots
+            .len()
+            .saturating_sub(INLINE_SLOTS as usize)
+            .div_ceil(64);
+        let mut active = u64::MAX;
+        let mut active_hi = vec![u64::MAX; wide_words];
+        let mut emit = |mut bits: u64, base: u32, depth: usize| {
+            if depth == 0 {
+                return;
+            }
+            while bits != 0 {
+                let bit = bits.trailing_zeros();
+                bits &= bits - 1;
+                let slot = base + bit;
+                if (slot as usize) < self.slots.len() {
+                    report(slot, depth as u32);
+                }
+            }
+        };
+        let mut depth = 0;
+        while depth < local.len() {
+            let seq = match chain.get(depth) {
+                Some(&s) => s,
+                None => {
+                    let prev = chain.last().map(|&s| SequenceHash(s));
+                    let s = next_seq_hash(prev, local[depth]).0;
+                    chain.push(s);
+                    s
+                }
+            };
+            let Some(bits) = nodes.lo.get(seq) else {
+                break;
+            };
+            let kept = active & bits;
+            emit(active & !kept, 0, depth);
+            active = kept;
+            let mut any_hi = false;
+            if wide_words > 0 {
+                let words = nodes.hi.get(&seq).map_or(&[][..], |w| &w[..]);
+                for (j, a) in active_hi.iter_mut().enumerate() {
+                    let kept = *a & words.get(j).copied().unwrap_or(0);
+                    emit(*a & !kept, INLINE_SLOTS + 64 * j as u32, depth);
+                    *a = kept;
+                    any_hi |= kept != 0;
+                }
+            }
+            depth += 1;
+            if active == 0 && !any_hi {
+                return;
+            }
+        }
+        emit(active, 0, depth);
+        for (j, a) in active_hi.iter().enumerate() {
+            emit(*a, INLINE_SLOTS + 64 * j as u32, depth);
+        }
+    }
+
+    /// Blocks held by `worker` in `tier`.
+    pub fn block_count(&self, worker: WorkerWithDpRank, tier: StorageTier) -> usize {
+        self.slot_of.get(&worker).map_or(0, |&slot| {
+            self.slots[slot as usize].lanes[tier.index()].blocks.len()
+        })
+    }
+
+    /// Every worker rank known to the index (it sent an event and was not removed).
+    pub fn workers(&self) -> impl Iterator<Item = WorkerWithDpRank> + '_ {
+        self.slots.iter().filter_map(|s| s.worker)
+    }
+
+    /// Errors seen so far, by kind.
+    pub fn error_counts(&self) -> ErrorCounts {
+        self.errors
+    }
+
+    /// Events that arrived after a later id from the same worker rank.
+    pub fn late_events(&self) -> u64 {
+        self.late_events
+    }
+
+    /// Gaps in event ids detected so far.
+    pub fn gaps_detected(&self) -> u64 {
+        self.gaps_seen
+    }
+
+    /// The event-id tracker (what id each worker rank is expected to send next).
+    pub fn gap_tracker(&self) -> &GapTracker {
+        &self.gaps
+    }
+
+    /// Size of the index from its own accounting.
+    pub fn memory(&self) -> MemoryStats {
+        let mut stats = MemoryStats {
+            workers: self.slot_of.len(),
+            ..MemoryStats::default()
+        };
+        for nodes in &self.tiers {
+            stats.live_nodes += nodes.lo.len();
+            stats.table_bytes += nodes.lo.bytes() + table_bytes(&nodes.hi);
+            stats.table_bytes += nodes.hi.values().map(|w| w.len() * 8).sum::<usize>();
+        }
+        for slot in &self.slots {
+            for lane in &slot.lanes {
+                stats.indexed_blocks += lane.blocks.len();
+                stats.table_bytes += lane.blocks.bytes() + table_bytes(&lane.aliases);
+            }
+        }
+        stats.table_bytes +=
+            table_bytes(&self.slot_of) + self.slots.capacity() * std::mem::size_of::<SlotState>();
+        stats
+    }
+
+    /// The slot of `worker`, assigning a free one on first sight.
+    fn slot_for(&mut self, worker: WorkerWithDpRank) -> u32 {
+        if let Some(&slot) = self.slot_of.get(&worker) {
+            return slot;
+        }
+        // Reuse the lowest free slot so small fleets stay in the inline bitset.
+        let slot = match self.free_slots.iter().enumerate().min_by_key(|(_, s)| **s) {
+            Some((i, _)) => self.free_slots.swap_remove(i),
+            None => {
+                self.slots.push(SlotState::default());
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.slots[slot as usize].worker = Some(worker);
+        self.slot_of.insert(worker, slot);
+        slot
+    }
+}
+
+/// Bytes reserved by a hashbrown table of `map`'s capacity: buckets times (entry + control byte).
+fn table_bytes<K, V>(map: &FastMap<K, V>) -> usize {
+    let cap = map.capacity();
+    if cap == 0 {
+        return 0;
+    }
+    let buckets = if cap < 8 {
+        (cap + 1).next_power_of_two()
+    } else {
+        (cap * 8 / 7).next_power_of_two()
+    };
+    buckets * (std::mem::size_of::<(K, V)>() + 1)
+}

@@ -1,0 +1,199 @@
+use kvroute_protocols::WorkerWithDpRank;
+use kvroute_protocols::kv_events::{
+    ExternalSequenceBlockHash as Ext, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
+    KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent, StorageTier,
+};
+
+use super::KvIndex;
+use crate::error::IndexError;
+
+/// A compact script: `s W P B..` stores blocks B (ext id = local hash = B) on worker W after
+/// parent P (0 = none), `r W B..` removes, `c W` clears, `x W` removes the worker.
+fn run(script: &str) -> (KvIndex, Vec<Result<(), IndexError>>) {
+    let mut index = KvIndex::new();
+    let mut results = Vec::new();
+    for (id, line) in script
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .enumerate()
+    {
+        let mut words = line.split_whitespace();
+        let op = words.next().unwrap_or_default();
+        let nums: Vec<u64> = words.map(|w| w.parse().unwrap_or(0)).collect();
+        let worker = nums[0];
+        let data = match op {
+            "s" => KvCacheEventData::Stored(KvCacheStoreData {
+                parent_hash: (nums[1] != 0).then_some(Ext(nums[1])),
+                blocks: nums[2..]
+                    .iter()
+                    .map(|&b| KvCacheStoredBlockData {
+                        block_hash: Ext(b),
+                        tokens_hash: LocalBlockHash(b),
+                    })
+                    .collect(),
+            }),
+            "r" => KvCacheEventData::Removed(KvCacheRemoveData {
+                block_hashes: nums[1..].iter().map(|&b| Ext(b)).collect(),
+            }),
+            "c" => KvCacheEventData::Cleared,
+            _ => {
+                index.remove_worker(worker);
+                continue;
+            }
+        };
+        let event = RouterEvent {
+            worker_id: worker,
+            storage_tier: StorageTier::Device,
+            event: KvCacheEvent {
+                event_id: id as u64,
+                data,
+                dp_rank: 0,
+            },
+        };
+        results.push(index.apply_event_untracked(&event));
+    }
+    (index, results)
+}
+
+/// Runs `script`, queries `query` (local hashes) and compares "worker:score" pairs.
+fn check(script: &str, query: &[u64], expect: &str) {
+    let (index, _) = run(script);
+    index
+        .check_consistency()
+        .unwrap_or_else(|e| panic!("inconsistent: {e}"));
+    let q: Vec<LocalBlockHash> = query.iter().map(|&h| LocalBlockHash(h)).collect();
+    let scores = index.find_matches(&q);
+    let mut got: Vec<(u64, u32)> = scores
+        .scores
+        .iter()
+        .map(|(w, s)| (w.worker_id, *s))
+        .collect();
+    got.sort_unstable();
+    let got: Vec<String> = got.iter().map(|(w, s)| format!("{w}:{s}")).collect();
+    assert_eq!(got.join(" "), expect, "script:\n{script}");
+}
+
+#[test]
+fn prefix_matches_per_worker() {
+    check("s 1 0 10 11 12\ns 2 0 10 11", &[10, 11, 12, 13], "1:3 2:2");
+    check("s 1 0 10 11 12\ns 2 0 10 11", &[11, 12], "");
+    check("s 1 0 10\ns 1 10 11 12", &[10, 11, 12], "1:3");
+}
+
+#[test]
+fn removal_in_the_middle_cuts_the_match() {
+    check("s 1 0 10 11 12\nr 1 11", &[10, 11, 12], "1:1");
+    check("s 1 0 10 11 12\nr 1 10 11 12", &[10], "");
+}
+
+#[test]
+fn clear_and_remove_worker_free_everything() {
+    check("s 1 0 10 11\ns 2 0 10\nc 1", &[10, 11], "2:1");
+    check("s 1 0 10 11\ns 2 0 10\nx 2", &[10, 11], "1:2");
+    let (index, _) = run("s 1 0 10 11\ns 2 0 10 11\nx 1\nx 2");
+    assert_eq!(index.memory().live_nodes, 0);
+    assert_eq!(index.memory().indexed_blocks, 0);
+}
+
+#[test]
+fn same_content_at_another_position_does_not_match() {
+    // Block 11 after 10 is a different prefix than block 11 first.
+    check("s 1 0 10 11", &[11], "");
+    check("s 1 0 11\ns 2 0 10 11", &[11], "1:1");
+}
+
+#[test]
+fn errors_are_counted_and_harmless() {
+    let (index, results) = run("s 1 99 10\ns 1 0 10\ns 1 0 10\nr 1 77\nr 5 1");
+    assert!(matches!(results[0], Err(IndexError::ParentNotFound { .. })));
+    assert!(results[1].is_ok());
+    assert!(matches!(results[2], Err(IndexError::DuplicateStore { .. })));
+    assert!(matches!(results[3], Err(IndexError::BlockNotFound { .. })));
+    assert!(matches!(results[4], Err(IndexError::BlockNotFound { .. })));
+    let counts = index.error_counts();
+    assert_eq!(
+        (
+            counts.parent_not_found,
+            counts.duplicate_store,
+            counts.block_not_found
+        ),
+        (1, 1, 2)
+    );
+    index.check_consistency().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn aliased_blocks_are_reference_counted() {
+    // Two engine ids for the same prefix: the worker holds it until both are gone.
+    check("s 1 0 10\ns 1 0 20", &[10], "1:1");
+    let script = "s 1 0 10\ns 1 0 20\nr 1 10";
+    let (index, _) = run(script);
+    // Block 20 has local hash 20, so the alias here is by content: store 10 twice under ids.
+    drop(index);
+    let mut index = KvIndex::new();
+    let w = WorkerWithDpRank::from_worker_id(1);
+    let store = |ext: u64| KvCacheStoreData {
+        parent_hash: None,
+        blocks: vec![KvCacheStoredBlockData {
+            block_hash: Ext(ext),
+            tokens_hash: LocalBlockHash(10),
+        }],
+    };
+    let remove = |ext: u64| KvCacheRemoveData {
+        block_hashes: vec![Ext(ext)],
+    };
+    assert!(index.store(w, StorageTier::Device, &store(1)).is_ok());
+    assert!(index.store(w, StorageTier::Device, &store(2)).is_ok());
+    assert!(index.remove(w, StorageTier::Device, &remove(1)).is_ok());
+    assert_eq!(index.find_matches(&[LocalBlockHash(10)]).score(w), 1);
+    index.check_consistency().unwrap_or_else(|e| panic!("{e}"));
+    assert!(index.remove(w, StorageTier::Device, &remove(2)).is_ok());
+    assert_eq!(index.find_matches(&[LocalBlockHash(10)]).score(w), 0);
+    assert_eq!(index.memory().live_nodes, 0);
+}
+
+#[test]
+fn tiers_are_scored_separately() {
+    let mut index = KvIndex::new();
+    let w = WorkerWithDpRank::new(3, 1);
+    let data = KvCacheStoreData {
+        parent_hash: None,
+        blocks: vec![KvCacheStoredBlockData {
+            block_hash: Ext(1),
+            tokens_hash: LocalBlockHash(5),
+        }],
+    };
+    assert!(index.store(w, StorageTier::HostPinned, &data).is_ok());
+    let scores = index.find_matches(&[LocalBlockHash(5)]);
+    assert_eq!(scores.score(w), 0);
+    assert_eq!(scores.tier_score(w, StorageTier::HostPinned), 1);
+}
+
+#[test]
+fn wide_fleets_spill_past_64_slots() {
+    let mut script = String::new();
+    for w in 1..=150 {
+        script.push_str(&format!("s {w} 0 10 11\n"));
+    }
+    script.push_str("r 140 11\nx 3\n");
+    let (index, _) = run(&script);
+    index.check_consistency().unwrap_or_else(|e| panic!("{e}"));
+    let scores = index.find_matches(&[LocalBlockHash(10), LocalBlockHash(11)]);
+    assert_eq!(scores.scores.len(), 149);
+    assert_eq!(scores.score(WorkerWithDpRank::from_worker_id(140)), 1);
+    assert_eq!(scores.score(WorkerWithDpRank::from_worker_id(150)), 2);
+    assert_eq!(scores.score(WorkerWithDpRank::from_worker_id(3)), 0);
+}
+
+#[test]
+fn dump_round_trips() {
+    let (index, _) = run("s 1 0 10 11 12\ns 2 0 10 11\ns 2 11 13\nr 1 12\ns 1 0 20");
+    let rebuilt = KvIndex::from_events(index.dump());
+    assert!(index.same_content(&rebuilt));
+    rebuilt
+        .check_consistency()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let q: Vec<LocalBlockHash> = [10, 11, 13].map(LocalBlockHash).to_vec();
+    assert_eq!(index.find_matches(&q), rebuilt.find_matches(&q));
+}

@@ -1,0 +1,16 @@
+//! Synchronization primitives, swapped for loom's when model checking (`--cfg loom`).
+
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{AtomicBool, Ordering};
+#[cfg(loom)]
+pub(crate) use loom::sync::{Mutex, MutexGuard, RwLock, RwLockWriteGuard};
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::{AtomicBool, Ordering};
+#[cfg(not(loom))]
+pub(crate) use std::sync::{Mutex, MutexGuard, RwLock, RwLockWriteGuard};
+
+/// Locks a mutex; a panic elsewhere must not wedge the index, so poisoning is ignored (every
+/// critical section leaves the data consistent between statements that can panic).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -1,0 +1,194 @@
+//! Differential test: random event streams applied to the index and to a naive model agree on
+//! every query. Streams include duplicate stores, unknown parents, unknown blocks, clears and
+//! worker removals; proptest shrinks a failure to a minimal stream.
+
+use std::collections::BTreeMap;
+
+use kvroute_indexer::KvIndex;
+use kvroute_indexer::hash::{SequenceHash, next_seq_hash};
+use kvroute_protocols::WorkerWithDpRank;
+use kvroute_protocols::kv_events::{
+    ExternalSequenceBlockHash as Ext, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
+    KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent, StorageTier,
+};
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Event(RouterEvent),
+    RemoveWorker(u64),
+    Query(Vec<u64>),
+}
+
+/// The naive model: per lane, a map from engine id to sequence hash.
+#[derive(Default)]
+struct Model {
+    lanes: BTreeMap<(WorkerWithDpRank, StorageTier), BTreeMap<u64, u64>>,
+}
+
+impl Model {
+    fn apply(&mut self, ev: &RouterEvent) {
+        let key = (
+            WorkerWithDpRank::new(ev.worker_id, ev.event.dp_rank),
+            ev.storage_tier,
+        );
+        let lane = self.lanes.entry(key).or_default();
+        match &ev.event.data {
+            KvCacheEventData::Stored(data) => {
+                let mut prev = match data.parent_hash {
+                    None => None,
+                    Some(p) => match lane.get(&p.0) {
+                        Some(&s) => Some(SequenceHash(s)),
+                        None => return,
+                    },
+                };
+                for b in &data.blocks {
+                    let seq = next_seq_hash(prev, b.tokens_hash);
+                    prev = Some(seq);
+                    lane.entry(b.block_hash.0).or_insert(seq.0);
+                }
+            }
+            KvCacheEventData::Removed(data) => {
+                for h in &data.block_hashes {
+                    lane.remove(&h.0);
+                }
+            }
+            KvCacheEventData::Cleared => lane.clear(),
+        }
+    }
+
+    fn remove_worker(&mut self, id: u64) {
+        self.lanes.retain(|(w, _), _| w.worker_id != id);
+    }
+
+    /// (worker, tier) -> leading blocks held, non-zero only.
+    fn query(&self, local: &[u64]) -> BTreeMap<(WorkerWithDpRank, StorageTier), u32> {
+        let mut chain = Vec::new();
+        let mut prev = None;
+        for &l in local {
+            let s = next_seq_hash(prev, LocalBlockHash(l));
+            chain.push(s.0);
+            prev = Some(s);
+        }
+        let mut out = BTreeMap::new();
+        for (key, lane) in &self.lanes {
+            let depth = chain
+                .iter()
+                .take_while(|s| lane.values().any(|v| v == *s))
+                .count();
+            if depth > 0 {
+                out.insert(*key, depth as u32);
+            }
+        }
+        out
+    }
+}
+
+fn event(worker: u64, dp: u32, tier: StorageTier, id: u64, data: KvCacheEventData) -> RouterEvent {
+    RouterEvent {
+        worker_id: worker,
+        storage_tier: tier,
+        event: KvCacheEvent {
+            event_id: id,
+            data,
+            dp_rank: dp,
+        },
+    }
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    let who = (
+        1u64..4,
+        0u32..2,
+        prop_oneof![4 => Just(StorageTier::Device), 1 => Just(StorageTier::Disk)],
+    );
+    let store = (
+        who.clone(),
+        proptest::option::weighted(0.6, 1u64..10),
+        proptest::collection::vec((1u64..10, 1u64..4), 1..5),
+    )
+        .prop_map(|((w, dp, tier), parent, blocks)| {
+            Op::Event(event(
+                w,
+                dp,
+                tier,
+                0,
+                KvCacheEventData::Stored(KvCacheStoreData {
+                    parent_hash: parent.map(Ext),
+                    blocks: blocks
+                        .into_iter()
+                        .map(|(e, l)| KvCacheStoredBlockData {
+                            block_hash: Ext(e),
+                            tokens_hash: LocalBlockHash(l),
+                        })
+                        .collect(),
+                }),
+            ))
+        });
+    let remove = (who.clone(), proptest::collection::vec(1u64..10, 1..4)).prop_map(
+        |((w, dp, tier), blocks)| {
+            Op::Event(event(
+                w,
+                dp,
+                tier,
+                0,
+                KvCacheEventData::Removed(KvCacheRemoveData {
+                    block_hashes: blocks.into_iter().map(Ext).collect(),
+                }),
+            ))
+        },
+    );
+    let clear =
+        who.prop_map(|(w, dp, tier)| Op::Event(event(w, dp, tier, 0, KvCacheEventData::Cleared)));
+    prop_oneof![
+        6 => store,
+        3 => remove,
+        1 => clear,
+        1 => (1u64..4).prop_map(Op::RemoveWorker),
+        4 => proptest::collection::vec(1u64..4, 0..6).prop_map(Op::Query),
+    ]
+}
+
+fn index_query(index: &KvIndex, local: &[u64]) -> BTreeMap<(WorkerWithDpRank, StorageTier), u32> {
+    let q: Vec<LocalBlockHash> = local.iter().map(|&l| LocalBlockHash(l)).collect();
+    let scores = index.find_matches(&q);
+    let mut out = BTreeMap::new();
+    for (w, s) in &scores.scores {
+        out.insert((*w, StorageTier::Device), *s);
+    }
+    for t in &scores.lower_tiers {
+        out.insert((t.worker, t.tier), t.blocks);
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn index_agrees_with_naive_model(ops in proptest::collection::vec(op_strategy(), 1..60)) {
+        let mut index = KvIndex::new();
+        let mut model = Model::default();
+        for op in &ops {
+            match op {
+                Op::Event(ev) => {
+                    let _ = index.apply_event_untracked(ev);
+                    model.apply(ev);
+                }
+                Op::RemoveWorker(id) => {
+                    index.remove_worker(*id);
+                    model.remove_worker(*id);
+                }
+                Op::Query(q) => prop_assert_eq!(index_query(&index, q), model.query(q)),
+            }
+        }
+        prop_assert_eq!(index.check_consistency(), Ok(()));
+        let held: usize = model.lanes.values().map(BTreeMap::len).sum();
+        prop_assert_eq!(index.memory().indexed_blocks, held);
+        let rebuilt = KvIndex::from_events(index.dump());
+        prop_assert!(index.same_content(&rebuilt));
+        for q in [vec![1, 2, 3], vec![2, 1], vec![3, 3, 3, 1]] {
+            prop_assert_eq!(index_query(&rebuilt, &q), model.query(&q));
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! The real-time adapter: tokens stream at the modelled times (tokio's paused clock, to its
+//! millisecond resolution), KV events
+//! reach the publisher with consecutive ids, cancellation frees the request, and the adapter
+//! serves requests as a kvroute-runtime worker over TCP.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use kvroute_mocker::live::LiveMocker;
+use kvroute_mocker::{Engine, MockerConfig};
+use kvroute_protocols::{
+    FinishReason, PreprocessedRequest, RoutingHints, SessionAction, SessionControl,
+};
+use kvroute_runtime::{
+    Engine as _, KvEventPublisher, LlmClient, RequestContext, WorkerServer, WorkerServerConfig,
+};
+use tokio::time::Instant;
+
+use crate::support::{request, run};
+
+fn prompt() -> Vec<u32> {
+    (0..40).collect()
+}
+
+fn llm_request(max_tokens: u32) -> PreprocessedRequest {
+    let mut req = PreprocessedRequest::new("mock", prompt());
+    req.stop_conditions.max_tokens = Some(max_tokens);
+    req
+}
+
+#[tokio::test(start_paused = true)]
+async fn tokens_arrive_at_the_modelled_times_and_events_are_published() {
+    let config = MockerConfig::default();
+    // The same request run offline in virtual time is the expectation.
+    let mut offline = Engine::new(config.clone(), 0).expect("valid config");
+    offline
+        .add_request(Duration::ZERO, request(0, prompt(), 5, None))
+        .expect("accepted");
+    let (mut expect_tokens, mut expect_events) = (Vec::new(), Vec::new());
+    run(&mut offline, None, |_, out| {
+        expect_tokens.extend(out.tokens.iter().map(|t| (t.token, t.at)));
+        expect_events.extend(out.events.iter().cloned());
+    });
+
+    let publisher = KvEventPublisher::new(7, 1024);
+    let start = Instant::now();
+    let mocker = LiveMocker::spawn(config, 0, publisher.clone()).expect("valid config");
+    let mut stream = mocker
+        .generate(llm_request(5), RequestContext::new("r1"))
+        .expect("accepted");
+    let mut got = Vec::new();
+    let mut last = None;
+    while let Some(item) = stream.next().await {
+        let data = item.data.expect("data item");
+        if let Some(reason) = data.finish_reason {
+            last = Some((
+                reason,
+                data.completion_usage.expect("usage on the last item"),
+            ));
+        } else {
+            got.push((data.token_ids[0], start.elapsed()));
+        }
+    }
+    // Tokio's timer has millisecond resolution: each token arrives at its modelled time rounded
+    // up to the millisecond, and the rounding does not accumulate (steps chain in virtual time).
+    assert_eq!(got.len(), expect_tokens.len());
+    for ((token, arrived), (expect, at)) in got.iter().zip(&expect_tokens) {
+        assert_eq!(token, expect);
+        assert!(
+            *arrived >= *at && *arrived < *at + Duration::from_millis(1),
+            "{arrived:?} vs {at:?}"
+        );
+    }
+    let (reason, usage) = last.expect("a final item");
+    assert_eq!(reason, FinishReason::Length);
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (40, 5));
+
+    let published = publisher.range(0, u64::MAX - 1).expect("held");
+    let ids: Vec<u64> = published.iter().map(|e| e.event.event_id).collect();
+    assert_eq!(ids, (0..expect_events.len() as u64).collect::<Vec<_>>());
+    assert!(published.iter().map(|e| &e.event).eq(expect_events.iter()));
+    assert_eq!(
+        mocker.kv_dump().len(),
+        2,
+        "two full 16-token prompt blocks are cached"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stop_ends_the_stream_with_a_cancelled_item() {
+    let mocker =
+        LiveMocker::spawn(MockerConfig::default(), 0, KvEventPublisher::new(1, 16)).expect("valid");
+    let context = RequestContext::new("r1");
+    let mut stream = mocker
+        .generate(llm_request(10_000), context.clone())
+        .expect("accepted");
+    let mut tokens = 0;
+    while let Some(item) = stream.next().await {
+        let data = item.data.expect("data item");
+        if data.finish_reason.is_some() {
+            assert_eq!(data.finish_reason, Some(FinishReason::Cancelled));
+            break;
+        }
+        tokens += 1;
+        if tokens == 3 {
+            context.stop_generating();
+        }
+    }
+    assert!(
+        (3..10).contains(&tokens),
+        "stopped soon after the stop, got {tokens} tokens"
+    );
+    assert!(
+        stream.next().await.is_none(),
+        "the stream ends after the cancelled item"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_open_session_keeps_its_prefix_for_the_next_turn() {
+    let config = MockerConfig {
+        num_blocks: 8,
+        block_size: 16,
+        ..MockerConfig::default()
+    };
+    let mocker = LiveMocker::spawn(config, 0, KvEventPublisher::new(1, 64)).expect("valid");
+    let turn = |id: &str, tokens: Vec<u32>, action: Option<SessionAction>| {
+        let mut req = PreprocessedRequest::new("mock", tokens);
+        req.stop_conditions.max_tokens = Some(1);
+        let mut control = SessionControl::new("chat");
+        control.action = action;
+        req.routing = Some(RoutingHints {
+            session_control: Some(control),
+            ..RoutingHints::default()
+        });
+        mocker
+            .generate(req, RequestContext::new(id))
+            .expect("accepted")
+    };
+    let cached = |mut stream: kvroute_runtime::ResponseStream<_>| async move {
+        let mut cached = None;
+        while let Some(item) = stream.next().await {
+            let item: kvroute_protocols::Annotated<kvroute_protocols::LLMEngineOutput> = item;
+            if let Some(usage) = item.data.and_then(|d| d.completion_usage) {
+                cached = usage.prompt_tokens_details.and_then(|d| d.cached_tokens);
+            }
+        }
+        cached
+    };
+    assert_eq!(
+        cached(turn("t1", (0..64).collect(), Some(SessionAction::Open))).await,
+        Some(0)
+    );
+    // Other traffic cycles the 8-block cache; the session's 4 blocks are not evictable.
+    for k in 0..4u32 {
+        let mut req =
+            PreprocessedRequest::new("mock", (1000 * (k + 1)..1000 * (k + 1) + 64).collect());
+        req.stop_conditions.max_tokens = Some(1);
+        let stream = mocker
+            .generate(req, RequestContext::new(format!("o{k}")))
+            .expect("fits");
+        cached(stream).await;
+    }
+    assert_eq!(
+        cached(turn("t2", (0..64).collect(), Some(SessionAction::Close))).await,
+        Some(48)
+    );
+}
+
+#[tokio::test]
+async fn the_adapter_serves_as_a_worker_over_tcp() {
+    let config = MockerConfig {
+        speedup: 1000.0,
+        ..MockerConfig::default()
+    };
+    let publisher = KvEventPublisher::new(3, 1024);
+    let mocker = Arc::new(LiveMocker::spawn(config, 0, publisher.clone()).expect("valid config"));
+    let server_config = WorkerServerConfig::new(3).with_kv_events(publisher.clone());
+    let server = WorkerServer::bind("127.0.0.1:0", mocker, server_config)
+        .await
+        .expect("bind");
+    let client = LlmClient::connect(&server.local_addr().to_string(), Default::default())
+        .await
+        .expect("connect");
+    let mut stream = client
+        .generate("r1", &llm_request(8))
+        .await
+        .expect("generate");
+    let mut tokens = 0;
+    let mut finish = None;
+    while let Some(item) = stream.next().await {
+        let data = item.expect("item").data.expect("data");
+        tokens += data.token_ids.len();
+        finish = finish.or(data.finish_reason);
+    }
+    assert_eq!((tokens, finish), (8, Some(FinishReason::Length)));
+    assert!(
+        publisher.last_event_id().is_some(),
+        "the prompt's blocks were published"
+    );
+}
