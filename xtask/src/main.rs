@@ -32,7 +32,8 @@ enum Command {
     Fuzz(fuzz::FuzzArgs),
     /// Run a benchmark binary with its own arguments, e.g. `bench indexer --trace FILE`.
     Bench {
-        /// Which bench: `indexer` (trace replay through the KV index).
+        /// Which bench: `indexer` (trace replay through the KV index), `indexer-soak`, `mocker`
+        /// (simulation speed) or `request-plane` (TCP round trips).
         which: String,
         /// Arguments passed through to the bench binary.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -61,7 +62,12 @@ fn project_root() -> PathBuf {
 
 /// Bench binaries (harness = false) that print figures; `cargo xtask bench NAME` runs them in
 /// release mode with the caller's arguments.
-const BENCHES: &[(&str, &str, &str)] = &[("indexer", "kvroute-indexer", "trace_replay")];
+const BENCHES: &[(&str, &str, &str)] = &[
+    ("indexer", "kvroute-indexer", "trace_replay"),
+    ("indexer-soak", "kvroute-indexer", "churn_soak"),
+    ("mocker", "kvroute-mocker", "simulate"),
+    ("request-plane", "kvroute-runtime", "request_plane"),
+];
 
 fn bench(root: &Path, which: &str, args: &[String]) -> Result<()> {
     let Some((_, package, bench)) = BENCHES.iter().find(|(name, _, _)| *name == which) else {
