@@ -70,6 +70,9 @@ struct Seq {
     admitted_once: bool,
     cached_prompt_tokens: u32,
     preemptions: u32,
+    /// The prompt's KV arrives from a prefill worker (disaggregated serving): at its first
+    /// admission every prompt block is taken as computed except the last token's.
+    remote_kv: bool,
 }
 
 #[derive(Debug)]
@@ -248,6 +251,23 @@ impl Engine {
         Ok(())
     }
 
+    /// Queues a request whose prompt KV was computed by a prefill worker and transferred here:
+    /// at admission the engine allocates and caches every prompt block (emitting `Stored` for
+    /// them, as a decode worker that received the blocks would) and computes only the last
+    /// prompt token. A preempted request recomputes locally, since its blocks are gone.
+    pub fn add_prefilled_request(
+        &mut self,
+        now: Duration,
+        request: Request,
+    ) -> Result<(), RequestError> {
+        let id = request.id;
+        self.add_request(now, request)?;
+        if let Some(&slot) = self.by_id.get(&id) {
+            self.seq_mut(slot).remote_kv = true;
+        }
+        Ok(())
+    }
+
     /// Cancels a request; returns whether the engine held it. Its blocks are freed at once (a
     /// cancelled request never joins its session) and a `Cancelled` finish is reported.
     pub fn cancel(&mut self, now: Duration, id: RequestId, out: &mut StepOutput) -> bool {
@@ -389,6 +409,7 @@ impl Engine {
             admitted_once: false,
             cached_prompt_tokens: 0,
             preemptions: 0,
+            remote_kv: false,
         }
     }
 
@@ -509,7 +530,13 @@ impl Engine {
                 None => break,
             }
         }
-        let computed = hits.len() * bs;
+        let hit_tokens = hits.len() * bs;
+        // Transferred KV covers the prompt; the last token is computed here for its logits.
+        let computed = if seq.remote_kv {
+            seq.num_tokens - 1
+        } else {
+            hit_tokens
+        };
         let n = (seq.num_tokens - computed).min(budget);
         let need = self.blocks_for(computed + n) - hits.len();
         if need + hits_free > self.pool.free() {
@@ -521,17 +548,18 @@ impl Engine {
         let mut blocks = hits;
         let ok = self.pool.allocate(need, &mut blocks);
         debug_assert!(ok, "free blocks were counted before allocating");
-        let num_hits = computed / bs;
+        let num_hits = hit_tokens / bs;
         let seq = self.seq_mut(slot);
         seq.blocks = blocks;
         seq.num_cached = num_hits;
         seq.num_computed = computed;
+        seq.remote_kv = false;
         if !seq.admitted_once {
             seq.admitted_once = true;
-            seq.cached_prompt_tokens = computed as u32;
+            seq.cached_prompt_tokens = hit_tokens as u32;
             self.stats.admitted += 1;
             self.stats.prompt_tokens += self.seq(slot).num_tokens as u64;
-            self.stats.cached_prompt_tokens += computed as u64;
+            self.stats.cached_prompt_tokens += hit_tokens as u64;
         }
         Some(n)
     }

@@ -5,14 +5,17 @@
 //!
 //! Entry types: [`Engine`] (the core: `add_request`, `advance_to(now)`, `next_wakeup`),
 //! [`MockerConfig`] (JSON or TOML, defaults model an 8B model on one H100), [`sim::Simulation`]
-//! (several engines in virtual time), [`trace`] (Mooncake traces) and [`live::LiveMocker`] (the
-//! core served as a kvroute-runtime worker in real time).
+//! (several engines in virtual time), [`trace`] (Mooncake traces), [`live::LiveMocker`] (the
+//! core served as a kvroute-runtime worker in real time) and [`disagg`] (its prefill and decode
+//! roles for disaggregated serving, with the bootstrap rendezvous).
 //!
-//! The core (everything but [`live`]) is synchronous and deterministic: it never reads a clock,
-//! sleeps or touches the network; time comes in as `now` arguments. Only [`live`] uses tokio and
-//! kvroute-runtime. The crate must not depend on routing policy (scheduler, sessions, router).
+//! The core (everything but [`live`] and [`disagg`]) is synchronous and deterministic: it never
+//! reads a clock, sleeps or touches the network; time comes in as `now` arguments. Only [`live`]
+//! and [`disagg`] use tokio (and only [`live`] kvroute-runtime). The crate must not depend on
+//! routing policy (scheduler, sessions, router).
 
 pub mod config;
+pub mod disagg;
 mod engine;
 mod kv;
 pub mod live;

@@ -24,6 +24,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::config::{ConfigError, MockerConfig};
+use crate::disagg::{self, KvSource, Role};
 use crate::engine::Engine;
 use crate::request::{FinishReason, Request, RequestId, StepOutput};
 
@@ -47,6 +48,10 @@ struct Shared {
     publisher: KvEventPublisher,
     dp_rank: DpRank,
     start: Instant,
+    /// The disaggregated-serving role; `None` serves every request whole.
+    role: Option<Role>,
+    block_size: u32,
+    speedup: f64,
 }
 
 struct State {
@@ -60,8 +65,26 @@ struct Active {
     tx: mpsc::UnboundedSender<LlmResponse>,
     context: RequestContext,
     prompt_tokens: u32,
+    /// Set on a prefill worker: the params its token carries and the room it fills.
+    prefill: Option<PrefillTag>,
     /// Dropped when the request ends, which ends its cancellation watcher.
     _done: oneshot::Sender<()>,
+}
+
+struct PrefillTag {
+    params: serde_json::Value,
+    room: Option<u64>,
+}
+
+/// A request ready to enter the engine.
+struct Admission {
+    request: PreprocessedRequest,
+    max_output_tokens: u32,
+    prefilled: bool,
+    prefill: Option<PrefillTag>,
+    tx: mpsc::UnboundedSender<LlmResponse>,
+    context: RequestContext,
+    done: oneshot::Sender<()>,
 }
 
 impl LiveMocker {
@@ -72,6 +95,27 @@ impl LiveMocker {
         dp_rank: DpRank,
         publisher: KvEventPublisher,
     ) -> Result<Self, ConfigError> {
+        Self::spawn_inner(config, dp_rank, publisher, None)
+    }
+
+    /// Like [`Self::spawn`], with a disaggregated-serving `role` (see [`crate::disagg`]).
+    pub fn spawn_with_role(
+        config: MockerConfig,
+        dp_rank: DpRank,
+        publisher: KvEventPublisher,
+        role: Role,
+    ) -> Result<Self, ConfigError> {
+        Self::spawn_inner(config, dp_rank, publisher, Some(role))
+    }
+
+    fn spawn_inner(
+        config: MockerConfig,
+        dp_rank: DpRank,
+        publisher: KvEventPublisher,
+        role: Option<Role>,
+    ) -> Result<Self, ConfigError> {
+        let block_size = config.block_size;
+        let speedup = config.speedup;
         let engine = Engine::new(config, dp_rank)?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
@@ -84,6 +128,9 @@ impl LiveMocker {
             publisher,
             dp_rank,
             start: Instant::now(),
+            role,
+            block_size,
+            speedup,
         });
         tokio::spawn(drive(Arc::clone(&shared)));
         Ok(Self { shared })
@@ -115,49 +162,54 @@ impl kvroute_runtime::Engine for LiveMocker {
         request: PreprocessedRequest,
         context: RequestContext,
     ) -> Result<ResponseStream<LlmResponse>, EngineError> {
-        let now = self.now();
-        let control = request
-            .routing
-            .as_ref()
-            .and_then(|r| r.session_control.clone());
-        let prompt_tokens = request.token_ids.len() as u32;
-        let max_output_tokens = request
+        let shared = &self.shared;
+        let mut max_output_tokens = request
             .stop_conditions
             .max_tokens
             .unwrap_or(DEFAULT_MAX_TOKENS);
+        let mut prefill = None;
+        if let Some(Role::Prefill { worker_id, rooms }) = &shared.role {
+            // A prefill worker only prefills: one token, whatever the budget says.
+            max_output_tokens = 1;
+            let params = disagg::prefill_params(
+                *worker_id,
+                shared.dp_rank,
+                &request.token_ids,
+                shared.block_size,
+            );
+            let room = request.bootstrap_info.as_ref().map(|i| i.bootstrap_room);
+            if room.is_some() && rooms.is_none() {
+                return Err(EngineError::Rejected {
+                    message: "bootstrap_info given, but this prefill worker runs no bootstrap \
+                              server; expected a request without bootstrap_info"
+                        .to_owned(),
+                });
+            }
+            prefill = Some(PrefillTag { params, room });
+        }
+        let source = disagg::kv_source(shared.role.as_ref(), &request);
+        if let KvSource::Result(params) = &source {
+            disagg::check_params(params, &request.token_ids, shared.block_size)
+                .map_err(|message| EngineError::Rejected { message })?;
+        }
         let (tx, mut rx) = mpsc::unbounded_channel();
         let (done_tx, done_rx) = oneshot::channel();
-        {
-            let mut state = self.shared.state.lock();
-            let session = match control {
-                Some(control) => apply_session_control(&mut state.engine, now, &control),
-                None => None,
-            };
-            let id = state.next_id;
-            state.next_id += 1;
-            let request = Request {
-                id,
-                tokens: request.token_ids,
-                max_output_tokens,
-                session,
-            };
-            state
-                .engine
-                .add_request(now, request)
-                .map_err(|e| EngineError::Rejected {
-                    message: e.to_string(),
-                })?;
-            state.active.insert(
-                id,
-                Active {
-                    tx,
-                    context: context.clone(),
-                    prompt_tokens,
-                    _done: done_tx,
-                },
-            );
+        let admission = Admission {
+            request,
+            max_output_tokens,
+            prefilled: source != KvSource::Local,
+            prefill,
+            tx,
+            context: context.clone(),
+            done: done_tx,
+        };
+        match source {
+            KvSource::Local => admit(shared, admission)?,
+            remote => {
+                tokio::spawn(fetch_then_admit(Arc::clone(shared), remote, admission));
+            }
         }
-        let shared = Arc::clone(&self.shared);
+        let shared = Arc::clone(shared);
         tokio::spawn(async move {
             // A stop must reach the driver even while it sleeps until a far wake-up.
             tokio::select! {
@@ -165,7 +217,6 @@ impl kvroute_runtime::Engine for LiveMocker {
                 _ = done_rx => {}
             }
         });
-        self.shared.wake.notify_one();
         Ok(Box::pin(futures::stream::poll_fn(move |cx| {
             rx.poll_recv(cx)
         })))
@@ -198,6 +249,89 @@ impl kvroute_runtime::Engine for LiveMocker {
                 dp_rank: self.shared.dp_rank,
             })
             .collect()
+    }
+}
+
+/// Puts a request into the engine and registers its stream.
+fn admit(shared: &Shared, admission: Admission) -> Result<(), EngineError> {
+    let Admission {
+        request,
+        max_output_tokens,
+        prefilled,
+        prefill,
+        tx,
+        context,
+        done,
+    } = admission;
+    let now = shared.start.elapsed();
+    let control = request
+        .routing
+        .as_ref()
+        .and_then(|r| r.session_control.clone());
+    let prompt_tokens = request.token_ids.len() as u32;
+    let mut state = shared.state.lock();
+    let session = match control {
+        Some(control) => apply_session_control(&mut state.engine, now, &control),
+        None => None,
+    };
+    let id = state.next_id;
+    state.next_id += 1;
+    let request = Request {
+        id,
+        tokens: request.token_ids,
+        max_output_tokens,
+        session,
+    };
+    let added = if prefilled {
+        state.engine.add_prefilled_request(now, request)
+    } else {
+        state.engine.add_request(now, request)
+    };
+    added.map_err(|e| EngineError::Rejected {
+        message: e.to_string(),
+    })?;
+    state.active.insert(
+        id,
+        Active {
+            tx,
+            context,
+            prompt_tokens,
+            prefill,
+            _done: done,
+        },
+    );
+    drop(state);
+    shared.wake.notify_one();
+    Ok(())
+}
+
+/// Fetches a decode request's prompt KV (bootstrap pull, then the modelled transfer) and admits
+/// it; a failure or a cancellation while fetching ends the stream with an error item.
+async fn fetch_then_admit(shared: Arc<Shared>, source: KvSource, admission: Admission) {
+    let Some(Role::Decode(config)) = &shared.role else {
+        return;
+    };
+    let tokens = admission.request.token_ids.len();
+    let transfer = disagg::transfer_time(config, tokens, shared.block_size, shared.speedup);
+    let fetch = async {
+        if let KvSource::Bootstrap(info) = &source {
+            let params = disagg::pull(info, config.pull_timeout).await?;
+            disagg::check_params(&params, &admission.request.token_ids, shared.block_size)?;
+        }
+        tokio::time::sleep(transfer).await;
+        Ok::<(), String>(())
+    };
+    let fetched = tokio::select! {
+        fetched = fetch => fetched,
+        () = admission.context.stopped() => return,
+        () = admission.tx.closed() => return,
+    };
+    let tx = admission.tx.clone();
+    let result = fetched.and_then(|()| admit(&shared, admission).map_err(|e| e.to_string()));
+    if let Err(message) = result {
+        let _ = tx.send(Annotated::from_error(format!(
+            "cannot fetch the prefilled KV: {message}"
+        )));
     }
 }
 
@@ -272,8 +406,14 @@ impl State {
     fn deliver(&mut self, out: &StepOutput, shared: &Shared) {
         for token in &out.tokens {
             if let Some(active) = self.active.get(&token.request_id) {
+                let disaggregated_params = active
+                    .prefill
+                    .as_ref()
+                    .filter(|_| token.index == 0)
+                    .map(|p| p.params.clone());
                 let item = LLMEngineOutput {
                     token_ids: vec![token.token],
+                    disaggregated_params,
                     ..LLMEngineOutput::default()
                 };
                 // A closed stream is noticed and cancelled at the next wake-up.
@@ -284,6 +424,20 @@ impl State {
             let Some(active) = self.active.remove(&finished.request_id) else {
                 continue;
             };
+            if let (
+                Some(Role::Prefill {
+                    rooms: Some(rooms), ..
+                }),
+                Some(tag),
+            ) = (&shared.role, &active.prefill)
+                && let Some(room) = tag.room
+            {
+                let outcome = match finished.reason {
+                    FinishReason::Length => Ok(tag.params.clone()),
+                    _ => Err("the prefill was cancelled".to_owned()),
+                };
+                rooms.post(room, outcome);
+            }
             let last = match finished.reason {
                 FinishReason::Length => LLMEngineOutput {
                     finish_reason: Some(WireFinish::Length),

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::config::{ConfigError, MockerConfig};
 use crate::engine::Engine;
-use crate::request::{Request, RequestId, StepOutput};
+use crate::request::{Request, RequestError, RequestId, StepOutput};
 
 /// A request and when it arrives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,6 +30,12 @@ pub trait Dispatcher {
     /// its wake-ups.
     fn observe(&mut self, worker: usize, output: &StepOutput) {
         let _ = (worker, output);
+    }
+
+    /// Called when engine `worker` refused request `id` at `now` (it was counted in
+    /// [`SimReport::rejected`] and produces nothing), so a dispatcher can free what it tracked.
+    fn rejected(&mut self, now: Duration, worker: usize, id: RequestId, error: &RequestError) {
+        let _ = (now, worker, id, error);
     }
 }
 
@@ -220,7 +226,10 @@ impl Simulation {
                     Ok(()) => {
                         started.insert(id, now);
                     }
-                    Err(_) => report.rejected += 1,
+                    Err(error) => {
+                        report.rejected += 1;
+                        dispatcher.rejected(now, picked, id, &error);
+                    }
                 }
             }
         }
