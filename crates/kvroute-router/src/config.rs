@@ -1,0 +1,59 @@
+//! The router core's configuration and the per-worker KV mode.
+
+use kvroute_indexer::ApproxConfig;
+use kvroute_scheduler::SchedulerConfig;
+use kvroute_sessions::{DEFAULT_MAX_SESSIONS, WorkerLossMode};
+
+use crate::policy::Policy;
+
+/// Everything [`crate::KvRouterCore`] needs up front.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouterConfig {
+    /// Load tracking and the cost model; its `block_size` is the router's block size (every
+    /// worker of one model shares the engine's page size).
+    pub scheduler: SchedulerConfig,
+    /// How a worker is chosen among the eligible ones.
+    pub policy: Policy,
+    /// Approximate mode, for workers registered with [`KvMode::Approximate`].
+    pub approx: ApproxConfig,
+    /// What happens to a session whose bound worker left.
+    pub session_loss: WorkerLossMode,
+    /// Most sticky sessions held at once.
+    pub max_sessions: usize,
+}
+
+impl RouterConfig {
+    /// The reference defaults for engines with `block_size` tokens per KV block, with the
+    /// [`Policy::Kv`] policy.
+    pub fn new(block_size: u32) -> Self {
+        Self {
+            scheduler: SchedulerConfig::new(block_size),
+            policy: Policy::Kv,
+            approx: ApproxConfig::default(),
+            session_loss: WorkerLossMode::Soft,
+            max_sessions: DEFAULT_MAX_SESSIONS,
+        }
+    }
+
+    /// The same configuration with `policy`.
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The router's block size in tokens.
+    pub fn block_size(&self) -> u32 {
+        self.scheduler.block_size
+    }
+}
+
+/// How the router learns what a worker caches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum KvMode {
+    /// The worker publishes KV events: its blocks are known exactly from them.
+    #[default]
+    Events,
+    /// The worker publishes nothing: each routing decision is recorded as a prediction that the
+    /// request's blocks are cached there, for the configured TTL.
+    Approximate,
+}

@@ -1,0 +1,610 @@
+//! [`KvRouterCore`]: the synchronous routing core (KV indexes + scheduler + sessions).
+
+use std::time::{Duration, Instant};
+
+use kvroute_indexer::hash::{compute_block_hashes, next_seq_hash};
+use kvroute_indexer::{ApproxIndex, EventGap, EventOrder, FastMap, GapTracker, KvIndex};
+use kvroute_protocols::kv_events::{LocalBlockHash, RouterEvent};
+use kvroute_protocols::{WorkerId, WorkerWithDpRank};
+use kvroute_scheduler::{
+    ConfigError, LoadError, NewRequest, RequestId, Scheduler, SelectRequest, WorkerError,
+    WorkerLoad, WorkerSpec,
+};
+use kvroute_sessions::{
+    AffinityStore, InMemoryAffinityStore, Rollback, SessionCommand, SessionCoordinator,
+    StickyRoute, sticky_allowed,
+};
+use rand::Rng;
+
+use crate::config::{KvMode, RouterConfig};
+use crate::error::RouteError;
+use crate::policy::Policy;
+use crate::request::{PhaseTimings, RouteRequest, RouteSource, Routed};
+
+/// The KV router as a sans-IO state machine: apply KV events, route requests, track their load
+/// until they end, keep sessions sticky.
+///
+/// Synchronous and deterministic: `now` (time since any fixed epoch, never going backwards) and
+/// the RNG come in as arguments, so the live router (behind a mutex) and trace replay (in virtual
+/// time) run this same code. The only clock it reads is for [`PhaseTimings`], which no decision
+/// depends on.
+#[derive(Debug)]
+pub struct KvRouterCore<S: AffinityStore = InMemoryAffinityStore> {
+    config: RouterConfig,
+    /// Blocks of workers that publish events.
+    index: KvIndex,
+    /// Predicted blocks of workers that publish none.
+    approx: ApproxIndex,
+    modes: FastMap<WorkerId, KvMode>,
+    /// Event ids per worker: the runtime's publisher numbers one sequence per worker, over all
+    /// of its dp ranks, so gaps are detected per worker rather than per rank.
+    gaps: GapTracker,
+    scheduler: Scheduler,
+    sessions: SessionCoordinator<S>,
+    active: FastMap<RequestId, Active>,
+    rr_next: u64,
+    stats: CoreStats,
+    scratch: Scratch,
+}
+
+/// Counters of the core's event handling.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CoreStats {
+    /// Live events applied to the exact index.
+    pub events_applied: u64,
+    /// Events whose id was at or below one already seen (duplicates, or already recovered);
+    /// skipped.
+    pub events_late: u64,
+    /// Gaps in a worker's event ids.
+    pub gaps_detected: u64,
+    /// Events from workers in approximate mode; skipped.
+    pub events_ignored: u64,
+    /// Events applied from gap recovery or dumps.
+    pub events_recovered: u64,
+}
+
+/// What [`KvRouterCore::expire`] dropped.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Expired {
+    /// Requests nobody finished within the scheduler's expiry; their load is gone.
+    pub requests: Vec<RequestId>,
+    /// Engine sessions to close (expired engine-backed bindings, and the deferred closes of the
+    /// expired requests).
+    pub session_closes: Vec<SessionCommand>,
+}
+
+/// A request in flight: what to do with its session when it ends.
+#[derive(Debug)]
+struct Active {
+    worker: WorkerWithDpRank,
+    pending_open: Option<SessionCommand>,
+    after_response: Vec<SessionCommand>,
+    rollback: Option<Rollback>,
+}
+
+#[derive(Debug, Default)]
+struct Scratch {
+    local: Vec<LocalBlockHash>,
+    seq: Vec<u64>,
+    overlaps: Vec<(WorkerWithDpRank, u32)>,
+}
+
+/// A decision before it is committed.
+struct Decided {
+    routed: Routed,
+    sticky: StickyRoute,
+    /// The round-robin turn was used (advance it on commit).
+    round_robin: bool,
+}
+
+impl KvRouterCore<InMemoryAffinityStore> {
+    /// A core with no workers and an in-memory affinity store; fails if the scheduler
+    /// configuration does not validate.
+    pub fn new(config: RouterConfig) -> Result<Self, ConfigError> {
+        let store = InMemoryAffinityStore::new(config.max_sessions);
+        Self::with_store(config, store)
+    }
+}
+
+impl<S: AffinityStore> KvRouterCore<S> {
+    /// A core with no workers whose sticky sessions live in `store`.
+    pub fn with_store(config: RouterConfig, store: S) -> Result<Self, ConfigError> {
+        let scheduler = Scheduler::new(config.scheduler.clone())?;
+        Ok(Self {
+            index: KvIndex::new(),
+            approx: ApproxIndex::new(config.approx),
+            modes: FastMap::default(),
+            gaps: GapTracker::new(),
+            scheduler,
+            sessions: SessionCoordinator::new(store, config.session_loss),
+            active: FastMap::default(),
+            rr_next: 0,
+            stats: CoreStats::default(),
+            scratch: Scratch::default(),
+            config,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// Tokens per KV block.
+    pub fn block_size(&self) -> u32 {
+        self.config.block_size()
+    }
+
+    /// The selection policy.
+    pub fn policy(&self) -> Policy {
+        self.config.policy
+    }
+
+    /// Changes the selection policy (load and caches are kept).
+    pub fn set_policy(&mut self, policy: Policy) {
+        self.config.policy = policy;
+    }
+
+    // ----- workers and events -----
+
+    /// Registers a worker (all of its dp ranks) with zero load; `mode` says whether its cache is
+    /// known from its events or predicted from routing decisions.
+    pub fn add_worker(&mut self, spec: &WorkerSpec, mode: KvMode) -> Result<(), WorkerError> {
+        self.scheduler.add_worker(spec)?;
+        self.modes.insert(spec.worker_id, mode);
+        tracing::info!(
+            worker = spec.worker_id,
+            ?mode,
+            dp_size = spec.dp_size,
+            "worker added"
+        );
+        Ok(())
+    }
+
+    /// Unregisters a worker: forgets its blocks, predictions and event ids, and drops the load
+    /// of its requests in flight, which are returned (their guards still call `on_finished` or
+    /// `on_failed`, which then only settle sessions). Unknown workers return an empty list.
+    pub fn remove_worker(&mut self, worker_id: WorkerId) -> Vec<RequestId> {
+        self.modes.remove(&worker_id);
+        self.index.remove_worker(worker_id);
+        self.approx.remove_worker(worker_id);
+        self.gaps.forget_worker(worker_id);
+        let dropped = self.scheduler.remove_worker(worker_id);
+        tracing::info!(
+            worker = worker_id,
+            dropped = dropped.len(),
+            "worker removed"
+        );
+        dropped
+    }
+
+    /// Whether the worker is registered.
+    pub fn has_worker(&self, worker_id: WorkerId) -> bool {
+        self.modes.contains_key(&worker_id)
+    }
+
+    /// The worker's KV mode, if registered.
+    pub fn kv_mode(&self, worker_id: WorkerId) -> Option<KvMode> {
+        self.modes.get(&worker_id).copied()
+    }
+
+    /// Applies one live KV event. Returns the ids lost before it, if any, which the caller
+    /// should fetch from the worker (`kv_events_range`) and pass to [`Self::apply_recovered`].
+    ///
+    /// Late events (an id at or below one already seen) are skipped: they were recovered or
+    /// dumped already. Events of workers in approximate mode are skipped. Events of workers not
+    /// registered (yet) are applied, since events may outrun discovery.
+    pub fn apply_event(&mut self, event: &RouterEvent) -> Option<EventGap> {
+        if self.modes.get(&event.worker_id) == Some(&KvMode::Approximate) {
+            self.stats.events_ignored += 1;
+            return None;
+        }
+        let key = WorkerWithDpRank::from_worker_id(event.worker_id);
+        let gap = match self.gaps.observe(key, event.event.event_id) {
+            EventOrder::InOrder => None,
+            EventOrder::Gap(gap) => {
+                self.stats.gaps_detected += 1;
+                tracing::warn!(worker = event.worker_id, missing = ?gap.missing, "KV event gap");
+                Some(gap)
+            }
+            EventOrder::Late => {
+                self.stats.events_late += 1;
+                return None;
+            }
+        };
+        // Bad events are counted by the index; it stays consistent.
+        let _ = self.index.apply_event_untracked(event);
+        self.stats.events_applied += 1;
+        gap
+    }
+
+    /// Applies an event fetched to fill a gap (its id is not tracked).
+    pub fn apply_recovered(&mut self, event: &RouterEvent) {
+        if self.modes.get(&event.worker_id) == Some(&KvMode::Approximate) {
+            self.stats.events_ignored += 1;
+            return;
+        }
+        let _ = self.index.apply_event_untracked(event);
+        self.stats.events_recovered += 1;
+    }
+
+    /// Replaces everything known about `worker_id`'s cache with a dump of it (a worker that
+    /// joined, or one whose gap could not be filled): `events` are its blocks as `Stored` events
+    /// and `last_event_id` the newest event they reflect, after which live events resume.
+    pub fn apply_dump(
+        &mut self,
+        worker_id: WorkerId,
+        last_event_id: Option<u64>,
+        events: &[RouterEvent],
+    ) {
+        self.index.remove_worker(worker_id);
+        self.gaps.forget_worker(worker_id);
+        for event in events.iter().filter(|e| e.worker_id == worker_id) {
+            let _ = self.index.apply_event_untracked(event);
+            self.stats.events_recovered += 1;
+        }
+        if let Some(last) = last_event_id {
+            self.gaps
+                .observe(WorkerWithDpRank::from_worker_id(worker_id), last);
+        }
+    }
+
+    // ----- routing -----
+
+    /// Routes a request: hashes its tokens into blocks, resolves a pinned worker or a sticky
+    /// session (before any scoring), otherwise finds cached prefixes and selects a worker with
+    /// the policy; then records the request's load (and, for a worker in approximate mode, the
+    /// predicted blocks) and applies its session action.
+    ///
+    /// Run `session_open` (if any) before sending and report it with [`Self::session_opened`];
+    /// report progress with [`Self::on_first_token`] / [`Self::on_output_tokens`]; end with
+    /// [`Self::on_finished`] or [`Self::on_failed`]. On error no load was recorded.
+    pub fn route<R: Rng + ?Sized>(
+        &mut self,
+        req: &RouteRequest<'_>,
+        now: Duration,
+        rng: &mut R,
+    ) -> Result<Routed, RouteError> {
+        if self.active.contains_key(&req.id) {
+            return Err(LoadError::DuplicateRequest(req.id).into());
+        }
+        let Decided {
+            mut routed,
+            sticky,
+            round_robin,
+        } = self.decide(req, now, rng, false)?;
+        let t = Instant::now();
+        let control = req.hints.and_then(|h| h.session_control.as_ref());
+        let plan = self
+            .sessions
+            .on_routed(control, sticky, routed.worker, now)?;
+        let added = self.scheduler.add_request(
+            &NewRequest {
+                id: req.id,
+                worker: routed.worker,
+                isl_tokens: routed.isl_tokens,
+                block_hashes: &self.scratch.seq,
+                overlap_blocks: routed.overlap_blocks,
+                expected_output_tokens: req.expected_output_tokens,
+            },
+            now,
+        );
+        if let Err(e) = added {
+            if let Some(rb) = plan.rollback {
+                let _ = self.sessions.rollback(rb);
+            }
+            return Err(e.into());
+        }
+        if self.modes.get(&routed.worker.worker_id) == Some(&KvMode::Approximate) {
+            self.approx.record(routed.worker, &self.scratch.local, now);
+        }
+        if round_robin {
+            self.rr_next = self.rr_next.wrapping_add(1);
+        }
+        routed.session_open = plan.before_send.clone();
+        self.active.insert(
+            req.id,
+            Active {
+                worker: routed.worker,
+                pending_open: plan.before_send,
+                after_response: plan.after_response,
+                rollback: plan.rollback,
+            },
+        );
+        routed.timings.scheduling += t.elapsed();
+        Ok(routed)
+    }
+
+    /// The decision [`Self::route`] would make now, without making it: no load, prediction,
+    /// session binding or TTL refresh, round-robin turn or request id is touched (the
+    /// scheduler's decision counters do count it). With the same RNG state, `route` right after
+    /// chooses the same worker.
+    pub fn query<R: Rng + ?Sized>(
+        &mut self,
+        req: &RouteRequest<'_>,
+        now: Duration,
+        rng: &mut R,
+    ) -> Result<Routed, RouteError> {
+        Ok(self.decide(req, now, rng, true)?.routed)
+    }
+
+    fn decide<R: Rng + ?Sized>(
+        &mut self,
+        req: &RouteRequest<'_>,
+        now: Duration,
+        rng: &mut R,
+        query: bool,
+    ) -> Result<Decided, RouteError> {
+        let mut timings = PhaseTimings::default();
+        let t = Instant::now();
+        self.hash(req);
+        timings.hashing = t.elapsed();
+
+        let t = Instant::now();
+        let pinned = req.hints.and_then(|h| h.pinned_worker(req.phase));
+        let (source, sticky) = match pinned {
+            Some(_) => (RouteSource::Pinned, StickyRoute::Free),
+            None if self.config.policy == Policy::Direct => {
+                return Err(RouteError::NoWorkerId { phase: req.phase });
+            }
+            None => match self.sticky(req, now, query)? {
+                StickyRoute::Bound(w) => (RouteSource::Sticky, StickyRoute::Bound(w)),
+                other => (RouteSource::Selected, other),
+            },
+        };
+        let sticky_time = t.elapsed();
+
+        let t = Instant::now();
+        self.find_matches();
+        timings.find_matches = t.elapsed();
+
+        let t = Instant::now();
+        let isl_tokens = req.tokens.len() as u64;
+        let mut select = SelectRequest::new(isl_tokens, &self.scratch.seq, &self.scratch.overlaps);
+        select.request_id = Some(req.id);
+        if let Some(h) = req.hints {
+            select = select.with_hints(h, req.phase);
+        }
+        select.overrides = req.overrides;
+        if let StickyRoute::Bound(w) = sticky {
+            select.pinned_worker = Some(w.worker_id);
+            select.pinned_dp_rank = Some(w.dp_rank);
+        }
+        let policy = self.config.policy;
+        let rr_next = self.rr_next;
+        let decision = self.scheduler.select(&select, rng)?;
+        let candidates = decision.candidates.to_vec();
+        let temperature = decision.temperature;
+        let (cost, round_robin) = match (source, policy) {
+            (RouteSource::Selected, Policy::RoundRobin) if !candidates.is_empty() => {
+                let i = (rr_next % candidates.len() as u64) as usize;
+                (candidates[i], true)
+            }
+            (RouteSource::Selected, Policy::Random) if !candidates.is_empty() => {
+                (candidates[rng.gen_range(0..candidates.len())], false)
+            }
+            _ => (decision.chosen, false),
+        };
+        timings.scheduling = t.elapsed() + sticky_time;
+        Ok(Decided {
+            routed: Routed {
+                id: req.id,
+                worker: cost.worker,
+                source,
+                overlap_blocks: cost.overlap_blocks,
+                prompt_blocks: self.scratch.local.len() as u32,
+                isl_tokens,
+                cost,
+                candidates,
+                temperature,
+                session_open: None,
+                timings,
+            },
+            sticky,
+            round_robin,
+        })
+    }
+
+    /// Block hashes (local, for the indexes) and sequence hashes (for the scheduler).
+    fn hash(&mut self, req: &RouteRequest<'_>) {
+        let block_size = self.config.block_size() as usize;
+        self.scratch.local = compute_block_hashes(req.tokens, block_size, &req.salt);
+        self.scratch.seq.clear();
+        let mut prev = None;
+        for &local in &self.scratch.local {
+            let seq = next_seq_hash(prev, local);
+            self.scratch.seq.push(seq.0);
+            prev = Some(seq);
+        }
+    }
+
+    /// Overlaps from the exact index for event workers and from predictions for the others.
+    fn find_matches(&mut self) {
+        self.scratch.overlaps.clear();
+        if self.scratch.local.is_empty() {
+            return;
+        }
+        let exact = self.index.find_matches(&self.scratch.local);
+        let modes = &self.modes;
+        self.scratch.overlaps.extend(
+            exact
+                .scores
+                .iter()
+                .filter(|(w, _)| modes.get(&w.worker_id) != Some(&KvMode::Approximate))
+                .map(|(&w, &s)| (w, s)),
+        );
+        if self.approx.live_blocks() > 0 {
+            let predicted = self.approx.find_matches(&self.scratch.local);
+            self.scratch.overlaps.extend(
+                predicted
+                    .scores
+                    .iter()
+                    .filter(|(w, _)| modes.get(&w.worker_id) == Some(&KvMode::Approximate))
+                    .map(|(&w, &s)| (w, s)),
+            );
+        }
+    }
+
+    /// The session's stickiness for this request; a query only peeks (no TTL refresh, no
+    /// unbinding of a session whose worker left).
+    fn sticky(
+        &self,
+        req: &RouteRequest<'_>,
+        now: Duration,
+        query: bool,
+    ) -> Result<StickyRoute, RouteError> {
+        let is_live = |w: WorkerWithDpRank| self.scheduler.worker_load(w).is_some();
+        if !query {
+            return Ok(self.sessions.route(req.hints, req.phase, now, is_live)?);
+        }
+        if !sticky_allowed(req.hints, req.phase) {
+            return Ok(StickyRoute::Free);
+        }
+        let bound = req
+            .hints
+            .and_then(|h| h.session_control.as_ref())
+            .and_then(|sc| self.sessions.store().peek(&sc.session_id, now))
+            .map(|token| token.binding.worker);
+        Ok(match bound {
+            Some(w) if is_live(w) => StickyRoute::Bound(w),
+            Some(previous) => StickyRoute::Rebind { previous },
+            None => StickyRoute::Free,
+        })
+    }
+
+    // ----- request lifecycle -----
+
+    /// The worker answered the request's `session_open` command (`accepted` false when it
+    /// refused or failed): binds the session engine-backed if accepted.
+    pub fn session_opened(
+        &mut self,
+        id: RequestId,
+        accepted: bool,
+        now: Duration,
+    ) -> Result<(), RouteError> {
+        let Some(active) = self.active.get_mut(&id) else {
+            return Err(LoadError::UnknownRequest(id).into());
+        };
+        let Some(cmd) = active.pending_open.take() else {
+            return Ok(());
+        };
+        if let Some(rb) = self.sessions.open_finished(&cmd, accepted, now)? {
+            active.rollback = Some(rb);
+        }
+        Ok(())
+    }
+
+    /// The request's first token arrived: its prompt no longer counts as prefill load.
+    pub fn on_first_token(&mut self, id: RequestId) -> Result<(), LoadError> {
+        self.scheduler.mark_prefill_completed(id)
+    }
+
+    /// The request generated `tokens` more output tokens (implies its prefill completed).
+    pub fn on_output_tokens(&mut self, id: RequestId, tokens: u64) -> Result<(), LoadError> {
+        self.scheduler.add_output_tokens(id, tokens)
+    }
+
+    /// The request's response ended normally: frees its load and returns the deferred session
+    /// commands (the engine-session `close`) to run now. Unknown ids return nothing.
+    pub fn on_finished(&mut self, id: RequestId) -> Vec<SessionCommand> {
+        let _ = self.scheduler.free(id);
+        self.active
+            .remove(&id)
+            .map(|a| a.after_response)
+            .unwrap_or_default()
+    }
+
+    /// The request failed (worker error, cancellation, worker death): frees its load, undoes the
+    /// session binding it made, and returns the session commands to run (closing an engine
+    /// session it opened, and its deferred close). Unknown ids return nothing.
+    pub fn on_failed(&mut self, id: RequestId) -> Vec<SessionCommand> {
+        let _ = self.scheduler.free(id);
+        let Some(active) = self.active.remove(&id) else {
+            return Vec::new();
+        };
+        let mut commands = Vec::new();
+        if let Some(close) = active.rollback.and_then(|rb| self.sessions.rollback(rb)) {
+            commands.push(close);
+        }
+        for cmd in active.after_response {
+            if !commands.contains(&cmd) {
+                commands.push(cmd);
+            }
+        }
+        commands
+    }
+
+    /// Drops requests nobody finished within the scheduler's expiry, predictions past their TTL
+    /// and sessions past theirs. Call it periodically with a clock that never goes backwards.
+    pub fn expire(&mut self, now: Duration) -> Expired {
+        let requests = self.scheduler.expire(now);
+        let mut session_closes = Vec::new();
+        for id in &requests {
+            if let Some(active) = self.active.remove(id) {
+                session_closes.extend(active.after_response);
+            }
+        }
+        self.approx.expire(now);
+        session_closes.extend(self.sessions.expire(now));
+        Expired {
+            requests,
+            session_closes,
+        }
+    }
+
+    // ----- observation -----
+
+    /// Requests routed and not yet ended.
+    pub fn active_requests(&self) -> usize {
+        self.active.len()
+    }
+
+    /// The worker a request in flight was routed to.
+    pub fn request_worker(&self, id: RequestId) -> Option<WorkerWithDpRank> {
+        self.active.get(&id).map(|a| a.worker)
+    }
+
+    /// Every registered (worker, dp rank).
+    pub fn workers(&self) -> impl Iterator<Item = WorkerWithDpRank> + '_ {
+        self.scheduler.workers()
+    }
+
+    /// The load of one (worker, dp rank), if registered.
+    pub fn worker_load(&self, worker: WorkerWithDpRank) -> Option<WorkerLoad> {
+        self.scheduler.worker_load(worker)
+    }
+
+    /// Event handling counters.
+    pub fn stats(&self) -> CoreStats {
+        self.stats
+    }
+
+    /// The scheduler (load, metrics counters).
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    /// The exact index, fed by events.
+    pub fn index(&self) -> &KvIndex {
+        &self.index
+    }
+
+    /// The approximate index, fed by routing decisions.
+    pub fn approx_index(&self) -> &ApproxIndex {
+        &self.approx
+    }
+
+    /// The session coordinator (its store holds the bindings).
+    pub fn sessions(&self) -> &SessionCoordinator<S> {
+        &self.sessions
+    }
+
+    /// The next event id expected from `worker_id`, if any event was seen.
+    pub fn expected_event_id(&self, worker_id: WorkerId) -> Option<u64> {
+        self.gaps
+            .expected(WorkerWithDpRank::from_worker_id(worker_id))
+    }
+}
+
+#[cfg(test)]
+mod tests;

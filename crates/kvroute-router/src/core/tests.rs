@@ -1,0 +1,414 @@
+use std::time::Duration;
+
+use kvroute_indexer::hash::{HashSalt, compute_block_hashes};
+use kvroute_protocols::kv_events::{
+    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData,
+    KvCacheStoredBlockData, RouterEvent, StorageTier,
+};
+use kvroute_protocols::{
+    RequestPhase, RoutingHints, SessionAction, SessionControl, WorkerWithDpRank,
+};
+use kvroute_scheduler::{RequestId, WorkerSpec};
+use kvroute_sessions::{AffinityStore, SessionCommand};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use crate::{KvMode, KvRouterCore, Policy, RouteError, RouteRequest, RouteSource, RouterConfig};
+
+const BS: u32 = 4;
+const T0: Duration = Duration::ZERO;
+
+fn w(id: u64) -> WorkerWithDpRank {
+    WorkerWithDpRank::from_worker_id(id)
+}
+
+fn core(policy: Policy, workers: &[(u64, KvMode)]) -> KvRouterCore {
+    let mut core = KvRouterCore::new(RouterConfig::new(BS).with_policy(policy)).unwrap();
+    for &(id, mode) in workers {
+        core.add_worker(&WorkerSpec::new(id), mode).unwrap();
+    }
+    core
+}
+
+fn rng() -> StdRng {
+    StdRng::seed_from_u64(42)
+}
+
+/// A `Stored` event from `worker` caching every full block of `tokens` (engine ids 1000 + i).
+fn stored(worker: u64, event_id: u64, tokens: &[u32]) -> RouterEvent {
+    let local = compute_block_hashes(tokens, BS as usize, &HashSalt::default());
+    RouterEvent {
+        worker_id: worker,
+        storage_tier: StorageTier::Device,
+        event: KvCacheEvent {
+            event_id,
+            dp_rank: 0,
+            data: KvCacheEventData::Stored(KvCacheStoreData {
+                parent_hash: None,
+                blocks: local
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &h)| KvCacheStoredBlockData {
+                        block_hash: ExternalSequenceBlockHash(1000 + i as u64 + event_id * 100),
+                        tokens_hash: h,
+                    })
+                    .collect(),
+            }),
+        },
+    }
+}
+
+fn prompt(len: u32) -> Vec<u32> {
+    (0..len).collect()
+}
+
+/// Every worker's load reads zero and nothing is in flight.
+fn assert_idle(core: &KvRouterCore) {
+    assert_eq!(core.active_requests(), 0);
+    assert_eq!(core.scheduler().active_requests(), 0);
+    for worker in core.workers() {
+        let load = core.worker_load(worker).unwrap();
+        assert_eq!(load.active_requests, 0, "{worker}");
+        assert_eq!(load.prefill_tokens, 0, "{worker}");
+        assert_eq!(load.decode_blocks, 0.0, "{worker}");
+    }
+}
+
+#[test]
+fn kv_policy_follows_cached_prefix_from_events() {
+    let mut core = core(Policy::Kv, &[(1, KvMode::Events), (2, KvMode::Events)]);
+    let p = prompt(16);
+    assert_eq!(core.apply_event(&stored(2, 0, &p)), None);
+    let r = core
+        .route(&RouteRequest::new(RequestId(1), &p), T0, &mut rng())
+        .unwrap();
+    assert_eq!(r.worker, w(2));
+    assert_eq!(
+        (r.overlap_blocks, r.prompt_blocks, r.isl_tokens),
+        (4, 4, 16)
+    );
+    assert_eq!(r.source, RouteSource::Selected);
+    assert_eq!(r.candidates.len(), 2);
+    assert_eq!(r.cost.credited_prefill_blocks, 0.0);
+    assert_eq!(r.predicted_hit_rate(BS), 1.0);
+    assert_eq!(core.worker_load(w(2)).unwrap().active_requests, 1);
+    core.on_first_token(RequestId(1)).unwrap();
+    core.on_output_tokens(RequestId(1), 5).unwrap();
+    assert!(core.on_finished(RequestId(1)).is_empty());
+    assert_idle(&core);
+}
+
+#[test]
+fn approximate_workers_learn_from_their_own_decisions() {
+    let mut core = core(Policy::Kv, &[(1, KvMode::Approximate)]);
+    let p = prompt(12);
+    let first = core
+        .route(&RouteRequest::new(RequestId(1), &p), T0, &mut rng())
+        .unwrap();
+    assert_eq!(first.overlap_blocks, 0);
+    core.on_finished(RequestId(1));
+    let again = core
+        .query(&RouteRequest::new(RequestId(2), &p), T0, &mut rng())
+        .unwrap();
+    assert_eq!(again.overlap_blocks, 3);
+    // Events of an approximate worker are ignored; predictions expire with their TTL.
+    assert_eq!(core.apply_event(&stored(1, 0, &prompt(40))), None);
+    assert_eq!(core.stats().events_ignored, 1);
+    core.expire(core.config().approx.ttl + Duration::from_secs(1));
+    let later = core
+        .query(&RouteRequest::new(RequestId(3), &p), T0, &mut rng())
+        .unwrap();
+    assert_eq!(later.overlap_blocks, 0);
+}
+
+#[test]
+fn selection_policies() {
+    fn check(policy: Policy, expect: &[u64]) {
+        let mut core = core(
+            policy,
+            &[
+                (1, KvMode::Events),
+                (2, KvMode::Events),
+                (3, KvMode::Events),
+            ],
+        );
+        let p = prompt(8);
+        // Worker 3 caches the prompt: kv goes there while it is not overloaded.
+        core.apply_event(&stored(3, 0, &p));
+        let mut rng = rng();
+        let got: Vec<u64> = (0..expect.len() as u64)
+            .map(|i| {
+                let r = core
+                    .route(&RouteRequest::new(RequestId(i), &p), T0, &mut rng)
+                    .unwrap();
+                core.on_finished(RequestId(i));
+                r.worker.worker_id
+            })
+            .collect();
+        assert_eq!(got, expect, "{policy}");
+    }
+    check(Policy::RoundRobin, &[1, 2, 3, 1, 2]);
+    check(Policy::Kv, &[3, 3, 3, 3, 3]);
+    // Seeded: the same every run, and not all on one worker.
+    check(Policy::Random, &[1, 2, 2, 3, 2]);
+}
+
+#[test]
+fn pinned_worker_bypasses_selection_but_is_tracked() {
+    let mut core = core(Policy::Kv, &[(1, KvMode::Events), (2, KvMode::Events)]);
+    let p = prompt(8);
+    core.apply_event(&stored(2, 0, &p));
+    let hints = RoutingHints {
+        backend_instance_id: Some(1),
+        ..RoutingHints::default()
+    };
+    let req = RouteRequest::new(RequestId(7), &p).with_hints(&hints);
+    let r = core.route(&req, T0, &mut rng()).unwrap();
+    assert_eq!(
+        (r.worker, r.source, r.candidates.len()),
+        (w(1), RouteSource::Pinned, 1)
+    );
+    let load = core.worker_load(w(1)).unwrap();
+    assert_eq!((load.active_requests, load.prefill_tokens), (1, 8));
+    // A prefill pin only applies to the prefill phase.
+    let hints = RoutingHints {
+        prefill_worker_id: Some(2),
+        ..RoutingHints::default()
+    };
+    let req = RouteRequest::new(RequestId(8), &p)
+        .with_hints(&hints)
+        .with_phase(RequestPhase::Prefill);
+    assert_eq!(core.route(&req, T0, &mut rng()).unwrap().worker, w(2));
+    // Pinning an unknown worker fails and records nothing.
+    let hints = RoutingHints {
+        backend_instance_id: Some(9),
+        ..RoutingHints::default()
+    };
+    let req = RouteRequest::new(RequestId(9), &p).with_hints(&hints);
+    assert!(matches!(
+        core.route(&req, T0, &mut rng()),
+        Err(RouteError::Select(_))
+    ));
+    core.on_failed(RequestId(7));
+    core.on_finished(RequestId(8));
+    assert_idle(&core);
+}
+
+#[test]
+fn direct_policy_needs_a_worker_id() {
+    let mut core = core(Policy::Direct, &[(1, KvMode::Events)]);
+    let p = prompt(8);
+    let err = core
+        .route(&RouteRequest::new(RequestId(1), &p), T0, &mut rng())
+        .unwrap_err();
+    assert_eq!(
+        err,
+        RouteError::NoWorkerId {
+            phase: RequestPhase::Aggregated
+        }
+    );
+    assert!(err.to_string().contains("backend_instance_id"));
+    let hints = RoutingHints {
+        backend_instance_id: Some(1),
+        ..RoutingHints::default()
+    };
+    let req = RouteRequest::new(RequestId(1), &p).with_hints(&hints);
+    assert_eq!(core.route(&req, T0, &mut rng()).unwrap().worker, w(1));
+}
+
+#[test]
+fn query_touches_no_state() {
+    let mut core = core(
+        Policy::RoundRobin,
+        &[(1, KvMode::Approximate), (2, KvMode::Events)],
+    );
+    let p = prompt(8);
+    let hints = RoutingHints {
+        session_control: Some(SessionControl::new("s").with_action(SessionAction::Bind)),
+        ..RoutingHints::default()
+    };
+    for i in 0..3 {
+        let req = RouteRequest::new(RequestId(i), &p).with_hints(&hints);
+        let q = core.query(&req, T0, &mut rng()).unwrap();
+        assert_eq!(q.worker, w(1), "round-robin turn must not advance");
+        assert_eq!(q.session_open, None);
+    }
+    assert_idle(&core);
+    assert_eq!(core.approx_index().live_blocks(), 0);
+    assert!(core.sessions().store().is_empty());
+    // The real decision matches the query.
+    let req = RouteRequest::new(RequestId(0), &p).with_hints(&hints);
+    assert_eq!(core.route(&req, T0, &mut rng()).unwrap().worker, w(1));
+    assert_eq!(core.sessions().store().len(), 1);
+}
+
+#[test]
+fn duplicate_ids_are_refused() {
+    let mut core = core(Policy::Kv, &[(1, KvMode::Events)]);
+    let p = prompt(8);
+    core.route(&RouteRequest::new(RequestId(1), &p), T0, &mut rng())
+        .unwrap();
+    let err = core
+        .route(&RouteRequest::new(RequestId(1), &p), T0, &mut rng())
+        .unwrap_err();
+    assert!(matches!(err, RouteError::Load(_)));
+    assert_eq!(core.worker_load(w(1)).unwrap().active_requests, 1);
+}
+
+#[test]
+fn event_gaps_are_detected_per_worker_and_late_events_skipped() {
+    let mut core = core(Policy::Kv, &[(1, KvMode::Events)]);
+    assert_eq!(core.apply_event(&stored(1, 0, &prompt(4))), None);
+    let gap = core.apply_event(&stored(1, 3, &prompt(8))).unwrap();
+    assert_eq!((gap.worker, gap.missing), (w(1), 1..3));
+    assert_eq!(core.expected_event_id(1), Some(4));
+    assert_eq!(core.apply_event(&stored(1, 2, &prompt(12))), None);
+    let stats = core.stats();
+    assert_eq!(
+        (stats.events_applied, stats.gaps_detected, stats.events_late),
+        (2, 1, 1)
+    );
+    // Recovery applies the missing events untracked.
+    core.apply_recovered(&stored(1, 2, &prompt(12)));
+    let q = core
+        .query(
+            &RouteRequest::new(RequestId(1), &prompt(12)),
+            T0,
+            &mut rng(),
+        )
+        .unwrap();
+    assert_eq!(q.overlap_blocks, 3);
+}
+
+#[test]
+fn dump_replaces_a_workers_blocks_and_resumes_ids() {
+    let mut core = core(Policy::Kv, &[(1, KvMode::Events)]);
+    core.apply_event(&stored(1, 0, &prompt(16)));
+    core.apply_dump(1, Some(9), &[stored(1, 9, &prompt(8))]);
+    let q = core
+        .query(
+            &RouteRequest::new(RequestId(1), &prompt(16)),
+            T0,
+            &mut rng(),
+        )
+        .unwrap();
+    assert_eq!(q.overlap_blocks, 2);
+    assert_eq!(core.expected_event_id(1), Some(10));
+    assert_eq!(core.apply_event(&stored(1, 10, &prompt(4))), None);
+}
+
+#[test]
+fn sessions_open_stick_and_close() {
+    let mut core = core(Policy::Kv, &[(1, KvMode::Events), (2, KvMode::Events)]);
+    let p = prompt(8);
+    let turn = |action: Option<SessionAction>| RoutingHints {
+        session_control: Some(SessionControl {
+            action,
+            ..SessionControl::new("chat")
+        }),
+        ..RoutingHints::default()
+    };
+    let open = turn(Some(SessionAction::Open));
+    let r = core
+        .route(
+            &RouteRequest::new(RequestId(1), &p).with_hints(&open),
+            T0,
+            &mut rng(),
+        )
+        .unwrap();
+    let bound = r.worker;
+    assert!(matches!(r.session_open, Some(SessionCommand::Open { worker, .. }) if worker == bound));
+    core.session_opened(RequestId(1), true, T0).unwrap();
+    assert!(core.on_finished(RequestId(1)).is_empty());
+    // Later turns stick, even though the other worker now caches the prompt.
+    let other = if bound == w(1) { 2 } else { 1 };
+    core.apply_event(&stored(other, 0, &p));
+    let mid = turn(None);
+    for id in 2..5 {
+        let r = core
+            .route(
+                &RouteRequest::new(RequestId(id), &p).with_hints(&mid),
+                T0,
+                &mut rng(),
+            )
+            .unwrap();
+        assert_eq!((r.worker, r.source), (bound, RouteSource::Sticky));
+        core.on_finished(RequestId(id));
+    }
+    // The last turn's close runs after its response.
+    let close = turn(Some(SessionAction::Close));
+    let r = core
+        .route(
+            &RouteRequest::new(RequestId(5), &p).with_hints(&close),
+            T0,
+            &mut rng(),
+        )
+        .unwrap();
+    assert_eq!(r.worker, bound);
+    let cmds = core.on_finished(RequestId(5));
+    assert_eq!(
+        cmds,
+        vec![SessionCommand::Close {
+            session_id: "chat".into(),
+            worker: bound
+        }]
+    );
+    assert!(core.sessions().store().is_empty());
+    assert_idle(&core);
+}
+
+#[test]
+fn failed_open_rolls_back_and_closes() {
+    let mut core = core(Policy::Kv, &[(1, KvMode::Events)]);
+    let p = prompt(8);
+    let hints = RoutingHints {
+        session_control: Some(SessionControl::new("s").with_action(SessionAction::Open)),
+        ..RoutingHints::default()
+    };
+    core.route(
+        &RouteRequest::new(RequestId(1), &p).with_hints(&hints),
+        T0,
+        &mut rng(),
+    )
+    .unwrap();
+    core.session_opened(RequestId(1), true, T0).unwrap();
+    assert_eq!(core.sessions().store().len(), 1);
+    let cmds = core.on_failed(RequestId(1));
+    assert_eq!(
+        cmds,
+        vec![SessionCommand::Close {
+            session_id: "s".into(),
+            worker: w(1)
+        }]
+    );
+    assert!(core.sessions().store().is_empty());
+    assert_idle(&core);
+}
+
+#[test]
+fn removing_a_worker_drops_its_load_and_blocks() {
+    let mut core = core(Policy::Kv, &[(1, KvMode::Events), (2, KvMode::Events)]);
+    let p = prompt(8);
+    core.apply_event(&stored(1, 0, &p));
+    core.route(&RouteRequest::new(RequestId(1), &p), T0, &mut rng())
+        .unwrap();
+    assert_eq!(core.remove_worker(1), vec![RequestId(1)]);
+    assert!(!core.has_worker(1));
+    let r = core
+        .route(&RouteRequest::new(RequestId(2), &p), T0, &mut rng())
+        .unwrap();
+    assert_eq!((r.worker, r.overlap_blocks), (w(2), 0));
+    core.on_failed(RequestId(1));
+    core.on_finished(RequestId(2));
+    assert_idle(&core);
+}
+
+#[test]
+fn expire_frees_forgotten_requests() {
+    let mut core = core(Policy::Kv, &[(1, KvMode::Events)]);
+    core.route(&RouteRequest::new(RequestId(1), &prompt(8)), T0, &mut rng())
+        .unwrap();
+    let later = core.config().scheduler.request_expiry + Duration::from_secs(1);
+    assert_eq!(core.expire(later).requests, vec![RequestId(1)]);
+    assert_idle(&core);
+}

@@ -1,0 +1,198 @@
+//! The request guard: whatever happens to a routed request, its load leaves the scheduler.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use futures::Stream;
+use kvroute_protocols::WorkerWithDpRank;
+use kvroute_protocols::annotated::ERROR_EVENT;
+use kvroute_runtime::{LlmResponse, LlmRoutedStream, RequestError};
+use kvroute_scheduler::RequestId;
+
+use crate::metrics::Outcome;
+use crate::push::Inner;
+use crate::request::Routed;
+
+/// Tracks one routed request in the core until it ends: marks prefill complete at the first
+/// token, grows the output blocks as tokens arrive, and frees the request exactly once, on
+/// completion ([`RequestGuard::finish`]), on failure ([`RequestGuard::fail`]), or when dropped
+/// unfinished (cancellation, a panic, a dropped future), running the session commands that
+/// ending implies (the deferred `close`, or closing a session the request opened).
+#[derive(Debug)]
+pub struct RequestGuard {
+    inner: Arc<Inner>,
+    id: RequestId,
+    worker: WorkerWithDpRank,
+    sent: Instant,
+    last_tokens: Option<Instant>,
+    output_tokens: u64,
+    done: bool,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inner").finish_non_exhaustive()
+    }
+}
+
+impl RequestGuard {
+    pub(crate) fn new(inner: Arc<Inner>, id: RequestId, worker: WorkerWithDpRank) -> Self {
+        Self {
+            inner,
+            id,
+            worker,
+            sent: Instant::now(),
+            last_tokens: None,
+            output_tokens: 0,
+            done: false,
+        }
+    }
+
+    /// The request's id in the core.
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// The worker it was routed to.
+    pub fn worker(&self) -> WorkerWithDpRank {
+        self.worker
+    }
+
+    /// Output tokens seen so far.
+    pub fn output_tokens(&self) -> u64 {
+        self.output_tokens
+    }
+
+    /// Records `tokens` new output tokens (the first call, even with zero tokens, marks the
+    /// prefill complete).
+    pub fn on_tokens(&mut self, tokens: u64) {
+        if self.done {
+            return;
+        }
+        let now = Instant::now();
+        let first = self.last_tokens.is_none();
+        {
+            let mut state = self.inner.state.lock();
+            if first {
+                let _ = state.core.on_first_token(self.id);
+            }
+            if tokens > 0 {
+                let _ = state.core.on_output_tokens(self.id, tokens);
+            }
+        }
+        if first {
+            self.inner.metrics.on_first_token(now - self.sent);
+        }
+        self.inner
+            .metrics
+            .on_tokens(tokens, self.last_tokens.map(|t| now - t));
+        self.last_tokens = Some(now);
+        self.output_tokens += tokens;
+    }
+
+    /// The request completed: frees it and runs its deferred session commands.
+    pub fn finish(mut self) {
+        self.end(Outcome::Ok);
+    }
+
+    /// The request failed: frees it and undoes its session binding.
+    pub fn fail(mut self) {
+        self.end(Outcome::Error);
+    }
+
+    fn end(&mut self, outcome: Outcome) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let commands = {
+            let mut state = self.inner.state.lock();
+            match outcome {
+                Outcome::Ok => state.core.on_finished(self.id),
+                Outcome::Error | Outcome::Cancelled => state.core.on_failed(self.id),
+            }
+        };
+        self.inner.metrics.on_finished(outcome);
+        self.inner.spawn_session_commands(commands);
+    }
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        self.end(Outcome::Cancelled);
+    }
+}
+
+/// A routed response stream: the worker's items, with the guard updated on each and settled when
+/// the stream ends (an error item or a transport error counts as a failure). Dropping it early
+/// cancels the request on the worker and frees it.
+#[derive(Debug)]
+pub struct KvRoutedStream {
+    inner: LlmRoutedStream,
+    guard: Option<RequestGuard>,
+    failed: bool,
+    decision: Routed,
+}
+
+impl KvRoutedStream {
+    pub(crate) fn new(inner: LlmRoutedStream, guard: RequestGuard, decision: Routed) -> Self {
+        Self {
+            inner,
+            guard: Some(guard),
+            failed: false,
+            decision,
+        }
+    }
+
+    /// The routing decision (worker, overlap, cost breakdown, timings).
+    pub fn decision(&self) -> &Routed {
+        &self.decision
+    }
+
+    /// The worker serving the request.
+    pub fn worker(&self) -> WorkerWithDpRank {
+        self.decision.worker
+    }
+
+    /// The underlying runtime stream (to stop or kill the request on the worker).
+    pub fn runtime_stream(&mut self) -> &mut LlmRoutedStream {
+        &mut self.inner
+    }
+
+    fn settle(&mut self) {
+        if let Some(guard) = self.guard.take() {
+            if self.failed {
+                guard.fail();
+            } else {
+                guard.finish();
+            }
+        }
+    }
+}
+
+impl Stream for KvRoutedStream {
+    type Item = Result<LlmResponse, RequestError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let polled = Pin::new(&mut self.inner).poll_next(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(item))) => {
+                if item.error.is_some() || item.event.as_deref() == Some(ERROR_EVENT) {
+                    self.failed = true;
+                }
+                if let Some(data) = &item.data {
+                    let tokens = data.token_ids.len() as u64;
+                    if let Some(guard) = self.guard.as_mut() {
+                        guard.on_tokens(tokens);
+                    }
+                }
+            }
+            Poll::Ready(Some(Err(_))) => self.failed = true,
+            Poll::Ready(None) => self.settle(),
+            Poll::Pending => {}
+        }
+        polled
+    }
+}

@@ -1,0 +1,73 @@
+//! The kvroute router: composes the KV indexes, the scheduler and sticky sessions into one
+//! routing core, and serves it over kvroute-runtime.
+//!
+//! Entry types: [`KvRouterCore`], the synchronous, deterministic core (time and the RNG come in
+//! as arguments), configured by [`RouterConfig`] with a [`Policy`]; it routes a [`RouteRequest`]
+//! into a [`Routed`] decision carrying the cost breakdown and per-phase timings, and tracks the
+//! request until [`KvRouterCore::on_finished`] or [`KvRouterCore::on_failed`].
+//! [`KvPushRouter`] is the live layer: it feeds the core from the event plane and discovery,
+//! sends requests over the request plane, and wraps each response in a [`KvRoutedStream`] whose
+//! [`RequestGuard`] frees the request however it ends. [`metrics`] names every Prometheus metric.
+//!
+//! The core ([`KvRouterCore`] and the types around it) must not use tokio or the transport:
+//! `kvroute replay` drives it in virtual time against simulated engines, the live router behind
+//! a mutex. Only [`KvPushRouter`] and the guard touch tokio. No HTTP here (the frontend builds on
+//! [`KvPushRouter::generate`] and [`KvPushRouter::metrics_text`]).
+//!
+//! # Example
+//!
+//! ```
+//! use std::time::Duration;
+//! use kvroute_router::{KvMode, KvRouterCore, Policy, RouteRequest, RouterConfig};
+//! use kvroute_scheduler::{RequestId, WorkerSpec};
+//! use rand::SeedableRng;
+//!
+//! let mut core = KvRouterCore::new(RouterConfig::new(4).with_policy(Policy::Kv)).unwrap();
+//! core.add_worker(&WorkerSpec::new(1), KvMode::Events).unwrap();
+//! core.add_worker(&WorkerSpec::new(2), KvMode::Approximate).unwrap();
+//! let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+//! let now = Duration::ZERO;
+//!
+//! // Worker 2 publishes no events: the first decision is recorded as a prediction ...
+//! let prompt: Vec<u32> = (0..16).collect();
+//! let first = core.route(&RouteRequest::new(RequestId(1), &prompt), now, &mut rng).unwrap();
+//! core.on_first_token(RequestId(1)).unwrap();
+//! core.on_output_tokens(RequestId(1), 8).unwrap();
+//! assert!(core.on_finished(RequestId(1)).is_empty()); // no session commands to run
+//!
+//! // ... so the same prompt later finds its 4 cached blocks on the same worker (if it was 2).
+//! let again = core.query(&RouteRequest::new(RequestId(2), &prompt), now, &mut rng).unwrap();
+//! if first.worker.worker_id == 2 {
+//!     assert_eq!((again.worker.worker_id, again.overlap_blocks), (2, 4));
+//! }
+//! assert_eq!(core.active_requests(), 0);
+//! ```
+
+mod config;
+mod core;
+mod error;
+mod guard;
+pub mod metrics;
+mod policy;
+mod push;
+mod request;
+
+pub use config::{KvMode, RouterConfig};
+pub use core::{CoreStats, Expired, KvRouterCore};
+pub use error::RouteError;
+pub use guard::{KvRoutedStream, RequestGuard};
+pub use metrics::RouterMetrics;
+pub use policy::{Policy, UnknownPolicy};
+pub use push::{
+    KV_EVENTS_METADATA_KEY, KvPushRouter, KvPushRouterConfig, KvResponse, KvRouterError,
+    QUERY_INSTANCE_ID, QueryAnswer, StartError,
+};
+pub use request::{PhaseTimings, RouteRequest, RouteSource, Routed};
+
+// The types callers need to drive the core, so they need not depend on every lower crate.
+pub use kvroute_indexer::hash::HashSalt;
+pub use kvroute_indexer::{ApproxConfig, EventGap};
+pub use kvroute_scheduler::{
+    CandidateCost, LoadError, RequestId, SchedulerConfig, WorkerLoad, WorkerSpec,
+};
+pub use kvroute_sessions::{SessionCommand, WorkerLossMode};

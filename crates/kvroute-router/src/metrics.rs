@@ -1,0 +1,274 @@
+//! The router's Prometheus metrics: every metric name is written here and nowhere else.
+//!
+//! Names (with the `kvroute_router_` prefix; counters get `_total`, histograms `_bucket`,
+//! `_sum`, `_count`):
+//!
+//! | name | type | labels | meaning |
+//! | --- | --- | --- | --- |
+//! | `requests_total` | counter | | requests routed to a worker |
+//! | `queries_total` | counter | | query-only requests answered (no routing) |
+//! | `route_errors_total` | counter | | requests that could not be routed or sent |
+//! | `requests_finished_total` | counter | `outcome` = ok, error, cancelled | requests ended |
+//! | `input_tokens_total` | counter | | prompt tokens of routed requests |
+//! | `output_tokens_total` | counter | | tokens streamed back |
+//! | `predicted_cached_tokens_total` | counter | | prompt tokens the index predicted cached |
+//! | `predicted_kv_hit_rate` | histogram | | per request, predicted cached / prompt tokens |
+//! | `time_to_first_token_seconds` | histogram | | send to first token |
+//! | `inter_token_latency_seconds` | histogram | | between tokens, per token |
+//! | `routing_overhead_seconds` | histogram | `phase` = hashing, find_matches, scheduling | time in each routing phase |
+//! | `worker_active_blocks` | gauge | `worker`, `dp_rank` | active decode blocks (cost model view) |
+//! | `worker_prefill_tokens` | gauge | `worker`, `dp_rank` | prompt tokens not yet prefilled |
+//! | `worker_active_requests` | gauge | `worker`, `dp_rank` | requests in flight |
+
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets, linear_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::request::PhaseTimings;
+use kvroute_protocols::WorkerWithDpRank;
+use kvroute_scheduler::WorkerLoad;
+use std::sync::atomic::AtomicU64;
+
+/// The prefix of every metric name.
+pub const METRIC_PREFIX: &str = "kvroute_router";
+
+type Labels = Vec<(&'static str, String)>;
+
+/// How a request ended, for `requests_finished_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The stream ended without an error.
+    Ok,
+    /// The worker or the transport failed it.
+    Error,
+    /// The caller dropped it before the end.
+    Cancelled,
+}
+
+impl Outcome {
+    const fn label(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Error => "error",
+            Outcome::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// The router's metrics, registered in their own registry. Shared behind an `Arc`; every
+/// method takes `&self`.
+#[derive(Debug)]
+pub struct RouterMetrics {
+    registry: Registry,
+    requests: Counter,
+    queries: Counter,
+    route_errors: Counter,
+    finished: Family<Labels, Counter>,
+    input_tokens: Counter,
+    output_tokens: Counter,
+    predicted_cached_tokens: Counter,
+    predicted_hit_rate: Histogram,
+    ttft: Histogram,
+    itl: Histogram,
+    overhead: Family<Labels, Histogram, fn() -> Histogram>,
+    worker_blocks: Family<Labels, Gauge<f64, AtomicU64>>,
+    worker_prefill: Family<Labels, Gauge>,
+    worker_requests: Family<Labels, Gauge>,
+}
+
+impl Default for RouterMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn overhead_histogram() -> Histogram {
+    // 1 µs .. ~0.5 s.
+    Histogram::new(exponential_buckets(1e-6, 2.0, 20))
+}
+
+impl RouterMetrics {
+    /// Every metric, registered and at zero.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix(METRIC_PREFIX);
+        let m = Self {
+            requests: Counter::default(),
+            queries: Counter::default(),
+            route_errors: Counter::default(),
+            finished: Family::default(),
+            input_tokens: Counter::default(),
+            output_tokens: Counter::default(),
+            predicted_cached_tokens: Counter::default(),
+            predicted_hit_rate: Histogram::new(linear_buckets(0.1, 0.1, 10)),
+            // 1 ms .. ~65 s.
+            ttft: Histogram::new(exponential_buckets(1e-3, 2.0, 17)),
+            // 100 µs .. ~6.5 s.
+            itl: Histogram::new(exponential_buckets(1e-4, 2.0, 17)),
+            overhead: Family::new_with_constructor(overhead_histogram),
+            worker_blocks: Family::default(),
+            worker_prefill: Family::default(),
+            worker_requests: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "requests",
+            "Requests routed to a worker",
+            m.requests.clone(),
+        );
+        registry.register("queries", "Query-only requests answered", m.queries.clone());
+        registry.register(
+            "route_errors",
+            "Requests that could not be routed or sent",
+            m.route_errors.clone(),
+        );
+        registry.register(
+            "requests_finished",
+            "Requests ended, by outcome",
+            m.finished.clone(),
+        );
+        registry.register(
+            "input_tokens",
+            "Prompt tokens of routed requests",
+            m.input_tokens.clone(),
+        );
+        registry.register(
+            "output_tokens",
+            "Output tokens streamed back",
+            m.output_tokens.clone(),
+        );
+        registry.register(
+            "predicted_cached_tokens",
+            "Prompt tokens the KV index predicted cached on the chosen worker",
+            m.predicted_cached_tokens.clone(),
+        );
+        registry.register(
+            "predicted_kv_hit_rate",
+            "Per request, predicted cached tokens over prompt tokens",
+            m.predicted_hit_rate.clone(),
+        );
+        registry.register(
+            "time_to_first_token_seconds",
+            "Time from sending a request to its first token",
+            m.ttft.clone(),
+        );
+        registry.register(
+            "inter_token_latency_seconds",
+            "Time between output tokens",
+            m.itl.clone(),
+        );
+        registry.register(
+            "routing_overhead_seconds",
+            "Time spent routing, by phase",
+            m.overhead.clone(),
+        );
+        registry.register(
+            "worker_active_blocks",
+            "Active KV blocks per worker rank, as the cost model sees them",
+            m.worker_blocks.clone(),
+        );
+        registry.register(
+            "worker_prefill_tokens",
+            "Prompt tokens not yet prefilled per worker rank",
+            m.worker_prefill.clone(),
+        );
+        registry.register(
+            "worker_active_requests",
+            "Requests in flight per worker rank",
+            m.worker_requests.clone(),
+        );
+        Self { registry, ..m }
+    }
+
+    /// A request was routed: its prompt, predicted cache hits and routing time.
+    pub fn on_routed(&self, isl_tokens: u64, predicted_cached_tokens: u64, timings: &PhaseTimings) {
+        self.requests.inc();
+        self.input_tokens.inc_by(isl_tokens);
+        self.predicted_cached_tokens.inc_by(predicted_cached_tokens);
+        if isl_tokens > 0 {
+            self.predicted_hit_rate
+                .observe(predicted_cached_tokens as f64 / isl_tokens as f64);
+        }
+        for (phase, d) in [
+            ("hashing", timings.hashing),
+            ("find_matches", timings.find_matches),
+            ("scheduling", timings.scheduling),
+        ] {
+            self.overhead
+                .get_or_create(&vec![("phase", phase.to_owned())])
+                .observe(d.as_secs_f64());
+        }
+    }
+
+    /// A query-only request was answered.
+    pub fn on_query(&self) {
+        self.queries.inc();
+    }
+
+    /// A request could not be routed or sent.
+    pub fn on_route_error(&self) {
+        self.route_errors.inc();
+    }
+
+    /// The first token arrived `ttft` after sending.
+    pub fn on_first_token(&self, ttft: Duration) {
+        self.ttft.observe(ttft.as_secs_f64());
+    }
+
+    /// `tokens` more output tokens arrived, `since_last` after the previous ones.
+    pub fn on_tokens(&self, tokens: u64, since_last: Option<Duration>) {
+        self.output_tokens.inc_by(tokens);
+        if let Some(d) = since_last
+            && tokens > 0
+        {
+            let per_token = d.as_secs_f64() / tokens as f64;
+            for _ in 0..tokens.min(64) {
+                self.itl.observe(per_token);
+            }
+        }
+    }
+
+    /// A request ended.
+    pub fn on_finished(&self, outcome: Outcome) {
+        self.finished
+            .get_or_create(&vec![("outcome", outcome.label().to_owned())])
+            .inc();
+    }
+
+    /// Replaces the per-worker gauges with these loads (workers not listed disappear).
+    pub fn set_worker_loads(
+        &self,
+        loads: impl IntoIterator<Item = (WorkerWithDpRank, WorkerLoad)>,
+    ) {
+        self.worker_blocks.clear();
+        self.worker_prefill.clear();
+        self.worker_requests.clear();
+        for (w, load) in loads {
+            let labels = vec![
+                ("worker", w.worker_id.to_string()),
+                ("dp_rank", w.dp_rank.to_string()),
+            ];
+            self.worker_blocks
+                .get_or_create(&labels)
+                .set(load.decode_blocks);
+            self.worker_prefill
+                .get_or_create(&labels)
+                .set(i64::try_from(load.prefill_tokens).unwrap_or(i64::MAX));
+            self.worker_requests
+                .get_or_create(&labels)
+                .set(i64::try_from(load.active_requests).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// The Prometheus text exposition of every metric (for a `/metrics` endpoint).
+    pub fn encode_text(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}

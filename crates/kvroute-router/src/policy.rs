@@ -1,0 +1,65 @@
+//! Selection policies: how a worker is chosen among those that pass the scheduler's filters.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// How [`crate::KvRouterCore`] picks a worker. Every policy runs the same filters (allowed
+/// workers, pins, dp ranks, taints, busy thresholds) and tracks the same load, so replays
+/// compare only the choice.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Policy {
+    /// The next eligible worker in turn, ignoring cache and load.
+    RoundRobin,
+    /// A uniformly random eligible worker.
+    Random,
+    /// The reference's default cost,
+    /// `prefill_load_scale * max(prefill_blocks - overlap_credit * overlap_blocks, 0) + decode_blocks`,
+    /// with the configured temperature.
+    #[default]
+    Kv,
+    /// No selection: the request must name its worker for its phase (a backend instance, a
+    /// prefill or decode worker id); without one routing fails with
+    /// [`crate::RouteError::NoWorkerId`].
+    Direct,
+}
+
+impl Policy {
+    /// Every policy a replay can compare (all but [`Policy::Direct`]).
+    pub const COMPARABLE: [Policy; 3] = [Policy::RoundRobin, Policy::Random, Policy::Kv];
+
+    /// The policy's name on the command line and in reports.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Policy::RoundRobin => "round-robin",
+            Policy::Random => "random",
+            Policy::Kv => "kv",
+            Policy::Direct => "direct",
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A policy name that is not one of [`Policy`]'s.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown routing policy {0:?}; expected one of round-robin, random, kv, direct")]
+pub struct UnknownPolicy(pub String);
+
+impl FromStr for Policy {
+    type Err = UnknownPolicy;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "round-robin" | "round_robin" | "rr" => Ok(Policy::RoundRobin),
+            "random" => Ok(Policy::Random),
+            "kv" => Ok(Policy::Kv),
+            "direct" => Ok(Policy::Direct),
+            other => Err(UnknownPolicy(other.to_owned())),
+        }
+    }
+}

@@ -1,0 +1,537 @@
+//! [`KvPushRouter`]: the KV router served over kvroute-runtime.
+//!
+//! Three background tasks keep the [`KvRouterCore`] current: one applies KV events from the event
+//! plane (filling gaps from the worker with `kv_events_range`, or a `kv_dump` when the worker no
+//! longer holds them), one follows discovery (a worker that joins is added and dumped, one that
+//! leaves is removed), one expires forgotten requests, predictions and sessions. Requests are
+//! routed by the core under a mutex held only for the decision, then sent with
+//! [`RouteMode::Direct`] to the chosen worker; a [`RequestGuard`] rides the response stream.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use kvroute_indexer::EventGap;
+use kvroute_protocols::{
+    PreprocessedRequest, RequestPhase, SessionAction, SessionControl, WorkerId, WorkerWithDpRank,
+};
+use kvroute_runtime::{
+    DiscoveryEvent, EventPlane, EventPlaneError, InstanceInfo, InstanceSet, KV_EVENT_SUBJECT,
+    LlmPushRouter, PushRouterConfig, RouteMode, Subscription, decode_router_event, diff_instances,
+};
+use kvroute_scheduler::{ConfigError, RequestId, WorkerSpec};
+use kvroute_sessions::SessionCommand;
+use parking_lot::Mutex;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::config::{KvMode, RouterConfig};
+use crate::core::KvRouterCore;
+use crate::error::RouteError;
+use crate::guard::{KvRoutedStream, RequestGuard};
+use crate::metrics::RouterMetrics;
+use crate::request::{RouteRequest, Routed};
+
+/// The instance metadata key a worker sets to `"false"` when it publishes no KV events (the
+/// router then predicts its cache from routing decisions).
+pub const KV_EVENTS_METADATA_KEY: &str = "kv_events";
+
+/// The annotation that turns a request into a routing query (`query_instance_id`, optionally
+/// with a `:value` suffix, as the reference).
+pub const QUERY_INSTANCE_ID: &str = "query_instance_id";
+
+/// How a [`KvPushRouter`] behaves.
+#[derive(Debug, Clone)]
+pub struct KvPushRouterConfig {
+    /// The routing core (block size, policy, cost, sessions).
+    pub core: RouterConfig,
+    /// The transport (connections, role filter, backoff).
+    pub push: PushRouterConfig,
+    /// The KV mode of workers that do not say (see [`KV_EVENTS_METADATA_KEY`]).
+    pub default_kv_mode: KvMode,
+    /// Seed of the routing RNG (tie-breaking, temperature, the random policy).
+    pub seed: u64,
+    /// How often requests, predictions and sessions are expired.
+    pub expire_interval: Duration,
+}
+
+impl KvPushRouterConfig {
+    /// Defaults for engines with `block_size` tokens per KV block.
+    pub fn new(block_size: u32) -> Self {
+        Self {
+            core: RouterConfig::new(block_size),
+            push: PushRouterConfig::default(),
+            default_kv_mode: KvMode::Events,
+            seed: 0x6b76_726f_7574_6572,
+            expire_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Why the router could not start.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// The core's configuration is invalid.
+    #[error("invalid router configuration: {0}")]
+    Config(#[from] ConfigError),
+    /// The event plane refused the KV event subscription.
+    #[error("cannot subscribe to KV events: {0}")]
+    EventPlane(#[from] EventPlaneError),
+}
+
+/// Why a request was not started.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KvRouterError {
+    /// The core found no worker (or the request asked for something impossible).
+    #[error(transparent)]
+    Route(#[from] RouteError),
+    /// The chosen worker could not be reached or refused the request.
+    #[error("sending to worker {worker}: {source}")]
+    Send {
+        /// The chosen worker.
+        worker: WorkerWithDpRank,
+        /// What the transport said.
+        source: kvroute_runtime::RouteError,
+    },
+}
+
+/// The answer to a query-only request: where it would go, and its tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueryAnswer {
+    /// The worker the router would choose.
+    pub worker: WorkerWithDpRank,
+    /// The request's tokens (what the router matched).
+    pub token_ids: Vec<u32>,
+    /// The decision with its cost breakdown.
+    pub decision: Routed,
+}
+
+/// What [`KvPushRouter::generate`] returns.
+#[derive(Debug)]
+pub enum KvResponse {
+    /// The request was routed and sent; its responses stream back.
+    Stream(KvRoutedStream),
+    /// The request was a query (`query_instance_id`): nothing was sent or recorded.
+    Query(QueryAnswer),
+}
+
+/// The KV router over kvroute-runtime. Cheap to clone; background tasks stop when the last
+/// clone is dropped.
+#[derive(Clone)]
+pub struct KvPushRouter {
+    pub(crate) inner: Arc<Inner>,
+    _tasks: Arc<Tasks>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) state: Mutex<State>,
+    pub(crate) push: LlmPushRouter,
+    pub(crate) metrics: RouterMetrics,
+    epoch: Instant,
+    next_id: AtomicU64,
+    config: KvPushRouterConfig,
+}
+
+pub(crate) struct State {
+    pub(crate) core: KvRouterCore,
+    rng: ChaCha8Rng,
+}
+
+struct Tasks(Vec<JoinHandle<()>>);
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
+impl std::fmt::Debug for KvPushRouter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvPushRouter")
+            .field("policy", &self.inner.config.core.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvPushRouter {
+    /// Starts a router over the instances of `instances` (a discovery watch) and the KV events
+    /// of `events`. Must be called inside a tokio runtime. Workers already listed are added (and
+    /// their dumps requested) before this returns.
+    pub async fn start(
+        config: KvPushRouterConfig,
+        instances: watch::Receiver<InstanceSet>,
+        events: Arc<dyn EventPlane>,
+    ) -> Result<Self, StartError> {
+        let core = KvRouterCore::new(config.core.clone())?;
+        // Subscribe before the first dumps so that no event falls between a dump and the feed.
+        let subscription = events.subscribe(KV_EVENT_SUBJECT).await?;
+        let inner = Arc::new(Inner {
+            state: Mutex::new(State {
+                core,
+                rng: ChaCha8Rng::seed_from_u64(config.seed),
+            }),
+            push: LlmPushRouter::new(instances.clone(), config.push.clone()),
+            metrics: RouterMetrics::new(),
+            epoch: Instant::now(),
+            next_id: AtomicU64::new(1),
+            config,
+        });
+        let mut instances = instances;
+        let initial = instances.borrow_and_update().clone();
+        for event in diff_instances(&Default::default(), &initial) {
+            inner.on_discovery(event).await;
+        }
+        let tasks = vec![
+            tokio::spawn(event_loop(inner.clone(), subscription)),
+            tokio::spawn(discovery_loop(inner.clone(), instances, initial)),
+            tokio::spawn(expire_loop(inner.clone())),
+        ];
+        Ok(Self {
+            inner,
+            _tasks: Arc::new(Tasks(tasks)),
+        })
+    }
+
+    /// Routes and sends an aggregated request (see [`Self::generate_phase`]).
+    pub async fn generate(
+        &self,
+        request: PreprocessedRequest,
+    ) -> Result<KvResponse, KvRouterError> {
+        self.generate_phase(request, RequestPhase::Aggregated).await
+    }
+
+    /// Routes `request` for `phase` and sends it to the chosen worker.
+    ///
+    /// A request annotated `query_instance_id` is only answered ([`KvResponse::Query`]): no
+    /// load, session or prediction is recorded and nothing is sent. Otherwise the session's
+    /// `open` runs on the worker before sending, and the returned stream's guard frees the
+    /// request's load however the stream ends (and runs the deferred session `close`).
+    pub async fn generate_phase(
+        &self,
+        mut request: PreprocessedRequest,
+        phase: RequestPhase,
+    ) -> Result<KvResponse, KvRouterError> {
+        let inner = &self.inner;
+        let id = RequestId(inner.next_id.fetch_add(1, Ordering::Relaxed));
+        let now = inner.now();
+        let route_req = RouteRequest::from_preprocessed(id, &request).with_phase(phase);
+        if is_query(&request) {
+            let decision = {
+                let mut state = inner.state.lock();
+                let State { core, rng } = &mut *state;
+                core.query(&route_req, now, rng)
+            }
+            .inspect_err(|_| inner.metrics.on_route_error())?;
+            inner.metrics.on_query();
+            return Ok(KvResponse::Query(QueryAnswer {
+                worker: decision.worker,
+                token_ids: request.token_ids,
+                decision,
+            }));
+        }
+        let routed = {
+            let mut state = inner.state.lock();
+            let State { core, rng } = &mut *state;
+            core.route(&route_req, now, rng)
+        }
+        .inspect_err(|_| inner.metrics.on_route_error())?;
+        let block_size = u64::from(inner.config.core.block_size());
+        inner.metrics.on_routed(
+            routed.isl_tokens,
+            (u64::from(routed.overlap_blocks) * block_size).min(routed.isl_tokens),
+            &routed.timings,
+        );
+        // From here on the guard frees the request on every path, including early returns.
+        let guard = RequestGuard::new(inner.clone(), id, routed.worker);
+        if let Some(open) = &routed.session_open {
+            let accepted = inner.run_session_command(open).await;
+            let _ = inner
+                .state
+                .lock()
+                .core
+                .session_opened(id, accepted, inner.now());
+        }
+        let worker = routed.worker;
+        if worker.dp_rank != 0 {
+            request.routing_mut().dp_rank = Some(worker.dp_rank);
+        }
+        let request_id = format!("kvr-{}", id.0);
+        let stream = inner
+            .push
+            .generate(&request_id, &request, RouteMode::Direct(worker.worker_id))
+            .await
+            .map_err(|source| {
+                inner.metrics.on_route_error();
+                KvRouterError::Send { worker, source }
+            })?;
+        Ok(KvResponse::Stream(KvRoutedStream::new(
+            stream, guard, routed,
+        )))
+    }
+
+    /// Runs `f` on the routing core under its lock (inspection, tests, the replay of live
+    /// state). Keep it short: every routing decision waits on this lock.
+    pub fn with_core<R>(&self, f: impl FnOnce(&mut KvRouterCore) -> R) -> R {
+        f(&mut self.inner.state.lock().core)
+    }
+
+    /// The metrics, with the per-worker gauges refreshed, as Prometheus text.
+    pub fn metrics_text(&self) -> String {
+        self.inner.refresh_worker_gauges();
+        self.inner.metrics.encode_text()
+    }
+
+    /// The metrics registry (for counters read directly).
+    pub fn metrics(&self) -> &RouterMetrics {
+        &self.inner.metrics
+    }
+
+    /// Time since the router started: the `now` the core sees.
+    pub fn now(&self) -> Duration {
+        self.inner.now()
+    }
+}
+
+fn is_query(request: &PreprocessedRequest) -> bool {
+    request.annotations.iter().any(|a| {
+        a == QUERY_INSTANCE_ID
+            || a.strip_prefix(QUERY_INSTANCE_ID)
+                .is_some_and(|rest| rest.starts_with(':'))
+    })
+}
+
+impl Inner {
+    pub(crate) fn now(&self) -> Duration {
+        self.epoch.elapsed()
+    }
+
+    fn refresh_worker_gauges(&self) {
+        let loads: Vec<_> = {
+            let state = self.state.lock();
+            state
+                .core
+                .workers()
+                .filter_map(|w| state.core.worker_load(w).map(|l| (w, l)))
+                .collect()
+        };
+        self.metrics.set_worker_loads(loads);
+    }
+
+    /// Runs one session command on its worker; says whether it succeeded.
+    pub(crate) async fn run_session_command(&self, command: &SessionCommand) -> bool {
+        let (worker, control) = match command {
+            SessionCommand::Open {
+                session_id,
+                worker,
+                timeout,
+            } => (
+                *worker,
+                SessionControl::new(session_id.clone())
+                    .with_action(SessionAction::Open)
+                    .with_timeout(timeout.as_secs()),
+            ),
+            SessionCommand::Close { session_id, worker } => (
+                *worker,
+                SessionControl::new(session_id.clone()).with_action(SessionAction::Close),
+            ),
+        };
+        let result = match self.push.client(worker.worker_id).await {
+            Ok(client) => client
+                .session_control(&control)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match result {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(%worker, session = %control.session_id, ?control.action, %error, "session_control failed");
+                false
+            }
+        }
+    }
+
+    /// Runs session commands in the background (deferred closes must not hold up the caller,
+    /// and may be issued from a `Drop`).
+    pub(crate) fn spawn_session_commands(self: &Arc<Self>, commands: Vec<SessionCommand>) {
+        if commands.is_empty() {
+            return;
+        }
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(
+                count = commands.len(),
+                "no tokio runtime; dropping session commands"
+            );
+            return;
+        };
+        let inner = self.clone();
+        handle.spawn(async move {
+            for command in &commands {
+                inner.run_session_command(command).await;
+            }
+        });
+    }
+
+    async fn on_discovery(self: &Arc<Self>, event: DiscoveryEvent) {
+        match event {
+            DiscoveryEvent::Removed(id) => {
+                let dropped = self.state.lock().core.remove_worker(id);
+                tracing::info!(worker = id, dropped = dropped.len(), "worker left");
+            }
+            DiscoveryEvent::Added(info) => {
+                let Some(mode) = self.accept(&info) else {
+                    return;
+                };
+                let spec = WorkerSpec::new(info.id).with_dp_ranks(0, info.dp_size);
+                {
+                    let mut state = self.state.lock();
+                    // A re-registration with new details replaces the old worker.
+                    if state.core.has_worker(info.id) {
+                        state.core.remove_worker(info.id);
+                    }
+                    if let Err(error) = state.core.add_worker(&spec, mode) {
+                        tracing::warn!(worker = info.id, %error, "cannot add worker");
+                        return;
+                    }
+                }
+                if mode == KvMode::Events {
+                    self.dump(info.id).await;
+                }
+            }
+        }
+    }
+
+    /// The worker's KV mode if this router serves it (role and block size match).
+    fn accept(&self, info: &InstanceInfo) -> Option<KvMode> {
+        if let Some(role) = self.config.push.role
+            && info.role != role
+        {
+            return None;
+        }
+        let block_size = self.config.core.block_size();
+        if info.kv_block_size != block_size {
+            tracing::warn!(
+                worker = info.id,
+                worker_block_size = info.kv_block_size,
+                router_block_size = block_size,
+                "ignoring worker: its KV block size differs from the router's"
+            );
+            return None;
+        }
+        Some(
+            match info
+                .metadata
+                .get(KV_EVENTS_METADATA_KEY)
+                .map(String::as_str)
+            {
+                Some("false") => KvMode::Approximate,
+                Some("true") => KvMode::Events,
+                _ => self.config.default_kv_mode,
+            },
+        )
+    }
+
+    /// Rebuilds one worker's blocks from its dump.
+    async fn dump(&self, worker: WorkerId) {
+        let dump = match self.push.client(worker).await {
+            Ok(client) => client.kv_dump().await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match dump {
+            Ok(dump) => {
+                let mut state = self.state.lock();
+                if state.core.kv_mode(worker) == Some(KvMode::Events) {
+                    state
+                        .core
+                        .apply_dump(worker, dump.last_event_id, &dump.events);
+                }
+            }
+            Err(error) => tracing::warn!(worker, %error, "KV dump failed"),
+        }
+    }
+
+    /// Fills a gap from the worker's event ring, or rebuilds from a dump when it no longer holds
+    /// the missing events.
+    async fn recover(&self, gap: EventGap) {
+        let worker = gap.worker.worker_id;
+        let (from, to) = (gap.missing.start, gap.missing.end.saturating_sub(1));
+        let fetched = match self.push.client(worker).await {
+            Ok(client) => client
+                .kv_events_range(from, to)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match fetched {
+            Ok(events) if events.first().map(|e| e.event.event_id) == Some(from) => {
+                let mut state = self.state.lock();
+                for event in &events {
+                    state.core.apply_recovered(event);
+                }
+                tracing::info!(worker, recovered = events.len(), "KV event gap filled");
+            }
+            other => {
+                tracing::warn!(
+                    worker,
+                    ?other,
+                    "KV event gap not fillable from the ring; dumping"
+                );
+                self.dump(worker).await;
+            }
+        }
+    }
+}
+
+async fn event_loop(inner: Arc<Inner>, mut subscription: Subscription) {
+    while let Some(message) = subscription.next().await {
+        let event = match decode_router_event(&message.payload) {
+            Ok(event) => event,
+            Err(error) => {
+                tracing::warn!(%error, "undecodable KV event");
+                continue;
+            }
+        };
+        let gap = inner.state.lock().core.apply_event(&event);
+        if let Some(gap) = gap {
+            let inner = inner.clone();
+            tokio::spawn(async move { inner.recover(gap).await });
+        }
+    }
+}
+
+async fn discovery_loop(
+    inner: Arc<Inner>,
+    mut instances: watch::Receiver<InstanceSet>,
+    mut known: InstanceSet,
+) {
+    while instances.changed().await.is_ok() {
+        let current = instances.borrow_and_update().clone();
+        for event in diff_instances(&known, &current) {
+            inner.on_discovery(event).await;
+        }
+        known = current;
+    }
+}
+
+async fn expire_loop(inner: Arc<Inner>) {
+    let mut tick = tokio::time::interval(inner.config.expire_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let expired = inner.state.lock().core.expire(inner.now());
+        if !expired.requests.is_empty() {
+            tracing::warn!(
+                count = expired.requests.len(),
+                "expired requests nobody freed"
+            );
+        }
+        inner.spawn_session_commands(expired.session_closes);
+    }
+}

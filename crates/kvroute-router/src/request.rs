@@ -1,0 +1,163 @@
+//! What the core is asked to route, and what it answers.
+
+use std::time::Duration;
+
+use kvroute_indexer::hash::HashSalt;
+use kvroute_protocols::{
+    PreprocessedRequest, RequestPhase, RouterConfigOverride, RoutingHints, WorkerWithDpRank,
+};
+use kvroute_scheduler::{CandidateCost, RequestId};
+use kvroute_sessions::SessionCommand;
+
+/// One request to route: its tokens plus whatever steers the choice. Borrows everything, so
+/// building one per request costs nothing.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteRequest<'a> {
+    /// The caller's id, unique among requests in flight (freed by `on_finished`).
+    pub id: RequestId,
+    /// The tokens matched against the KV index (the multimodal routing tokens when present).
+    pub tokens: &'a [u32],
+    /// The phase being routed (aggregated unless disaggregated serving).
+    pub phase: RequestPhase,
+    /// Pins, allowed workers, session control, taint constraints.
+    pub hints: Option<&'a RoutingHints>,
+    /// Per-request overrides of the cost weights and temperature.
+    pub overrides: Option<&'a RouterConfigOverride>,
+    /// What separates caches (LoRA adapter, namespace); the default hashes as the reference.
+    pub salt: HashSalt,
+    /// Expected output length, which makes the request's blocks decay as it generates.
+    pub expected_output_tokens: Option<u32>,
+}
+
+impl<'a> RouteRequest<'a> {
+    /// An aggregated request with these tokens and nothing else.
+    pub fn new(id: RequestId, tokens: &'a [u32]) -> Self {
+        Self {
+            id,
+            tokens,
+            phase: RequestPhase::Aggregated,
+            hints: None,
+            overrides: None,
+            salt: HashSalt::default(),
+            expected_output_tokens: None,
+        }
+    }
+
+    /// Everything a [`PreprocessedRequest`] says about routing: its routing tokens, hints
+    /// (the LoRA adapter becomes the hash salt), overrides and expected output length.
+    pub fn from_preprocessed(id: RequestId, req: &'a PreprocessedRequest) -> Self {
+        let hints = req.routing.as_ref();
+        Self {
+            id,
+            tokens: req.routing_token_ids(),
+            phase: RequestPhase::Aggregated,
+            hints,
+            overrides: req.router_config_override.as_ref(),
+            salt: hints
+                .and_then(|h| h.lora_name.as_deref())
+                .map_or_else(HashSalt::default, HashSalt::lora),
+            expected_output_tokens: hints.and_then(|h| h.expected_output_tokens),
+        }
+    }
+
+    /// The same request for `phase`.
+    pub fn with_phase(mut self, phase: RequestPhase) -> Self {
+        self.phase = phase;
+        self
+    }
+
+    /// The same request with routing hints.
+    pub fn with_hints(mut self, hints: &'a RoutingHints) -> Self {
+        self.expected_output_tokens = self.expected_output_tokens.or(hints.expected_output_tokens);
+        self.hints = Some(hints);
+        self
+    }
+
+    /// The same request with per-request overrides.
+    pub fn with_overrides(mut self, overrides: &'a RouterConfigOverride) -> Self {
+        self.overrides = Some(overrides);
+        self
+    }
+
+    /// The same request hashed under `salt`.
+    pub fn with_salt(mut self, salt: HashSalt) -> Self {
+        self.salt = salt;
+        self
+    }
+
+    /// The same request with an expected output length.
+    pub fn with_expected_output_tokens(mut self, tokens: u32) -> Self {
+        self.expected_output_tokens = Some(tokens);
+        self
+    }
+}
+
+/// Why the chosen worker was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RouteSource {
+    /// The policy selected it among the eligible workers.
+    Selected,
+    /// The request named it for its phase (a preselected worker: matching and scoring are
+    /// skipped, the load is still tracked).
+    Pinned,
+    /// The request's session is bound to it.
+    Sticky,
+}
+
+/// Wall time spent in each phase of one routing decision (for the overhead metrics only: no
+/// decision depends on it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PhaseTimings {
+    /// Hashing the tokens into block and sequence hashes.
+    pub hashing: Duration,
+    /// Looking the blocks up in the KV indexes.
+    pub find_matches: Duration,
+    /// Filters, cost model and selection (plus session bookkeeping).
+    pub scheduling: Duration,
+}
+
+impl PhaseTimings {
+    /// The three phases together.
+    pub fn total(&self) -> Duration {
+        self.hashing + self.find_matches + self.scheduling
+    }
+}
+
+/// A routing decision.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routed {
+    /// The request.
+    pub id: RequestId,
+    /// Where it goes.
+    pub worker: WorkerWithDpRank,
+    /// Why there.
+    pub source: RouteSource,
+    /// Leading prompt blocks already cached on `worker` (device tier), as the index sees them.
+    pub overlap_blocks: u32,
+    /// Full prompt blocks (a trailing partial block is not counted).
+    pub prompt_blocks: u32,
+    /// Prompt length in tokens.
+    pub isl_tokens: u64,
+    /// The chosen worker's cost breakdown.
+    pub cost: CandidateCost,
+    /// Every eligible candidate's breakdown, in slot order (one entry when pinned or sticky).
+    pub candidates: Vec<CandidateCost>,
+    /// The selection temperature used.
+    pub temperature: f64,
+    /// A session command to run on the worker *before* sending the request (an `open`); report
+    /// its answer with [`crate::KvRouterCore::session_opened`]. Always `None` for queries.
+    pub session_open: Option<SessionCommand>,
+    /// Time spent per phase.
+    pub timings: PhaseTimings,
+}
+
+impl Routed {
+    /// The fraction of the prompt's tokens predicted to be served from cache (0 for an empty
+    /// prompt).
+    pub fn predicted_hit_rate(&self, block_size: u32) -> f64 {
+        if self.isl_tokens == 0 {
+            return 0.0;
+        }
+        (u64::from(self.overlap_blocks) * u64::from(block_size)) as f64 / self.isl_tokens as f64
+    }
+}

@@ -1,0 +1,280 @@
+//! A fake LLM worker fleet on loopback: engines that stream tokens, publish KV events for the
+//! prompts they serve, record session commands, and can fail or stall on request.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use futures::StreamExt;
+use kvroute_indexer::hash::{HashSalt, compute_block_hashes};
+use kvroute_protocols::kv_events::{
+    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData,
+    KvCacheStoredBlockData, RouterEvent,
+};
+use kvroute_protocols::{
+    Annotated, LLMEngineOutput, PreprocessedRequest, SessionControl, WorkerWithDpRank,
+};
+use kvroute_router::{KvMode, KvPushRouter, KvPushRouterConfig, Policy};
+use kvroute_runtime::{
+    Discovery, Engine, EngineError, EventPlane, InProcessDiscovery, InProcessEventPlane,
+    InstanceInfo, KV_EVENT_SUBJECT, KvEventPublisher, Lease, LlmResponse, RequestContext,
+    ResponseStream, WorkerServer, WorkerServerConfig, encode_router_event,
+};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+pub(crate) const BLOCK: u32 = 4;
+
+/// What the fake engine does with a request, read from `extra_args`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Behaviour {
+    /// Stream `tokens` tokens, then finish.
+    #[default]
+    Complete,
+    /// Stream one token, then an error item.
+    Error,
+    /// Stream one token, then nothing until cancelled.
+    Stall,
+}
+
+pub(crate) fn request(tokens: Vec<u32>, behaviour: Behaviour) -> PreprocessedRequest {
+    let mut req = PreprocessedRequest::new("mock", tokens);
+    req.extra_args = Some(serde_json::to_value(behaviour).unwrap());
+    req
+}
+
+/// A fake engine; every served prompt's full blocks become one `Stored` event.
+pub(crate) struct FakeEngine {
+    id: u64,
+    publisher: KvEventPublisher,
+    forward: mpsc::UnboundedSender<RouterEvent>,
+    /// While set, events are kept in the ring but not forwarded (to create gaps).
+    pub(crate) muted: AtomicBool,
+    pub(crate) started: AtomicUsize,
+    pub(crate) sessions: Mutex<Vec<SessionControl>>,
+    held: Mutex<Vec<KvCacheEvent>>,
+    next_block: AtomicUsize,
+}
+
+impl FakeEngine {
+    /// Publishes a `Stored` event for the full blocks of `tokens` (ring, and the plane unless
+    /// muted).
+    pub(crate) fn store(&self, tokens: &[u32]) {
+        let local = compute_block_hashes(tokens, BLOCK as usize, &HashSalt::default());
+        if local.is_empty() {
+            return;
+        }
+        let base = self.next_block.fetch_add(local.len(), Ordering::SeqCst) as u64;
+        let data = KvCacheEventData::Stored(KvCacheStoreData {
+            parent_hash: None,
+            blocks: local
+                .iter()
+                .enumerate()
+                .map(|(i, &h)| KvCacheStoredBlockData {
+                    block_hash: ExternalSequenceBlockHash(self.id * 1_000_000 + base + i as u64),
+                    tokens_hash: h,
+                })
+                .collect(),
+        });
+        let event = self.publisher.publish(0, data.clone());
+        self.held.lock().push(KvCacheEvent {
+            event_id: 0,
+            data,
+            dp_rank: 0,
+        });
+        if !self.muted.load(Ordering::SeqCst) {
+            let _ = self.forward.send(event);
+        }
+    }
+}
+
+impl Engine for FakeEngine {
+    type Request = PreprocessedRequest;
+    type Response = LlmResponse;
+
+    fn generate(
+        &self,
+        request: PreprocessedRequest,
+        _context: RequestContext,
+    ) -> Result<ResponseStream<LlmResponse>, EngineError> {
+        self.started.fetch_add(1, Ordering::SeqCst);
+        self.store(&request.token_ids);
+        let behaviour: Behaviour = request
+            .extra_args
+            .and_then(|v| serde_json::from_value(v).ok())
+            .unwrap_or_default();
+        let token = |t: u32| {
+            Annotated::from_data(LLMEngineOutput {
+                token_ids: vec![t],
+                ..LLMEngineOutput::default()
+            })
+        };
+        Ok(match behaviour {
+            Behaviour::Complete => {
+                let mut items: Vec<LlmResponse> = (0..5).map(token).collect();
+                items.push(Annotated::from_data(LLMEngineOutput::stop()));
+                Box::pin(futures::stream::iter(items))
+            }
+            Behaviour::Error => Box::pin(futures::stream::iter(vec![
+                token(0),
+                Annotated::from_error("engine exploded"),
+            ])),
+            Behaviour::Stall => {
+                Box::pin(futures::stream::iter(vec![token(0)]).chain(futures::stream::pending()))
+            }
+        })
+    }
+
+    fn session_control(&self, control: SessionControl) -> Result<(), EngineError> {
+        self.sessions.lock().push(control);
+        Ok(())
+    }
+
+    fn kv_dump(&self) -> Vec<KvCacheEvent> {
+        self.held.lock().clone()
+    }
+}
+
+pub(crate) struct Worker {
+    pub(crate) id: u64,
+    pub(crate) engine: Arc<FakeEngine>,
+    pub(crate) server: WorkerServer,
+    pub(crate) lease: Option<Lease>,
+}
+
+impl Worker {
+    /// Kills the worker: connections drop, then discovery forgets it.
+    pub(crate) fn kill(&mut self) {
+        self.server.abort();
+        self.lease.take();
+    }
+}
+
+pub(crate) struct Fleet {
+    pub(crate) discovery: InProcessDiscovery,
+    pub(crate) plane: Arc<InProcessEventPlane>,
+    pub(crate) workers: Vec<Worker>,
+}
+
+impl Fleet {
+    /// `n` workers with ids 1..=n.
+    pub(crate) async fn start(n: u64) -> Fleet {
+        let mut fleet = Fleet {
+            discovery: InProcessDiscovery::new(Duration::from_secs(30)),
+            plane: Arc::new(InProcessEventPlane::new(4096)),
+            workers: Vec::new(),
+        };
+        for id in 1..=n {
+            fleet.add(id, None).await;
+        }
+        fleet
+    }
+
+    /// Starts worker `id`; `kv_events` sets its discovery metadata.
+    pub(crate) async fn add(&mut self, id: u64, kv_events: Option<&str>) {
+        let publisher = KvEventPublisher::new(id, 1024);
+        let (tx, mut rx) = mpsc::unbounded_channel::<RouterEvent>();
+        let plane = self.plane.clone();
+        tokio::spawn(async move {
+            while let Some(event) = rx.recv().await {
+                let _ = plane
+                    .publish(KV_EVENT_SUBJECT, encode_router_event(&event))
+                    .await;
+            }
+        });
+        let engine = Arc::new(FakeEngine {
+            id,
+            publisher: publisher.clone(),
+            forward: tx,
+            muted: AtomicBool::new(false),
+            started: AtomicUsize::new(0),
+            sessions: Mutex::new(Vec::new()),
+            held: Mutex::new(Vec::new()),
+            next_block: AtomicUsize::new(0),
+        });
+        let config = WorkerServerConfig::new(id).with_kv_events(publisher);
+        let server = WorkerServer::bind("127.0.0.1:0", engine.clone(), config)
+            .await
+            .unwrap();
+        let mut info = InstanceInfo::new(id, server.local_addr().to_string(), BLOCK);
+        if let Some(v) = kv_events {
+            info.metadata.insert(
+                kvroute_router::KV_EVENTS_METADATA_KEY.to_owned(),
+                v.to_owned(),
+            );
+        }
+        let lease = self.discovery.register(info).await.unwrap();
+        self.workers.push(Worker {
+            id,
+            engine,
+            server,
+            lease: Some(lease),
+        });
+    }
+
+    pub(crate) fn worker(&self, id: u64) -> &Worker {
+        self.workers.iter().find(|w| w.id == id).unwrap()
+    }
+
+    pub(crate) async fn router(&self, policy: Policy) -> KvPushRouter {
+        let mut config = KvPushRouterConfig::new(BLOCK);
+        config.core.policy = policy;
+        config.default_kv_mode = KvMode::Events;
+        KvPushRouter::start(config, self.discovery.watch(), self.plane.clone())
+            .await
+            .unwrap()
+    }
+}
+
+/// Waits (bounded) until `cond` holds; panics with `what` after 5 s.
+pub(crate) async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
+/// Runs an async test body on a fresh multi-threaded runtime.
+pub(crate) fn run<F: Future<Output = ()>>(f: F) {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f);
+}
+
+/// Whether every registered worker's load reads zero and nothing is in flight.
+pub(crate) fn idle(router: &KvPushRouter) -> bool {
+    router.with_core(|core| {
+        let workers: Vec<WorkerWithDpRank> = core.workers().collect();
+        core.active_requests() == 0
+            && core.scheduler().active_requests() == 0
+            && workers.iter().all(|&w| {
+                core.worker_load(w).is_some_and(|l| {
+                    l.active_requests == 0 && l.prefill_tokens == 0 && l.decode_blocks == 0.0
+                })
+            })
+    })
+}
+
+/// Reads a stream to its end; returns (tokens, whether an error arrived).
+pub(crate) async fn drain(stream: &mut kvroute_router::KvRoutedStream) -> (usize, bool) {
+    let mut tokens = 0;
+    let mut failed = false;
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(item) => {
+                failed |= item.error.is_some();
+                tokens += item.data.map_or(0, |d| d.token_ids.len());
+            }
+            Err(_) => failed = true,
+        }
+    }
+    (tokens, failed)
+}
