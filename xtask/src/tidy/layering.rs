@@ -20,6 +20,17 @@ pub(super) const ALLOWED: &[(&str, &[&str])] = &[
         "kvroute-mocker",
         &["kvroute-protocols", "kvroute-indexer", "kvroute-runtime"],
     ),
+    ("kvroute-prefill", &["kvroute-protocols", "kvroute-runtime"]),
+    (
+        "kvroute-router",
+        &[
+            "kvroute-protocols",
+            "kvroute-indexer",
+            "kvroute-scheduler",
+            "kvroute-sessions",
+            "kvroute-runtime",
+        ],
+    ),
 ];
 
 /// Crates outside the layering (they drive the others through cargo, not as dependencies).
