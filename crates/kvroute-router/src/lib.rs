@@ -9,10 +9,15 @@
 //! sends requests over the request plane, and wraps each response in a [`KvRoutedStream`] whose
 //! [`RequestGuard`] frees the request however it ends. [`metrics`] names every Prometheus metric.
 //!
-//! The core ([`KvRouterCore`] and the types around it) must not use tokio or the transport:
-//! `kvroute replay` drives it in virtual time against simulated engines, the live router behind
-//! a mutex. Only [`KvPushRouter`] and the guard touch tokio. No HTTP here (the frontend builds on
-//! [`KvPushRouter::generate`] and [`KvPushRouter::metrics_text`]).
+//! [`Migrator`] wraps [`KvPushRouter::generate`] so that a request whose worker dies mid-stream
+//! continues on another worker ([`MigratingStream`]); [`KvPhaseRouter`] places each phase for
+//! kvroute-prefill's `PrefillRouter`. [`http`] is the OpenAI-compatible frontend (axum) over a
+//! [`Migrator`], with [`tokenizer`] and the served models ([`ModelRegistry`]).
+//!
+//! The core ([`KvRouterCore`] and the types around it) must not use tokio, the transport or
+//! HTTP: `kvroute replay` drives it in virtual time against simulated engines, the live router
+//! behind a mutex. Only the live layers ([`KvPushRouter`], the guard, migration, [`http`])
+//! touch tokio, and only [`http`] knows axum.
 //!
 //! # Example
 //!
@@ -47,16 +52,24 @@ mod config;
 mod core;
 mod error;
 mod guard;
+pub mod http;
 pub mod metrics;
+mod migration;
+mod model;
+mod phase;
 mod policy;
 mod push;
 mod request;
+pub mod tokenizer;
 
 pub use config::{KvMode, RouterConfig};
 pub use core::{CoreStats, Expired, KvRouterCore};
 pub use error::RouteError;
 pub use guard::{KvRoutedStream, RequestGuard};
 pub use metrics::RouterMetrics;
+pub use migration::{DEFAULT_MAX_MIGRATIONS, MigratingResponse, MigratingStream, Migrator};
+pub use model::{Model, ModelConfig, ModelRegistry};
+pub use phase::{KvPhaseRouter, role_filtered};
 pub use policy::{Policy, UnknownPolicy};
 pub use push::{
     KV_EVENTS_METADATA_KEY, KvPushRouter, KvPushRouterConfig, KvResponse, KvRouterError,

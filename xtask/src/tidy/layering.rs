@@ -29,6 +29,7 @@ pub(super) const ALLOWED: &[(&str, &[&str])] = &[
             "kvroute-scheduler",
             "kvroute-sessions",
             "kvroute-runtime",
+            "kvroute-prefill",
         ],
     ),
 ];

@@ -15,11 +15,12 @@ use kvroute_protocols::kv_events::{
 use kvroute_protocols::{
     Annotated, LLMEngineOutput, PreprocessedRequest, SessionControl, WorkerWithDpRank,
 };
+use kvroute_router::tokenizer::MockTokenizer;
 use kvroute_router::{KvMode, KvPushRouter, KvPushRouterConfig, Policy};
 use kvroute_runtime::{
     Discovery, Engine, EngineError, EventPlane, InProcessDiscovery, InProcessEventPlane,
     InstanceInfo, KV_EVENT_SUBJECT, KvEventPublisher, Lease, LlmResponse, RequestContext,
-    ResponseStream, WorkerServer, WorkerServerConfig, encode_router_event,
+    ResponseStream, WorkerRole, WorkerServer, WorkerServerConfig, encode_router_event,
 };
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -37,6 +38,48 @@ pub(crate) enum Behaviour {
     Error,
     /// Stream one token, then nothing until cancelled.
     Stall,
+    /// Stream `max_tokens` (default 5) tokens, one every [`SLOW_TOKEN_INTERVAL`].
+    Slow,
+}
+
+/// The pause between tokens of [`Behaviour::Slow`].
+pub(crate) const SLOW_TOKEN_INTERVAL: Duration = Duration::from_millis(20);
+
+impl Behaviour {
+    /// The word that selects this behaviour when it appears in a prompt tokenized by the mock
+    /// tokenizer (so HTTP tests can steer the fake engine through the prompt text).
+    pub(crate) fn magic_word(self) -> &'static str {
+        match self {
+            Behaviour::Complete => "COMPLETE",
+            Behaviour::Error => "EXPLODE",
+            Behaviour::Stall => "STALL",
+            Behaviour::Slow => "SLOWLY",
+        }
+    }
+
+    /// The behaviour a request asks for: `extra_args`, else a magic word in its prompt.
+    fn of(request: &PreprocessedRequest) -> Behaviour {
+        if let Some(b) = request
+            .extra_args
+            .clone()
+            .and_then(|v| serde_json::from_value(v).ok())
+        {
+            return b;
+        }
+        [Behaviour::Error, Behaviour::Stall, Behaviour::Slow]
+            .into_iter()
+            .find(|b| {
+                let id = MockTokenizer::word_id(b.magic_word());
+                request.token_ids.contains(&id)
+            })
+            .unwrap_or_default()
+    }
+}
+
+/// The `i`-th token the fake engine generates (above the mock tokenizer's special ids, so it
+/// renders as a word).
+pub(crate) fn output_token(i: u32) -> u32 {
+    100 + i
 }
 
 pub(crate) fn request(tokens: Vec<u32>, behaviour: Behaviour) -> PreprocessedRequest {
@@ -48,12 +91,16 @@ pub(crate) fn request(tokens: Vec<u32>, behaviour: Behaviour) -> PreprocessedReq
 /// A fake engine; every served prompt's full blocks become one `Stored` event.
 pub(crate) struct FakeEngine {
     id: u64,
+    /// A prefill worker: its tokens carry `disaggregated_params` for the decode worker.
+    prefill: bool,
     publisher: KvEventPublisher,
     forward: mpsc::UnboundedSender<RouterEvent>,
     /// While set, events are kept in the ring but not forwarded (to create gaps).
     pub(crate) muted: AtomicBool,
     pub(crate) started: AtomicUsize,
     pub(crate) sessions: Mutex<Vec<SessionControl>>,
+    /// Every request received, in order.
+    pub(crate) requests: Mutex<Vec<PreprocessedRequest>>,
     held: Mutex<Vec<KvCacheEvent>>,
     next_block: AtomicUsize,
 }
@@ -101,21 +148,34 @@ impl Engine for FakeEngine {
     ) -> Result<ResponseStream<LlmResponse>, EngineError> {
         self.started.fetch_add(1, Ordering::SeqCst);
         self.store(&request.token_ids);
-        let behaviour: Behaviour = request
-            .extra_args
-            .and_then(|v| serde_json::from_value(v).ok())
-            .unwrap_or_default();
-        let token = |t: u32| {
+        self.requests.lock().push(request.clone());
+        let behaviour = Behaviour::of(&request);
+        let n = request.stop_conditions.max_tokens.unwrap_or(5);
+        let params = self.prefill.then(|| serde_json::json!({"from": self.id}));
+        let token = move |i: u32| {
             Annotated::from_data(LLMEngineOutput {
-                token_ids: vec![t],
+                token_ids: vec![output_token(i)],
+                disaggregated_params: params.clone(),
                 ..LLMEngineOutput::default()
             })
         };
         Ok(match behaviour {
             Behaviour::Complete => {
-                let mut items: Vec<LlmResponse> = (0..5).map(token).collect();
+                let mut items: Vec<LlmResponse> = (0..n).map(token).collect();
                 items.push(Annotated::from_data(LLMEngineOutput::stop()));
                 Box::pin(futures::stream::iter(items))
+            }
+            Behaviour::Slow => {
+                let items = futures::stream::iter(0..n).then(move |i| {
+                    let item = token(i);
+                    async move {
+                        tokio::time::sleep(SLOW_TOKEN_INTERVAL).await;
+                        item
+                    }
+                });
+                Box::pin(items.chain(futures::stream::iter([Annotated::from_data(
+                    LLMEngineOutput::length(),
+                )])))
             }
             Behaviour::Error => Box::pin(futures::stream::iter(vec![
                 token(0),
@@ -174,6 +234,11 @@ impl Fleet {
 
     /// Starts worker `id`; `kv_events` sets its discovery metadata.
     pub(crate) async fn add(&mut self, id: u64, kv_events: Option<&str>) {
+        self.add_role(id, kv_events, WorkerRole::Aggregated).await;
+    }
+
+    /// Starts worker `id` with `role` (a prefill worker hands over `disaggregated_params`).
+    pub(crate) async fn add_role(&mut self, id: u64, kv_events: Option<&str>, role: WorkerRole) {
         let publisher = KvEventPublisher::new(id, 1024);
         let (tx, mut rx) = mpsc::unbounded_channel::<RouterEvent>();
         let plane = self.plane.clone();
@@ -186,11 +251,13 @@ impl Fleet {
         });
         let engine = Arc::new(FakeEngine {
             id,
+            prefill: role == WorkerRole::Prefill,
             publisher: publisher.clone(),
             forward: tx,
             muted: AtomicBool::new(false),
             started: AtomicUsize::new(0),
             sessions: Mutex::new(Vec::new()),
+            requests: Mutex::new(Vec::new()),
             held: Mutex::new(Vec::new()),
             next_block: AtomicUsize::new(0),
         });
@@ -199,6 +266,7 @@ impl Fleet {
             .await
             .unwrap();
         let mut info = InstanceInfo::new(id, server.local_addr().to_string(), BLOCK);
+        info.role = role;
         if let Some(v) = kv_events {
             info.metadata.insert(
                 kvroute_router::KV_EVENTS_METADATA_KEY.to_owned(),
@@ -218,11 +286,24 @@ impl Fleet {
         self.workers.iter().find(|w| w.id == id).unwrap()
     }
 
+    pub(crate) fn worker_mut(&mut self, id: u64) -> &mut Worker {
+        self.workers.iter_mut().find(|w| w.id == id).unwrap()
+    }
+
     pub(crate) async fn router(&self, policy: Policy) -> KvPushRouter {
+        self.router_on(self.discovery.watch(), policy).await
+    }
+
+    /// A router over the instances of `instances` (e.g. one role's).
+    pub(crate) async fn router_on(
+        &self,
+        instances: tokio::sync::watch::Receiver<kvroute_runtime::InstanceSet>,
+        policy: Policy,
+    ) -> KvPushRouter {
         let mut config = KvPushRouterConfig::new(BLOCK);
         config.core.policy = policy;
         config.default_kv_mode = KvMode::Events;
-        KvPushRouter::start(config, self.discovery.watch(), self.plane.clone())
+        KvPushRouter::start(config, instances, self.plane.clone())
             .await
             .unwrap()
     }

@@ -1,0 +1,187 @@
+//! OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right status
+//! (and `Retry-After` when retrying later is sound).
+
+use std::time::Duration;
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use kvroute_protocols::ProtocolError;
+use kvroute_runtime::RequestError;
+use kvroute_scheduler::SelectError;
+use serde_json::json;
+
+use crate::error::RouteError;
+use crate::push::KvRouterError;
+use crate::tokenizer::TokenizerError;
+
+/// An error answered to an HTTP client.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// What went wrong, for a person.
+    pub message: String,
+    /// The OpenAI error type (`invalid_request_error`, ...).
+    pub kind: &'static str,
+    /// The offending request field (a JSON path, or a header name).
+    pub param: Option<String>,
+    /// A machine-readable code (`model_not_found`, ...).
+    pub code: Option<&'static str>,
+    /// Sent as `Retry-After` (whole seconds, at least 1).
+    pub retry_after: Option<Duration>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    /// 400: the request is malformed or invalid.
+    pub fn invalid(message: impl Into<String>, param: Option<String>) -> Self {
+        Self {
+            param,
+            ..Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+        }
+    }
+
+    /// 404: no such model.
+    pub fn unknown_model(model: &str) -> Self {
+        Self {
+            param: Some("model".to_owned()),
+            code: Some("model_not_found"),
+            ..Self::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!("the model `{model}` does not exist (GET /v1/models lists the models)"),
+            )
+        }
+    }
+
+    /// 413: the body or the prompt is too large.
+    pub fn too_large(message: impl Into<String>, code: &'static str) -> Self {
+        Self {
+            code: Some(code),
+            ..Self::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                message,
+            )
+        }
+    }
+
+    /// 429: too many requests are waiting; retry after `retry_after`.
+    pub fn too_many_requests(message: impl Into<String>, retry_after: Duration) -> Self {
+        Self {
+            code: Some("rate_limit_exceeded"),
+            retry_after: Some(retry_after),
+            ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
+        }
+    }
+
+    /// 503: no worker can take the request now; retry after `retry_after`.
+    pub fn unavailable(message: impl Into<String>, retry_after: Duration) -> Self {
+        Self {
+            code: Some("service_unavailable"),
+            retry_after: Some(retry_after),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable_error",
+                message,
+            )
+        }
+    }
+
+    /// 500: something failed on our side or the engine's.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", message)
+    }
+
+    /// 400 from a protocol error: the JSON path (prefixed by `nvext.` for validation rules of
+    /// the nvext object) or the header name becomes `param`.
+    pub fn from_protocol(error: &ProtocolError, nvext: bool) -> Self {
+        let param = match error {
+            ProtocolError::Json { path, .. } => (path != ".").then(|| path.clone()),
+            ProtocolError::Invalid { field, .. } if nvext => Some(format!("nvext.{field}")),
+            ProtocolError::Invalid { field, .. } => Some((*field).to_owned()),
+            ProtocolError::Header { name, .. } => Some((*name).to_owned()),
+            _ => None,
+        };
+        Self::invalid(error.to_string(), param)
+    }
+
+    /// A tokenizer failure: the prompt or messages are at fault (400), except detokenizing.
+    pub fn from_tokenizer(error: &TokenizerError) -> Self {
+        match error {
+            TokenizerError::Decode(_) | TokenizerError::Load { .. } => {
+                Self::internal(error.to_string())
+            }
+            _ => Self::invalid(error.to_string(), Some("messages".to_owned())),
+        }
+    }
+
+    /// A routing failure: no worker (503), a bad pin or override (400), a send failure (503).
+    pub fn from_router(error: &KvRouterError, retry_after: Duration) -> Self {
+        let message = error.to_string();
+        match error {
+            KvRouterError::Route(RouteError::NoWorkerId { .. }) => {
+                Self::invalid(message, Some("nvext.backend_instance_id".to_owned()))
+            }
+            KvRouterError::Route(RouteError::Select(select)) => match select {
+                SelectError::NoEndpoints { .. }
+                | SelectError::AllEligibleWorkersOverloaded { .. }
+                | SelectError::PinnedWorkerOverloaded { .. } => {
+                    Self::unavailable(message, retry_after)
+                }
+                SelectError::InvalidOverride(_) => {
+                    Self::invalid(message, Some("nvext.router_config_override".to_owned()))
+                }
+                _ => Self::invalid(message, Some("nvext.backend_instance_id".to_owned())),
+            },
+            KvRouterError::Route(RouteError::Session(_)) | KvRouterError::Send { .. } => {
+                Self::unavailable(message, retry_after)
+            }
+            _ => Self::internal(message),
+        }
+    }
+
+    /// A failure of the response stream before anything was sent to the client.
+    pub fn from_stream(error: &RequestError, retry_after: Duration) -> Self {
+        if error.is_worker_unavailable() {
+            Self::unavailable(error.to_string(), retry_after)
+        } else {
+            Self::internal(error.to_string())
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> serde_json::Value {
+        json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        if let Some(after) = self.retry_after {
+            let secs = after.as_secs().max(1);
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}

@@ -1,0 +1,623 @@
+//! The request handlers: parse, validate, tokenize, admit, route, respond.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use kvroute_protocols::{
+    FinishReason, HeaderOverrides, LLMEngineOutput, NvExt, NvExtResponse, PreprocessedRequest,
+    TimingInfo, WorkerIdInfo, WorkerWithDpRank, from_json,
+};
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+use crate::http::AppState;
+use crate::http::admission::Permit;
+use crate::http::error::ApiError;
+use crate::http::openai::{
+    ChatCompletionRequest, CompletionRequest, Content, Endpoint, Params, Prompt, ResponseMeta,
+    finish_reason_str, usage,
+};
+use crate::migration::{MigratingResponse, MigratingStream};
+use crate::model::Model;
+use crate::push::QueryAnswer;
+use crate::tokenizer::{IncrementalDetokenizer, TemplateMessage};
+
+/// A request ready to route.
+struct Prepared {
+    model: Arc<Model>,
+    request: PreprocessedRequest,
+    stream: bool,
+    include_usage: bool,
+    want_worker_id: bool,
+    want_timing: bool,
+    meta: ResponseMeta,
+    received: Instant,
+    received_unix_ms: u64,
+}
+
+pub(crate) async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let received = Instant::now();
+    let prepared = (|| {
+        let req: ChatCompletionRequest = parse_body(body)?;
+        let model = lookup(&state, &req.model)?;
+        let mut params = req.params();
+        let nvext = nvext_with_headers(&state, params.nvext.take(), &headers)?;
+        let tokens = match nvext.as_ref().and_then(|e| e.token_data.clone()) {
+            Some(tokens) => tokens,
+            None => chat_tokens(&model, &req)?,
+        };
+        params.max_tokens = req.max_completion_tokens.or(params.max_tokens);
+        prepare(
+            &state,
+            model,
+            tokens,
+            params,
+            nvext,
+            Endpoint::Chat,
+            received,
+        )
+    })();
+    match prepared {
+        Ok(p) => run(state, p).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(crate) async fn completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let received = Instant::now();
+    let prepared = (|| {
+        let req: CompletionRequest = parse_body(body)?;
+        let model = lookup(&state, &req.model)?;
+        let mut params = req.params();
+        let nvext = nvext_with_headers(&state, params.nvext.take(), &headers)?;
+        let tokens = match nvext.as_ref().and_then(|e| e.token_data.clone()) {
+            Some(tokens) => tokens,
+            None => prompt_tokens(&model, req.prompt)?,
+        };
+        prepare(
+            &state,
+            model,
+            tokens,
+            params,
+            nvext,
+            Endpoint::Completion,
+            received,
+        )
+    })();
+    match prepared {
+        Ok(p) => run(state, p).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(crate) async fn models(State(state): State<AppState>) -> Response {
+    let data: Vec<Value> = state
+        .models()
+        .names()
+        .map(|name| json!({"id": name, "object": "model", "created": 0, "owned_by": "kvroute"}))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+pub(crate) async fn health(State(state): State<AppState>) -> Response {
+    let workers = state.router().with_core(|c| c.workers().count());
+    let healthy = workers > 0;
+    let status = if healthy {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let body = json!({
+        "status": if healthy { "healthy" } else { "unhealthy" },
+        "workers": workers,
+        "in_flight": state.in_flight(),
+        "models": state.models().names().collect::<Vec<_>>(),
+    });
+    (status, axum::Json(body)).into_response()
+}
+
+pub(crate) async fn live() -> Response {
+    axum::Json(json!({"status": "live"})).into_response()
+}
+
+pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.router().metrics_text(),
+    )
+        .into_response()
+}
+
+fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let bytes = body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large(
+                format!("request body too large: {}", rejection.body_text()),
+                "request_too_large",
+            )
+        } else {
+            ApiError::invalid(rejection.body_text(), None)
+        }
+    })?;
+    from_json(&bytes).map_err(|e| ApiError::from_protocol(&e, false))
+}
+
+fn lookup(state: &AppState, name: &str) -> Result<Arc<Model>, ApiError> {
+    state
+        .models()
+        .get(name)
+        .cloned()
+        .ok_or_else(|| ApiError::unknown_model(name))
+}
+
+fn nvext_with_headers(
+    state: &AppState,
+    nvext: Option<NvExt>,
+    headers: &HeaderMap,
+) -> Result<Option<NvExt>, ApiError> {
+    if let Some(ext) = &nvext {
+        ext.validate(&state.config().limits)
+            .map_err(|e| ApiError::from_protocol(&e, true))?;
+    }
+    let overrides =
+        HeaderOverrides::from_headers(headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())))
+            .map_err(|e| ApiError::from_protocol(&e, false))?;
+    Ok(overrides.apply(nvext))
+}
+
+fn chat_tokens(model: &Model, req: &ChatCompletionRequest) -> Result<Vec<u32>, ApiError> {
+    if req.messages.is_empty() {
+        return Err(ApiError::invalid(
+            "messages must hold at least one message",
+            Some("messages".to_owned()),
+        ));
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.iter().enumerate() {
+        let content = match &m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t.clone(),
+            Some(Content::Parts(parts)) => {
+                let mut text = String::new();
+                for (j, part) in parts.iter().enumerate() {
+                    match (part.kind.as_str(), &part.text) {
+                        ("text", Some(t)) => text.push_str(t),
+                        _ => {
+                            return Err(ApiError::invalid(
+                                format!(
+                                    "content parts must be {{\"type\": \"text\", \"text\": ...}}, \
+                                     got type {:?}",
+                                    part.kind
+                                ),
+                                Some(format!("messages[{i}].content[{j}]")),
+                            ));
+                        }
+                    }
+                }
+                text
+            }
+        };
+        messages.push(TemplateMessage {
+            role: m.role.clone(),
+            content,
+        });
+    }
+    let use_raw = false;
+    let text = model
+        .template
+        .render(&messages, !use_raw)
+        .map_err(|e| ApiError::from_tokenizer(&e))?;
+    model
+        .tokenizer
+        .encode(&text)
+        .map_err(|e| ApiError::from_tokenizer(&e))
+}
+
+fn prompt_tokens(model: &Model, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
+    let one = |n: usize| {
+        if n == 1 {
+            Ok(())
+        } else {
+            Err(ApiError::invalid(
+                format!("prompt must be one prompt (batches are not served), got {n}"),
+                Some("prompt".to_owned()),
+            ))
+        }
+    };
+    let text = match prompt {
+        Prompt::Tokens(tokens) => return Ok(tokens),
+        Prompt::TokenBatches(mut batch) => {
+            one(batch.len())?;
+            return Ok(batch.swap_remove(0));
+        }
+        Prompt::Text(text) => text,
+        Prompt::Texts(mut texts) => {
+            one(texts.len())?;
+            texts.swap_remove(0)
+        }
+    };
+    model
+        .tokenizer
+        .encode(&text)
+        .map_err(|e| ApiError::invalid(e.to_string(), Some("prompt".to_owned())))
+}
+
+fn prepare(
+    state: &AppState,
+    model: Arc<Model>,
+    tokens: Vec<u32>,
+    params: Params,
+    nvext: Option<NvExt>,
+    endpoint: Endpoint,
+    received: Instant,
+) -> Result<Prepared, ApiError> {
+    if params.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid(
+            "n must be 1 (one choice per request)",
+            Some("n".to_owned()),
+        ));
+    }
+    if tokens.is_empty() {
+        return Err(ApiError::invalid(
+            "the prompt must hold at least one token",
+            Some("prompt".to_owned()),
+        ));
+    }
+    let max = state.config().max_prompt_tokens;
+    if tokens.len() > max {
+        return Err(ApiError::too_large(
+            format!(
+                "the prompt has {} tokens, more than the limit of {max}",
+                tokens.len()
+            ),
+            "context_length_exceeded",
+        ));
+    }
+    let want = |field: &str| nvext.as_ref().is_some_and(|e| e.wants_extra_field(field));
+    let (want_worker_id, want_timing) = (want("worker_id"), want("timing"));
+    let mut req = PreprocessedRequest::new(model.name.clone(), tokens);
+    req.eos_token_ids = model.eos_token_ids.clone();
+    let stop = &mut req.stop_conditions;
+    stop.max_tokens = params.max_tokens;
+    stop.min_tokens = params.min_tokens;
+    stop.stop = params.stop.map(|s| s.into_vec());
+    stop.ignore_eos = params.ignore_eos;
+    let sampling = &mut req.sampling_options;
+    sampling.n = params.n;
+    sampling.temperature = params.temperature;
+    sampling.top_p = params.top_p;
+    sampling.top_k = params.top_k;
+    sampling.seed = params.seed;
+    sampling.presence_penalty = params.presence_penalty;
+    sampling.frequency_penalty = params.frequency_penalty;
+    sampling.repetition_penalty = params.repetition_penalty;
+    if let Some(ext) = nvext {
+        req.stop_conditions.max_thinking_tokens = ext.max_thinking_tokens;
+        req.annotations = ext.annotations.unwrap_or_default();
+        req.request_timestamp_ms = ext.request_timestamp_ms;
+        let hints = req.routing_mut();
+        hints.backend_instance_id = ext.backend_instance_id;
+        hints.prefill_worker_id = ext.prefill_worker_id;
+        hints.decode_worker_id = ext.decode_worker_id;
+        hints.dp_rank = ext.dp_rank;
+        hints.prefill_dp_rank = ext.prefill_dp_rank;
+        hints.expected_output_tokens = ext.agent_hints.as_ref().and_then(|h| h.osl);
+        hints.priority = ext.agent_hints.as_ref().and_then(|h| h.priority);
+        hints.session_control = ext.session_control;
+        hints.routing_constraints = ext.routing_constraints;
+    }
+    let n = state.inner.next_id.fetch_add(1, Ordering::Relaxed);
+    let hash = xxhash_rust::xxh3::xxh3_64_with_seed(&n.to_le_bytes(), state.inner.id_salt);
+    let prefix = match endpoint {
+        Endpoint::Chat => "chatcmpl",
+        Endpoint::Completion => "cmpl",
+    };
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    Ok(Prepared {
+        meta: ResponseMeta {
+            id: format!("{prefix}-{hash:016x}{n:x}"),
+            created: now.as_secs(),
+            model: model.name.clone(),
+            endpoint,
+        },
+        model,
+        request: req,
+        stream: params.stream.unwrap_or(false),
+        include_usage: params.stream_options.is_some_and(|o| o.include_usage),
+        want_worker_id,
+        want_timing,
+        received,
+        received_unix_ms: u64::try_from(now.as_millis()).unwrap_or(u64::MAX),
+    })
+}
+
+async fn run(state: AppState, p: Prepared) -> Response {
+    let retry = state.config().admission.retry_after;
+    let permit = match state.inner.admission.admit().await {
+        Ok(permit) => permit,
+        Err(e) => return e.into_response(),
+    };
+    let prompt_len = p.request.token_ids.len();
+    let response = match state.inner.migrator.generate(p.request.clone()).await {
+        Ok(r) => r,
+        Err(e) => return ApiError::from_router(&e, retry).into_response(),
+    };
+    match response {
+        MigratingResponse::Query(answer) => {
+            drop(permit);
+            query_response(&p, *answer)
+        }
+        MigratingResponse::Stream(stream) => {
+            let stream = *stream;
+            let track = Tracker::new(&state, &p, &stream, prompt_len);
+            if p.stream {
+                sse_response(&state, p, stream, track, permit)
+            } else {
+                whole_response(&state, p, stream, track).await
+            }
+        }
+    }
+}
+
+fn query_response(p: &Prepared, answer: QueryAnswer) -> Response {
+    let ext = NvExtResponse {
+        worker_id: Some(worker_info(answer.worker)),
+        timing: None,
+        token_ids: Some(answer.token_ids),
+    };
+    let ext = serde_json::to_value(ext).ok();
+    if p.stream {
+        let chunk = p.meta.chunk(Some(""), true, Some("stop"), ext);
+        let events = futures::stream::iter([
+            Ok::<_, Infallible>(Event::default().data(chunk.to_string())),
+            Ok(Event::default().data("[DONE]")),
+        ]);
+        Sse::new(events).into_response()
+    } else {
+        let prompt = p.request.token_ids.len();
+        axum::Json(p.meta.response("", "stop", usage(prompt, 0), ext)).into_response()
+    }
+}
+
+fn worker_info(w: WorkerWithDpRank) -> WorkerIdInfo {
+    WorkerIdInfo {
+        prefill_worker_id: Some(w.worker_id),
+        prefill_dp_rank: Some(w.dp_rank),
+        decode_worker_id: Some(w.worker_id),
+        decode_dp_rank: Some(w.dp_rank),
+    }
+}
+
+/// What one request has produced so far, for text, usage, timing and the finish reason.
+struct Tracker {
+    model: Arc<Model>,
+    detok: IncrementalDetokenizer,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    finish: Option<FinishReason>,
+    received: Instant,
+    received_unix_ms: u64,
+    sent: Instant,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    hit_rate: f64,
+    max_tokens: Option<u32>,
+}
+
+/// What one engine item became.
+enum Step {
+    /// Text to send (possibly empty).
+    Text(String),
+    /// The engine failed the request.
+    Failed(String),
+}
+
+impl Tracker {
+    fn new(state: &AppState, p: &Prepared, stream: &MigratingStream, prompt_tokens: usize) -> Self {
+        Self {
+            model: p.model.clone(),
+            detok: IncrementalDetokenizer::new(),
+            prompt_tokens,
+            completion_tokens: 0,
+            finish: None,
+            received: p.received,
+            received_unix_ms: p.received_unix_ms,
+            sent: Instant::now(),
+            first: None,
+            last: None,
+            hit_rate: stream
+                .first_decision()
+                .predicted_hit_rate(state.inner.block_size),
+            max_tokens: p.request.stop_conditions.max_tokens,
+        }
+    }
+
+    fn on_item(&mut self, item: &kvroute_runtime::LlmResponse) -> Step {
+        if item.is_error() {
+            return Step::Failed(item.error_message().unwrap_or("engine error").to_owned());
+        }
+        let Some(data) = &item.data else {
+            return Step::Text(String::new());
+        };
+        if let Some(FinishReason::Error(message)) = &data.finish_reason {
+            return Step::Failed(message.clone());
+        }
+        Step::Text(self.on_output(data))
+    }
+
+    fn on_output(&mut self, data: &LLMEngineOutput) -> String {
+        if !data.token_ids.is_empty() {
+            let now = Instant::now();
+            self.first.get_or_insert(now);
+            self.last = Some(now);
+            self.completion_tokens += data.token_ids.len();
+        }
+        if data.finish_reason.is_some() {
+            self.finish = data.finish_reason.clone();
+        }
+        match &data.text {
+            Some(text) => text.clone(),
+            None => self
+                .detok
+                .push(self.model.tokenizer.as_ref(), &data.token_ids)
+                .unwrap_or_default(),
+        }
+    }
+
+    fn finish_reason(&self) -> &'static str {
+        match &self.finish {
+            Some(reason) => finish_reason_str(reason),
+            None if self
+                .max_tokens
+                .is_some_and(|m| self.completion_tokens >= m as usize) =>
+            {
+                "length"
+            }
+            None => "stop",
+        }
+    }
+
+    fn usage(&self) -> Value {
+        usage(self.prompt_tokens, self.completion_tokens)
+    }
+
+    fn timing(&self) -> TimingInfo {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let end = self.last.unwrap_or_else(Instant::now);
+        TimingInfo {
+            request_received_ms: Some(self.received_unix_ms),
+            prefill_wait_time_ms: Some(ms(self.sent - self.received)),
+            prefill_time_ms: self.first.map(|f| ms(f - self.sent)),
+            ttft_ms: self.first.map(|f| ms(f - self.received)),
+            total_time_ms: Some(ms(end - self.received)),
+            avg_itl_ms: match (self.first, self.completion_tokens) {
+                (Some(first), n) if n > 1 => Some(ms(end - first) / (n - 1) as f64),
+                _ => None,
+            },
+            kv_hit_rate: Some(self.hit_rate),
+        }
+    }
+}
+
+fn nvext_value(worker: Option<WorkerWithDpRank>, timing: Option<TimingInfo>) -> Option<Value> {
+    if worker.is_none() && timing.is_none() {
+        return None;
+    }
+    serde_json::to_value(NvExtResponse {
+        worker_id: worker.map(worker_info),
+        timing,
+        token_ids: None,
+    })
+    .ok()
+}
+
+async fn whole_response(
+    state: &AppState,
+    p: Prepared,
+    mut stream: MigratingStream,
+    mut track: Tracker,
+) -> Response {
+    let retry = state.config().admission.retry_after;
+    let mut text = String::new();
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(item) => match track.on_item(&item) {
+                Step::Text(t) => text.push_str(&t),
+                Step::Failed(message) => {
+                    return ApiError::internal(format!("the engine failed the request: {message}"))
+                        .into_response();
+                }
+            },
+            Err(e) => return ApiError::from_stream(&e, retry).into_response(),
+        }
+    }
+    let ext = nvext_value(
+        p.want_worker_id.then(|| stream.worker()),
+        p.want_timing.then(|| track.timing()),
+    );
+    axum::Json(
+        p.meta
+            .response(&text, track.finish_reason(), track.usage(), ext),
+    )
+    .into_response()
+}
+
+fn data(value: &Value) -> Result<Event, Infallible> {
+    Ok(Event::default().data(value.to_string()))
+}
+
+fn sse_response(
+    state: &AppState,
+    p: Prepared,
+    mut stream: MigratingStream,
+    mut track: Tracker,
+    permit: Permit,
+) -> Response {
+    let keep_alive = state.config().keep_alive;
+    let events = async_stream::stream! {
+        // The permit and the routed stream live as long as this body: a client that goes away
+        // drops both, cancelling the request on its worker and freeing its slot.
+        let _permit = permit;
+        let worker = p.want_worker_id.then(|| stream.worker());
+        let opening = p.meta.chunk(
+            (p.meta.endpoint == Endpoint::Chat).then_some(""),
+            true,
+            None,
+            nvext_value(worker, None),
+        );
+        if p.meta.endpoint == Endpoint::Chat {
+            yield data(&opening);
+        }
+        while let Some(item) = stream.next().await {
+            let failure = match item {
+                Ok(item) => match track.on_item(&item) {
+                    Step::Text(t) if t.is_empty() => continue,
+                    Step::Text(t) => {
+                        yield data(&p.meta.chunk(Some(&t), false, None, None));
+                        continue;
+                    }
+                    Step::Failed(message) => ApiError::internal(format!(
+                        "the engine failed the request: {message}"
+                    )),
+                },
+                Err(e) => ApiError::from_stream(&e, std::time::Duration::ZERO),
+            };
+            yield data(&failure.body());
+            return;
+        }
+        let ext = nvext_value(
+            p.want_worker_id.then(|| stream.worker()),
+            p.want_timing.then(|| track.timing()),
+        );
+        yield data(&p.meta.chunk(None, false, Some(track.finish_reason()), ext));
+        if p.include_usage {
+            yield data(&p.meta.usage_chunk(track.usage()));
+        }
+        yield Ok(Event::default().data("[DONE]"));
+    };
+    Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(keep_alive))
+        .into_response()
+}

@@ -1,0 +1,165 @@
+//! The OpenAI-compatible HTTP frontend (axum): `POST /v1/chat/completions` and
+//! `POST /v1/completions` (streaming as server-sent events, or whole), `GET /v1/models`,
+//! `/health`, `/live` and `/metrics`.
+//!
+//! Build an [`AppState`] from a [`KvPushRouter`], the served models ([`ModelRegistry`]) and an
+//! [`HttpConfig`]; [`app`] turns it into an axum `Router`, [`serve`] runs it on a listener until
+//! a shutdown future resolves, then drains the requests in flight.
+//!
+//! A request goes: body (size-limited) → typed JSON ([`kvroute_protocols::from_json`], so a
+//! wrong type names its JSON path) → `nvext` validation → routing headers applied over `nvext`
+//! ([`kvroute_protocols::HeaderOverrides`]; an unparsable header is a 400) → model lookup (404)
+//! → tokens (`nvext.token_data`, else the chat template and tokenizer; too many is a 413) →
+//! admission (a bounded number in flight, a bounded wait: 429 or 503 with `Retry-After`) → the
+//! KV router, with migration ([`Migrator`]) → the response. The SSE body owns the routed
+//! stream, so a client that disconnects drops it, which cancels the request on its worker and
+//! frees its load.
+//!
+//! A query-only request (`nvext.annotations` holding `query_instance_id:`) is answered with the
+//! chosen worker in `nvext.worker_id` and the prompt's tokens in `nvext.token_ids`; nothing is
+//! sent to a worker.
+
+mod admission;
+mod error;
+mod handlers;
+pub mod openai;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use kvroute_protocols::Limits;
+use tokio::net::TcpListener;
+
+pub use admission::AdmissionConfig;
+pub use error::ApiError;
+
+use crate::migration::{DEFAULT_MAX_MIGRATIONS, Migrator};
+use crate::model::ModelRegistry;
+use crate::push::KvPushRouter;
+
+/// The frontend's limits and behaviour.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HttpConfig {
+    /// Largest request body, in bytes (a larger one is refused with 413).
+    pub max_body_bytes: usize,
+    /// Longest prompt, in tokens (a longer one is refused with 413).
+    pub max_prompt_tokens: usize,
+    /// Validation limits of `nvext`.
+    pub limits: Limits,
+    /// Requests in flight and waiting.
+    pub admission: AdmissionConfig,
+    /// Interval of SSE keep-alive comments (they also reveal a client that went away).
+    pub keep_alive: Duration,
+    /// How many times a request moves to another worker when its worker dies mid-stream.
+    pub max_migrations: u32,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 16 << 20,
+            max_prompt_tokens: 128 * 1024,
+            limits: Limits::default(),
+            admission: AdmissionConfig::default(),
+            keep_alive: Duration::from_secs(15),
+            max_migrations: DEFAULT_MAX_MIGRATIONS,
+        }
+    }
+}
+
+/// Everything the handlers share. Cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Shared>,
+}
+
+struct Shared {
+    migrator: Migrator,
+    models: ModelRegistry,
+    config: HttpConfig,
+    admission: admission::Admission,
+    block_size: u32,
+    next_id: AtomicU64,
+    id_salt: u64,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("models", &self.inner.models.names().collect::<Vec<_>>())
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AppState {
+    /// The state of a frontend serving `models` through `router`.
+    pub fn new(router: KvPushRouter, models: ModelRegistry, config: HttpConfig) -> Self {
+        let block_size = router.with_core(|c| c.block_size());
+        let id_salt = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Self {
+            inner: Arc::new(Shared {
+                migrator: Migrator::new(router, config.max_migrations),
+                models,
+                admission: admission::Admission::new(config.admission),
+                config,
+                block_size,
+                next_id: AtomicU64::new(1),
+                id_salt,
+            }),
+        }
+    }
+
+    /// The KV router underneath.
+    pub fn router(&self) -> &KvPushRouter {
+        self.inner.migrator.router()
+    }
+
+    /// The served models.
+    pub fn models(&self) -> &ModelRegistry {
+        &self.inner.models
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &HttpConfig {
+        &self.inner.config
+    }
+
+    /// Requests admitted and not yet finished.
+    pub fn in_flight(&self) -> usize {
+        self.inner.admission.in_flight()
+    }
+}
+
+/// The frontend's routes over `state`.
+pub fn app(state: AppState) -> Router {
+    let body_limit = state.inner.config.max_body_bytes;
+    Router::new()
+        .route("/v1/chat/completions", post(handlers::chat_completions))
+        .route("/v1/completions", post(handlers::completions))
+        .route("/v1/models", get(handlers::models))
+        .route("/health", get(handlers::health))
+        .route("/live", get(handlers::live))
+        .route("/metrics", get(handlers::metrics))
+        .layer(DefaultBodyLimit::max(body_limit))
+        .with_state(state)
+}
+
+/// Serves [`app`] on `listener` until `shutdown` resolves, then stops accepting and waits for
+/// the requests in flight (streams included) to end.
+pub async fn serve(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, app(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

@@ -1,0 +1,349 @@
+//! The OpenAI request bodies the frontend accepts (only the fields it uses; unknown fields are
+//! ignored), and the response and chunk shapes it writes.
+
+use kvroute_protocols::{FinishReason, NvExt};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+// The request bodies list the shared parameters inline rather than through
+// `#[serde(flatten)]`: flattening buffers the fields and loses the JSON path of a type error
+// (`nvext.backend_instance_id` would be reported as the whole document).
+macro_rules! with_params {
+    ($(#[$meta:meta])* pub struct $name:ident { $($(#[$fmeta:meta])* pub $field:ident: $ty:ty,)* }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Deserialize)]
+        pub struct $name {
+            $($(#[$fmeta])* pub $field: $ty,)*
+            /// Stream the response as server-sent events.
+            #[serde(default)]
+            pub stream: Option<bool>,
+            /// Streaming options (`include_usage`).
+            #[serde(default)]
+            pub stream_options: Option<StreamOptions>,
+            /// Most tokens to generate.
+            #[serde(default)]
+            pub max_tokens: Option<u32>,
+            /// Fewest tokens to generate.
+            #[serde(default)]
+            pub min_tokens: Option<u32>,
+            /// Sampling temperature.
+            #[serde(default)]
+            pub temperature: Option<f32>,
+            /// Nucleus sampling mass.
+            #[serde(default)]
+            pub top_p: Option<f32>,
+            /// Top-k sampling.
+            #[serde(default)]
+            pub top_k: Option<i32>,
+            /// Sampling seed.
+            #[serde(default)]
+            pub seed: Option<i64>,
+            /// Presence penalty.
+            #[serde(default)]
+            pub presence_penalty: Option<f32>,
+            /// Frequency penalty.
+            #[serde(default)]
+            pub frequency_penalty: Option<f32>,
+            /// Repetition penalty.
+            #[serde(default)]
+            pub repetition_penalty: Option<f32>,
+            /// Stop strings.
+            #[serde(default)]
+            pub stop: Option<Stop>,
+            /// Number of choices (only 1 is served).
+            #[serde(default)]
+            pub n: Option<u8>,
+            /// Keep generating past end-of-sequence.
+            #[serde(default)]
+            pub ignore_eos: Option<bool>,
+            /// NVIDIA extensions.
+            #[serde(default)]
+            pub nvext: Option<NvExt>,
+        }
+
+        impl $name {
+            /// The generation parameters.
+            pub fn params(&self) -> Params {
+                Params {
+                    stream: self.stream.clone(),
+                    stream_options: self.stream_options.clone(),
+                    max_tokens: self.max_tokens.clone(),
+                    min_tokens: self.min_tokens.clone(),
+                    temperature: self.temperature.clone(),
+                    top_p: self.top_p.clone(),
+                    top_k: self.top_k.clone(),
+                    seed: self.seed.clone(),
+                    presence_penalty: self.presence_penalty.clone(),
+                    frequency_penalty: self.frequency_penalty.clone(),
+                    repetition_penalty: self.repetition_penalty.clone(),
+                    stop: self.stop.clone(),
+                    n: self.n.clone(),
+                    ignore_eos: self.ignore_eos.clone(),
+                    nvext: self.nvext.clone(),
+                }
+            }
+        }
+    };
+}
+
+with_params! {
+    /// `POST /v1/chat/completions`.
+    pub struct ChatCompletionRequest {
+        /// The model name.
+        pub model: String,
+        /// The conversation.
+        pub messages: Vec<ChatMessage>,
+        /// `max_completion_tokens` (the newer name of `max_tokens`).
+        #[serde(default)]
+        pub max_completion_tokens: Option<u32>,
+    }
+}
+
+with_params! {
+    /// `POST /v1/completions`.
+    pub struct CompletionRequest {
+        /// The model name.
+        pub model: String,
+        /// The prompt: text or token ids.
+        pub prompt: Prompt,
+    }
+}
+
+/// Generation parameters common to both endpoints.
+#[derive(Debug, Clone, Default)]
+pub struct Params {
+    /// Stream the response as server-sent events.
+    pub stream: Option<bool>,
+    /// Streaming options (`include_usage`).
+    pub stream_options: Option<StreamOptions>,
+    /// Most tokens to generate.
+    pub max_tokens: Option<u32>,
+    /// Fewest tokens to generate.
+    pub min_tokens: Option<u32>,
+    /// Sampling temperature.
+    pub temperature: Option<f32>,
+    /// Nucleus sampling mass.
+    pub top_p: Option<f32>,
+    /// Top-k sampling.
+    pub top_k: Option<i32>,
+    /// Sampling seed.
+    pub seed: Option<i64>,
+    /// Presence penalty.
+    pub presence_penalty: Option<f32>,
+    /// Frequency penalty.
+    pub frequency_penalty: Option<f32>,
+    /// Repetition penalty.
+    pub repetition_penalty: Option<f32>,
+    /// Stop strings.
+    pub stop: Option<Stop>,
+    /// Number of choices (only 1 is served).
+    pub n: Option<u8>,
+    /// Keep generating past end-of-sequence.
+    pub ignore_eos: Option<bool>,
+    /// NVIDIA extensions.
+    pub nvext: Option<NvExt>,
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with the token usage.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// `stop`: one string or several.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    /// One stop string.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+impl Stop {
+    /// The stop strings.
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+/// One chat message.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, `tool`, ...
+    pub role: String,
+    /// Its content (absent on some assistant tool-call messages).
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+/// Message content: text, or an array of parts whose text parts are concatenated.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    /// Plain text.
+    Text(String),
+    /// Content parts.
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part (`{"type": "text", "text": "..."}`; other types are refused).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// The part's type.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a text part.
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// A completion prompt.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Text.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// A batch of texts (only a batch of one is served).
+    Texts(Vec<String>),
+    /// A batch of token id lists (only a batch of one is served).
+    TokenBatches(Vec<Vec<u32>>),
+}
+
+/// Which endpoint a response is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Endpoint {
+    Chat,
+    Completion,
+}
+
+/// The fixed fields of every response and chunk of one request.
+#[derive(Debug, Clone)]
+pub(crate) struct ResponseMeta {
+    pub(crate) id: String,
+    pub(crate) created: u64,
+    pub(crate) model: String,
+    pub(crate) endpoint: Endpoint,
+}
+
+/// The OpenAI name of a finish reason (errors are reported as errors, not finish reasons).
+pub(crate) fn finish_reason_str(reason: &FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Length => "length",
+        FinishReason::ContentFilter => "content_filter",
+        FinishReason::Eos
+        | FinishReason::Stop
+        | FinishReason::Cancelled
+        | FinishReason::Error(_) => "stop",
+    }
+}
+
+impl ResponseMeta {
+    /// A streaming chunk: a text delta (chat: the first carries the role), a finish reason.
+    pub(crate) fn chunk(
+        &self,
+        text: Option<&str>,
+        first: bool,
+        finish: Option<&str>,
+        nvext: Option<Value>,
+    ) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                let mut delta = serde_json::Map::new();
+                if first {
+                    delta.insert("role".into(), json!("assistant"));
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), json!(t));
+                }
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+            Endpoint::Completion => {
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+            }
+        };
+        let mut chunk = json!({
+            "id": self.id,
+            "object": self.chunk_object(),
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        });
+        if let Some(ext) = nvext {
+            chunk["nvext"] = ext;
+        }
+        chunk
+    }
+
+    /// The last streaming chunk when usage is asked for: no choices, the usage.
+    pub(crate) fn usage_chunk(&self, usage: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.chunk_object(),
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage,
+        })
+    }
+
+    /// A whole (non-streaming) response.
+    pub(crate) fn response(
+        &self,
+        text: &str,
+        finish: &str,
+        usage: Value,
+        nvext: Option<Value>,
+    ) -> Value {
+        let (object, choice) = match self.endpoint {
+            Endpoint::Chat => (
+                "chat.completion",
+                json!({
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": null,
+                    "finish_reason": finish,
+                }),
+            ),
+            Endpoint::Completion => (
+                "text_completion",
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish}),
+            ),
+        };
+        let mut out = json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage,
+        });
+        if let Some(ext) = nvext {
+            out["nvext"] = ext;
+        }
+        out
+    }
+
+    fn chunk_object(&self) -> &'static str {
+        match self.endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completion => "text_completion",
+        }
+    }
+}
+
+/// OpenAI's `usage` object.
+pub(crate) fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    })
+}

@@ -1,0 +1,328 @@
+//! Prompts to tokens and back: the [`Tokenizer`] trait, a `tokenizer.json` loaded with the
+//! `tokenizers` crate ([`HfTokenizer`]), the built-in [`MockTokenizer`] of the mock model, chat
+//! templates rendered with minijinja ([`ChatTemplate`]), and [`IncrementalDetokenizer`], which
+//! turns a stream of token ids into text deltas.
+//!
+//! # The mock model's tokenizer
+//!
+//! The mock model needs no files, so that `kvroute demo` runs anywhere. [`MockTokenizer`] splits
+//! text on Unicode whitespace and maps each word to `MOCK_FIRST_WORD_ID + xxh3_64(word) %
+//! (MOCK_VOCAB_SIZE - MOCK_FIRST_WORD_ID)`: the same word always gives the same id, so two
+//! prompts that share leading words share leading tokens (and KV blocks). Ids below
+//! [`MOCK_FIRST_WORD_ID`] are reserved for special tokens ([`MOCK_EOS_TOKEN_ID`]).
+//! Decoding renders each id as a pronounceable pseudo-word spelled from its digits in base 70
+//! (one consonant-vowel syllable per digit), joined by single spaces; it is deterministic but not
+//! the inverse of encoding (hashing forgets the word). [`MOCK_CHAT_TEMPLATE`] renders each message
+//! as `<|role|> content` on its own line and ends with `<|assistant|>` when a generation prompt is
+//! asked for.
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Vocabulary size of [`MockTokenizer`].
+pub const MOCK_VOCAB_SIZE: u32 = 32_000;
+/// The first id [`MockTokenizer`] gives a word; the ids below are special tokens.
+pub const MOCK_FIRST_WORD_ID: u32 = 16;
+/// The mock model's end-of-sequence token id.
+pub const MOCK_EOS_TOKEN_ID: u32 = 2;
+/// The mock model's chat template (see the module documentation).
+pub const MOCK_CHAT_TEMPLATE: &str = "{% for m in messages %}<|{{ m.role }}|> {{ m.content }}\n\
+    {% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+
+/// Why text could not become tokens, or tokens text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TokenizerError {
+    /// A tokenizer or template file could not be read or parsed.
+    #[error("cannot load {path}: {message}")]
+    Load {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// The tokenizer failed on the text.
+    #[error("tokenizing failed: {0}")]
+    Encode(String),
+    /// The tokenizer failed on the ids.
+    #[error("detokenizing failed: {0}")]
+    Decode(String),
+    /// The chat template is invalid or failed on the messages.
+    #[error("chat template: {0}")]
+    Template(String),
+}
+
+/// Turns text into token ids and back. Implementations are shared across requests.
+pub trait Tokenizer: Send + Sync + 'static {
+    /// The token ids of `text`, as given (no special tokens added: a chat template adds its own).
+    fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError>;
+
+    /// The text of `ids` (special tokens skipped).
+    fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError>;
+}
+
+/// The built-in tokenizer of the mock model; see the module documentation for its rules.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MockTokenizer;
+
+const CONSONANTS: &[u8; 14] = b"bdfgklmnprstvz";
+const VOWELS: &[u8; 5] = b"aeiou";
+
+impl MockTokenizer {
+    /// The id of one word.
+    pub fn word_id(word: &str) -> u32 {
+        let span = u64::from(MOCK_VOCAB_SIZE - MOCK_FIRST_WORD_ID);
+        // The modulus keeps the value below MOCK_VOCAB_SIZE, so the cast cannot truncate.
+        MOCK_FIRST_WORD_ID + (xxh3_64(word.as_bytes()) % span) as u32
+    }
+
+    /// The pseudo-word that renders `id`.
+    pub fn render_id(id: u32) -> String {
+        let base = (CONSONANTS.len() * VOWELS.len()) as u32;
+        let mut digits = Vec::new();
+        let mut n = id;
+        loop {
+            digits.push(n % base);
+            n /= base;
+            if n == 0 {
+                break;
+            }
+        }
+        let mut word = String::with_capacity(digits.len() * 2);
+        for d in digits.iter().rev() {
+            let d = *d as usize;
+            word.push(char::from(CONSONANTS[d / VOWELS.len()]));
+            word.push(char::from(VOWELS[d % VOWELS.len()]));
+        }
+        word
+    }
+}
+
+impl Tokenizer for MockTokenizer {
+    fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        Ok(text.split_whitespace().map(Self::word_id).collect())
+    }
+
+    fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        let words: Vec<String> = ids
+            .iter()
+            .filter(|&&id| id >= MOCK_FIRST_WORD_ID)
+            .map(|&id| Self::render_id(id))
+            .collect();
+        Ok(words.join(" "))
+    }
+}
+
+/// A Hugging Face `tokenizer.json`, loaded with the `tokenizers` crate (pure Rust, no Python).
+pub struct HfTokenizer {
+    inner: tokenizers::Tokenizer,
+}
+
+impl std::fmt::Debug for HfTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HfTokenizer")
+            .field("vocab_size", &self.inner.get_vocab_size(true))
+            .finish()
+    }
+}
+
+impl HfTokenizer {
+    /// Loads a `tokenizer.json` file.
+    pub fn from_file(path: &Path) -> Result<Self, TokenizerError> {
+        tokenizers::Tokenizer::from_file(path)
+            .map(|inner| Self { inner })
+            .map_err(|e| TokenizerError::Load {
+                path: path.to_owned(),
+                message: e.to_string(),
+            })
+    }
+
+    /// Parses a `tokenizer.json` document.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, TokenizerError> {
+        tokenizers::Tokenizer::from_bytes(bytes)
+            .map(|inner| Self { inner })
+            .map_err(|e| TokenizerError::Load {
+                path: PathBuf::from("<bytes>"),
+                message: e.to_string(),
+            })
+    }
+
+    /// The id of a token string (e.g. the end-of-sequence token named by a model config).
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+}
+
+impl Tokenizer for HfTokenizer {
+    fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.inner
+            .encode(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizerError::Encode(e.to_string()))
+    }
+
+    fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| TokenizerError::Decode(e.to_string()))
+    }
+}
+
+/// One chat message as a template sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TemplateMessage {
+    /// `system`, `user`, `assistant`, `tool`, ...
+    pub role: String,
+    /// The message's text.
+    pub content: String,
+}
+
+#[derive(Serialize)]
+struct TemplateContext<'a> {
+    messages: &'a [TemplateMessage],
+    add_generation_prompt: bool,
+    bos_token: &'a str,
+    eos_token: &'a str,
+}
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// A chat template (Jinja, as in a model's `tokenizer_config.json`), compiled once.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: minijinja::Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl ChatTemplate {
+    /// Compiles `source`; `bos_token` and `eos_token` are visible to it under those names.
+    pub fn new(
+        source: impl Into<String>,
+        bos_token: impl Into<String>,
+        eos_token: impl Into<String>,
+    ) -> Result<Self, TokenizerError> {
+        let mut env = minijinja::Environment::new();
+        // Hugging Face templates signal bad conversations with `raise_exception(...)`.
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    message,
+                ))
+            },
+        );
+        env.add_template_owned(TEMPLATE_NAME, source.into())
+            .map_err(|e| TokenizerError::Template(e.to_string()))?;
+        Ok(Self {
+            env,
+            bos_token: bos_token.into(),
+            eos_token: eos_token.into(),
+        })
+    }
+
+    /// The mock model's template ([`MOCK_CHAT_TEMPLATE`]).
+    pub fn mock() -> Self {
+        // The built-in template is a constant known to compile (a unit test renders it).
+        Self::new(MOCK_CHAT_TEMPLATE, "", "").unwrap_or_else(|_| Self {
+            env: minijinja::Environment::new(),
+            bos_token: String::new(),
+            eos_token: String::new(),
+        })
+    }
+
+    /// Loads a template from `path`: a Jinja file, or a `tokenizer_config.json` whose
+    /// `chat_template` string (and `bos_token` / `eos_token` strings, when present) are used.
+    pub fn from_file(path: &Path) -> Result<Self, TokenizerError> {
+        let load = |message: String| TokenizerError::Load {
+            path: path.to_owned(),
+            message,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| load(e.to_string()))?;
+        if path.extension().is_some_and(|e| e == "json") {
+            let config: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| load(e.to_string()))?;
+            let source = config
+                .get("chat_template")
+                .and_then(|t| t.as_str())
+                .ok_or_else(|| load("expected a string field `chat_template`".to_owned()))?;
+            let token = |key: &str| {
+                config
+                    .get(key)
+                    .and_then(|t| t.as_str().or_else(|| t.get("content")?.as_str()))
+                    .unwrap_or_default()
+                    .to_owned()
+            };
+            return Self::new(source, token("bos_token"), token("eos_token"));
+        }
+        Self::new(text, "", "")
+    }
+
+    /// Renders `messages`, ending with the assistant's turn opener when
+    /// `add_generation_prompt`.
+    pub fn render(
+        &self,
+        messages: &[TemplateMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| TokenizerError::Template(e.to_string()))?;
+        let ctx = TemplateContext {
+            messages,
+            add_generation_prompt,
+            bos_token: &self.bos_token,
+            eos_token: &self.eos_token,
+        };
+        template
+            .render(minijinja::value::Serde(&ctx))
+            .map_err(|e| TokenizerError::Template(e.to_string()))
+    }
+}
+
+/// Turns a growing sequence of token ids into text deltas, re-decoding only a short window so
+/// that multi-token characters and tokenizers that merge across tokens come out right (the
+/// prefix-offset scheme of vLLM and Dynamo).
+#[derive(Debug, Default)]
+pub struct IncrementalDetokenizer {
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl IncrementalDetokenizer {
+    /// A detokenizer that has seen nothing.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `new` ids; returns the text they complete (possibly empty while a character is
+    /// still partial).
+    pub fn push(
+        &mut self,
+        tokenizer: &dyn Tokenizer,
+        new: &[u32],
+    ) -> Result<String, TokenizerError> {
+        self.ids.extend_from_slice(new);
+        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let full = tokenizer.decode(&self.ids[self.prefix_offset..])?;
+        if full.len() > prefix.len()
+            && !full.ends_with('\u{FFFD}')
+            && full.is_char_boundary(prefix.len())
+        {
+            let delta = full[prefix.len()..].to_owned();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            Ok(delta)
+        } else {
+            Ok(String::new())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
