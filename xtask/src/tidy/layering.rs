@@ -32,6 +32,10 @@ pub(super) const ALLOWED: &[(&str, &[&str])] = &[
             "kvroute-prefill",
         ],
     ),
+    (
+        "kvroute",
+        &["kvroute-protocols", "kvroute-mocker", "kvroute-router"],
+    ),
 ];
 
 /// Crates outside the layering (they drive the others through cargo, not as dependencies).

@@ -1,0 +1,50 @@
+//! `kvroute`, the one binary of the kvroute workspace. Today it has one subcommand, `replay`:
+//! it replays a Mooncake-format production trace against simulated engines (kvroute-mocker) in
+//! virtual time, routing every request through the live router core (kvroute-router: the same
+//! indexer, scheduler and sessions code the service runs), and compares routing policies on
+//! cache hit rate, latency and balance. The service subcommands (`serve`, `worker`, `demo`) join
+//! it later as further [`Command`] variants, each in its own module.
+//!
+//! This crate is the only place that parses command lines, prints tables and writes report
+//! files; the cores it drives stay free of I/O. anyhow is used here and nowhere below.
+
+mod replay;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// The command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvroute",
+    version,
+    about = "KV-cache-aware routing for LLM inference fleets"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// One subcommand per mode of the binary.
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Replay a Mooncake JSONL trace against simulated engines in virtual time and compare
+    /// routing policies.
+    Replay(replay::ReplayArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Replay(args) => replay::run(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            // `{:#}` prints the whole context chain on one line: "what we did: why it failed".
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,396 @@
+//! `kvroute replay`: a Mooncake trace against N simulated engines in virtual time, routed by the
+//! live router core, once per policy, compared in one table.
+//!
+//! Each policy gets a fresh fleet ([`kvroute_mocker::sim::Simulation`]) and a fresh
+//! [`kvroute_router::KvRouterCore`] with the same seed, so runs are independent and the same
+//! inputs always give the same numbers; policies run on parallel threads only to save wall time.
+
+mod dispatch;
+mod html;
+mod metrics;
+mod oracle;
+mod policy;
+mod progress;
+mod report;
+mod workload;
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use indicatif::ProgressBar;
+use kvroute_mocker::MockerConfig;
+use kvroute_mocker::sim::{SimReport, Simulation};
+use kvroute_mocker::trace::TraceRecord;
+use kvroute_router::{KvMode, KvRouterCore, WorkerSpec};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use dispatch::RouterDispatcher;
+use metrics::Recorder;
+use oracle::{Oracle, ratio};
+use policy::ReplayPolicy;
+use report::{OracleJson, PolicyReport, ReplayJson, Setup, ms};
+use workload::Synthesis;
+
+/// Options of `kvroute replay`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct ReplayArgs {
+    /// Mooncake-format JSONL trace: one object a line with `timestamp` (ms), `input_length`,
+    /// `output_length` and `hash_ids`.
+    #[arg(long, value_name = "FILE")]
+    trace: PathBuf,
+    /// Simulated engines (router workers).
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    workers: usize,
+    /// A routing policy to compare (repeatable): round-robin, random, kv (the reference's
+    /// default cost), kv-affinity (the best; tuned cost weights). Default: all of them.
+    #[arg(long = "policy", value_name = "P", value_parser = ReplayPolicy::parse)]
+    policies: Vec<ReplayPolicy>,
+    /// Replay speed: 2.0 makes requests arrive twice as fast as the trace says.
+    #[arg(long, default_value_t = 1.0, value_name = "X")]
+    speed: f64,
+    /// Engine (and router) KV block size in tokens.
+    #[arg(long, default_value_t = 16, value_name = "B")]
+    block_size: u32,
+    /// Tokens per trace hash id; must be a multiple of --block-size.
+    #[arg(long, default_value_t = 512, value_name = "T")]
+    trace_block_size: u32,
+    /// KV cache capacity of each engine, in blocks [default: the mocker's, 25000].
+    #[arg(long, value_name = "C")]
+    cache_blocks: Option<u32>,
+    /// Disaggregated serving with N prefill workers (not supported by replay yet).
+    #[arg(long, value_name = "N")]
+    prefill_workers: Option<usize>,
+    /// Seed of every random choice (router tie-breaks, the random policy, generated tokens).
+    #[arg(long, default_value_t = 0, value_name = "S")]
+    seed: u64,
+    /// Write the results as JSON here, and an HTML report beside it (same name, .html).
+    #[arg(long, value_name = "OUT")]
+    json: Option<PathBuf>,
+}
+
+/// The arguments, checked.
+struct Plan {
+    policies: Vec<ReplayPolicy>,
+    workers: usize,
+    mocker: MockerConfig,
+    synthesis: Synthesis,
+    seed: u64,
+}
+
+impl Plan {
+    fn new(args: &ReplayArgs) -> anyhow::Result<Self> {
+        if let Some(n) = args.prefill_workers {
+            bail!(
+                "--prefill-workers {n}: disaggregated (prefill/decode) replay is not supported yet; \
+                 replay simulates aggregated engines only, so leave the flag out"
+            );
+        }
+        if let Some(json) = &args.json
+            && json.extension().is_some_and(|e| e == "html")
+        {
+            bail!(
+                "--json {}: the HTML report is written beside the JSON with an .html extension, \
+                 so the JSON path must not end in .html; expected e.g. replay.json",
+                json.display()
+            );
+        }
+        if args.workers == 0 {
+            bail!("--workers must be at least 1, got 0");
+        }
+        if !(args.speed.is_finite() && args.speed > 0.0) {
+            bail!("--speed must be a finite number > 0, got {}", args.speed);
+        }
+        if args.block_size == 0 {
+            bail!("--block-size must be at least 1, got 0");
+        }
+        if args.trace_block_size == 0 || !args.trace_block_size.is_multiple_of(args.block_size) {
+            bail!(
+                "--trace-block-size must be a positive multiple of --block-size ({}), got {}",
+                args.block_size,
+                args.trace_block_size
+            );
+        }
+        let mut mocker = MockerConfig {
+            block_size: args.block_size,
+            seed: args.seed,
+            ..MockerConfig::default()
+        };
+        if let Some(c) = args.cache_blocks {
+            if c == 0 {
+                bail!("--cache-blocks must be at least 1, got 0");
+            }
+            mocker.num_blocks = c;
+        }
+        mocker.validate().context("invalid engine settings")?;
+        let asked: &[ReplayPolicy] = if args.policies.is_empty() {
+            &ReplayPolicy::ALL
+        } else {
+            &args.policies
+        };
+        // A policy named twice would only print the same row twice.
+        let mut policies: Vec<ReplayPolicy> = Vec::new();
+        for &p in asked {
+            if !policies.contains(&p) {
+                policies.push(p);
+            }
+        }
+        Ok(Self {
+            policies,
+            workers: args.workers,
+            mocker,
+            synthesis: Synthesis {
+                trace_block_tokens: args.trace_block_size as usize,
+                speed: args.speed,
+            },
+            seed: args.seed,
+        })
+    }
+}
+
+/// Everything one policy's run produced.
+struct PolicyRun {
+    sim: SimReport,
+    recorder: Recorder,
+}
+
+/// Runs `kvroute replay`.
+pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
+    let plan = Plan::new(args)?;
+    let records = workload::load(&args.trace)?;
+    let oracle = Oracle::compute(
+        &records,
+        u64::from(args.trace_block_size),
+        u64::from(args.block_size),
+    );
+    let setup = Setup {
+        trace: args.trace.display().to_string(),
+        requests: records.len() as u64,
+        workers: plan.workers,
+        block_size: args.block_size,
+        trace_block_size: args.trace_block_size,
+        cache_blocks: plan.mocker.num_blocks,
+        speed: args.speed,
+        seed: plan.seed,
+    };
+
+    let wall = Instant::now();
+    let progress = progress::bar((records.len() * plan.policies.len()) as u64);
+    let runs = run_all(&plan, &records, &progress);
+    progress.finish_and_clear();
+    let runs = runs?;
+    let wall = wall.elapsed();
+
+    let mut reports = Vec::new();
+    let mut sorted_ttfts = Vec::new();
+    for (policy, run) in plan.policies.iter().zip(&runs) {
+        let mut ttft = run.recorder.ttft.clone();
+        ttft.sort_unstable();
+        reports.push(policy_report(*policy, run, &ttft, &oracle));
+        sorted_ttfts.push(ttft);
+    }
+    let table = report::table(&reports);
+    print!("{table}");
+    // Let the table reach the terminal before the summary on stderr.
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    eprintln!(
+        "replayed {} requests x {} policies on {} workers in {:.1} s wall time; oracle hit rate \
+         {:.2}% by tokens ({:.2}% by trace blocks)",
+        records.len(),
+        plan.policies.len(),
+        plan.workers,
+        wall.as_secs_f64(),
+        oracle.token_hit_rate() * 100.0,
+        oracle.block_hit_rate() * 100.0,
+    );
+
+    if let Some(json_path) = &args.json {
+        let json = ReplayJson {
+            setup: &setup,
+            oracle: OracleJson::new(oracle),
+            policies: &reports,
+        };
+        let text = serde_json::to_string_pretty(&json).context("serializing the results")?;
+        write(json_path, &text)?;
+        let series: Vec<Vec<Vec<f64>>> = runs.iter().map(|r| r.recorder.load.series()).collect();
+        let curves: Vec<html::PolicyCurves<'_>> = reports
+            .iter()
+            .zip(&runs)
+            .zip(&sorted_ttfts)
+            .zip(&series)
+            .map(|(((report, run), ttft), load)| html::PolicyCurves {
+                report,
+                ttft_sorted: ttft,
+                load,
+                bucket: run.recorder.load.bucket(),
+            })
+            .collect();
+        let html_path = json_path.with_extension("html");
+        write(&html_path, &html::render(&setup, &table, &curves))?;
+        eprintln!("wrote {} and {}", json_path.display(), html_path.display());
+    }
+    Ok(())
+}
+
+fn write(path: &Path, text: &str) -> anyhow::Result<()> {
+    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Runs every policy, on as many threads as there are cores, returning runs in policy order.
+fn run_all(
+    plan: &Plan,
+    records: &[TraceRecord],
+    progress: &ProgressBar,
+) -> anyhow::Result<Vec<PolicyRun>> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .min(plan.policies.len())
+        .max(1);
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<anyhow::Result<PolicyRun>>>> =
+        Mutex::new((0..plan.policies.len()).map(|_| None).collect());
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&policy) = plan.policies.get(i) else {
+                        break;
+                    };
+                    let result = run_policy(plan, policy, records, progress.clone());
+                    if let Ok(mut slots) = results.lock() {
+                        slots[i] = Some(result);
+                    }
+                }
+            });
+        }
+    });
+    let slots = results
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("a replay thread panicked"))?;
+    slots
+        .into_iter()
+        .zip(&plan.policies)
+        .map(|(slot, policy)| {
+            slot.unwrap_or_else(|| Err(anyhow::anyhow!("policy {policy}: the run did not finish")))
+        })
+        .collect()
+}
+
+/// One policy: a fresh fleet and a fresh router core, the whole trace, then a drain check.
+fn run_policy(
+    plan: &Plan,
+    policy: ReplayPolicy,
+    records: &[TraceRecord],
+    progress: ProgressBar,
+) -> anyhow::Result<PolicyRun> {
+    let mut sim = Simulation::new(&plan.mocker, plan.workers).context("invalid engine settings")?;
+    let config = policy.router_config(plan.mocker.block_size);
+    let mut core = KvRouterCore::new(config).context("invalid router settings")?;
+    for worker in 0..plan.workers {
+        let spec = WorkerSpec::new(worker as u64)
+            .with_kv_capacity(u64::from(plan.mocker.num_blocks))
+            .with_max_batched_tokens(u64::from(plan.mocker.max_num_batched_tokens));
+        core.add_worker(&spec, KvMode::Events)
+            .with_context(|| format!("registering worker {worker}"))?;
+    }
+    let span = records
+        .iter()
+        .map(|r| workload::arrival_time(r.timestamp, plan.synthesis.speed))
+        .max()
+        .unwrap_or_default();
+    // About 200 buckets over the trace; the run's tail adds a few more.
+    let bucket = (span / 200).max(Duration::from_millis(10));
+    let recorder = Recorder::new(plan.workers, bucket);
+    let rng = ChaCha8Rng::seed_from_u64(plan.seed);
+    let mut dispatcher = RouterDispatcher::new(core, rng, recorder, progress);
+    let result = sim.run(workload::arrivals(records, plan.synthesis), &mut dispatcher);
+    dispatcher.flush_progress();
+    if let Some(e) = dispatcher.error.take() {
+        bail!("policy {policy}: the router could not route a request: {e}");
+    }
+    let sim_report = result.with_context(|| format!("policy {policy}: simulation failed"))?;
+    check_drained(policy, &dispatcher)?;
+    let mut recorder = dispatcher.recorder;
+    recorder.load.finish(sim_report.simulated);
+    Ok(PolicyRun {
+        sim: sim_report,
+        recorder,
+    })
+}
+
+/// Every request that entered the router left it: no request, load or in-flight entry remains.
+fn check_drained(policy: ReplayPolicy, d: &RouterDispatcher) -> anyhow::Result<()> {
+    let core = d.core();
+    let loaded: Vec<_> = core
+        .workers()
+        .filter_map(|w| core.worker_load(w).map(|l| (w, l)))
+        .filter(|(_, l)| l.active_requests > 0 || l.prefill_tokens > 0 || l.decode_blocks > 0.0)
+        .collect();
+    if core.active_requests() > 0 || !loaded.is_empty() || d.recorder.in_flight() > 0 {
+        bail!(
+            "policy {policy}: after the trace drained the router still holds {} requests and load \
+             on {loaded:?} ({} unfinished in the simulation); every request must free its load",
+            core.active_requests(),
+            d.recorder.in_flight()
+        );
+    }
+    if d.gaps > 0 || d.expired > 0 {
+        eprintln!(
+            "warning: policy {policy}: {} KV event gaps and {} expired requests during replay",
+            d.gaps, d.expired
+        );
+    }
+    Ok(())
+}
+
+fn policy_report(
+    policy: ReplayPolicy,
+    run: &PolicyRun,
+    ttft: &[Duration],
+    oracle: &Oracle,
+) -> PolicyReport {
+    let sim = &run.sim;
+    let r = &run.recorder;
+    let mut itl = r.itl.clone();
+    itl.sort_unstable();
+    let mut e2e = r.e2e.clone();
+    e2e.sort_unstable();
+    let mean_ttft = if ttft.is_empty() {
+        0.0
+    } else {
+        ttft.iter().map(|d| ms(*d)).sum::<f64>() / ttft.len() as f64
+    };
+    let simulated = sim.simulated.as_secs_f64();
+    let mean_load = r.load.mean_per_worker(sim.simulated);
+    PolicyReport {
+        policy: policy.name().to_owned(),
+        requests: sim.arrived,
+        completed: sim.completed,
+        rejected: sim.rejected,
+        prompt_tokens: sim.prompt_tokens,
+        cached_prompt_tokens: sim.cached_prompt_tokens,
+        hit_rate: ratio(sim.cached_prompt_tokens, sim.prompt_tokens),
+        oracle_hit_rate: oracle.token_hit_rate(),
+        oracle_block_hit_rate: oracle.block_hit_rate(),
+        ttft_mean_ms: mean_ttft,
+        ttft_p50_ms: ms(metrics::quantile(ttft, 0.50)),
+        ttft_p99_ms: ms(metrics::quantile(ttft, 0.99)),
+        itl_p50_ms: ms(metrics::quantile(&itl, 0.50)),
+        e2e_p50_ms: ms(metrics::quantile(&e2e, 0.50)),
+        e2e_p99_ms: ms(metrics::quantile(&e2e, 0.99)),
+        output_tokens_per_s: if simulated > 0.0 {
+            sim.output_tokens as f64 / simulated
+        } else {
+            0.0
+        },
+        max_over_mean_load: metrics::max_over_mean(&mean_load),
+        mean_load_per_worker: mean_load,
+        simulated_s: simulated,
+        preemptions: sim.preemptions,
+        kv_events: sim.kv_events,
+    }
+}

@@ -1,0 +1,135 @@
+//! The seam between the simulated fleet and the live router: a [`Dispatcher`] that routes every
+//! arrival with [`KvRouterCore::route`] and feeds the core what a live worker would report (KV
+//! events, first token, output tokens, completion), in virtual time.
+//!
+//! Engine `i` of the simulation is router worker id `i`, registered in event mode with the
+//! engine's KV capacity and batch budget, exactly as a live mocker worker registers.
+
+use std::time::Duration;
+
+use indicatif::ProgressBar;
+use kvroute_mocker::sim::Dispatcher;
+use kvroute_mocker::{Engine, Request, RequestError, StepOutput};
+use kvroute_protocols::kv_events::{RouterEvent, StorageTier};
+use kvroute_router::{KvRouterCore, RequestId, RouteError, RouteRequest};
+use rand_chacha::ChaCha8Rng;
+
+use crate::replay::metrics::Recorder;
+
+/// How often (virtual time) the core's expiry runs, as the live router's background task would.
+const EXPIRE_EVERY: Duration = Duration::from_secs(10);
+
+/// Progress is reported in steps of this many requests, so the bar's lock is rarely taken.
+const PROGRESS_STEP: u64 = 64;
+
+/// Drives one [`KvRouterCore`] from a simulation.
+pub(crate) struct RouterDispatcher {
+    core: KvRouterCore,
+    rng: ChaCha8Rng,
+    pub(crate) recorder: Recorder,
+    progress: ProgressBar,
+    unreported: u64,
+    next_expire: Duration,
+    /// The first routing failure; the run stops there.
+    pub(crate) error: Option<RouteError>,
+    /// Event-id gaps the core detected (none expected: the simulation loses no events).
+    pub(crate) gaps: u64,
+    /// Requests the core expired before they finished.
+    pub(crate) expired: u64,
+}
+
+impl RouterDispatcher {
+    /// Wraps `core`, whose workers `0..` must be the simulation's engines in order.
+    pub(crate) fn new(
+        core: KvRouterCore,
+        rng: ChaCha8Rng,
+        recorder: Recorder,
+        progress: ProgressBar,
+    ) -> Self {
+        Self {
+            core,
+            rng,
+            recorder,
+            progress,
+            unreported: 0,
+            next_expire: EXPIRE_EVERY,
+            error: None,
+            gaps: 0,
+            expired: 0,
+        }
+    }
+
+    /// The core, after the run (to check that all load was freed).
+    pub(crate) fn core(&self) -> &KvRouterCore {
+        &self.core
+    }
+
+    /// Reports progress not yet shown.
+    pub(crate) fn flush_progress(&mut self) {
+        self.progress.inc(std::mem::take(&mut self.unreported));
+    }
+
+    fn maybe_expire(&mut self, now: Duration) {
+        if now < self.next_expire {
+            return;
+        }
+        self.next_expire = now + EXPIRE_EVERY;
+        self.expired += self.core.expire(now).requests.len() as u64;
+    }
+}
+
+impl Dispatcher for RouterDispatcher {
+    fn pick(&mut self, now: Duration, request: &Request, engines: &[Engine]) -> usize {
+        self.maybe_expire(now);
+        self.unreported += 1;
+        if self.unreported >= PROGRESS_STEP {
+            self.flush_progress();
+        }
+        let route = RouteRequest::new(RequestId(request.id), &request.tokens);
+        match self.core.route(&route, now, &mut self.rng) {
+            Ok(routed) => {
+                let worker = routed.worker.worker_id as usize;
+                self.recorder.arrived(request.id, worker, now);
+                worker
+            }
+            Err(e) => {
+                // An index past the last engine makes the simulation stop with an error; the
+                // caller reports this one instead.
+                self.error.get_or_insert(e);
+                engines.len()
+            }
+        }
+    }
+
+    fn observe(&mut self, worker: usize, output: &StepOutput) {
+        for event in &output.events {
+            let event = RouterEvent {
+                worker_id: worker as u64,
+                storage_tier: StorageTier::default(),
+                event: event.clone(),
+            };
+            if self.core.apply_event(&event).is_some() {
+                self.gaps += 1;
+            }
+        }
+        for token in &output.tokens {
+            let id = RequestId(token.request_id);
+            // Unknown ids (expired requests) are fine to ignore: their load is already gone.
+            if token.index == 0 {
+                let _ = self.core.on_first_token(id);
+            }
+            let _ = self.core.on_output_tokens(id, 1);
+            self.recorder.token(token);
+        }
+        for finished in &output.finished {
+            // Replay opens no sessions, so there are no deferred session commands to run.
+            let _ = self.core.on_finished(RequestId(finished.request_id));
+            self.recorder.left(finished.request_id, finished.at, true);
+        }
+    }
+
+    fn rejected(&mut self, now: Duration, _worker: usize, id: u64, _error: &RequestError) {
+        let _ = self.core.on_failed(RequestId(id));
+        self.recorder.left(id, now, false);
+    }
+}

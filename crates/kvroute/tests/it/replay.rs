@@ -1,0 +1,175 @@
+//! What a successful replay reports.
+
+use serde_json::Value;
+
+use crate::support::{FIXTURE_ARGS, kvroute, replay_json, scratch, text, write_fixture};
+
+fn policy<'a>(json: &'a Value, name: &str) -> &'a Value {
+    json["policies"]
+        .as_array()
+        .expect("policies is an array")
+        .iter()
+        .find(|p| p["policy"] == name)
+        .unwrap_or_else(|| panic!("policy {name} in {json:#}"))
+}
+
+#[test]
+fn json_has_every_policy_and_field() {
+    let dir = scratch("json_shape");
+    let trace = write_fixture(&dir);
+    let json = replay_json(&trace, &dir.join("out.json"), &[]);
+    let policies = json["policies"].as_array().expect("policies is an array");
+    let names: Vec<&str> = policies
+        .iter()
+        .filter_map(|p| p["policy"].as_str())
+        .collect();
+    assert_eq!(names, ["round-robin", "random", "kv", "kv-affinity"]);
+    for p in policies {
+        assert_eq!(p["requests"], 100, "{p:#}");
+        assert_eq!(p["completed"], 100, "{p:#}");
+        assert_eq!(p["rejected"], 0, "{p:#}");
+        for field in [
+            "hit_rate",
+            "oracle_hit_rate",
+            "oracle_block_hit_rate",
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "itl_p50_ms",
+            "e2e_p99_ms",
+            "output_tokens_per_s",
+            "max_over_mean_load",
+        ] {
+            let v = p[field]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{field} is a number in {p:#}"));
+            assert!(v.is_finite() && v >= 0.0, "{field} = {v}");
+        }
+        assert!(
+            p["hit_rate"].as_f64() <= p["oracle_hit_rate"].as_f64(),
+            "{p:#}"
+        );
+        assert!(
+            p["ttft_p50_ms"].as_f64() <= p["ttft_p99_ms"].as_f64(),
+            "{p:#}"
+        );
+        assert!(p["max_over_mean_load"].as_f64() >= Some(1.0), "{p:#}");
+    }
+    // The oracle: each of 25 conversations brings 8 new blocks, plus the shared block once,
+    // among 25 x (3 + 5 + 7 + 9) blocks.
+    let blocks = 25.0 * 24.0;
+    let fresh = 25.0 * 8.0 + 1.0;
+    let oracle = json["oracle"]["block_hit_rate"]
+        .as_f64()
+        .expect("block_hit_rate");
+    assert!(
+        (oracle - (blocks - fresh) / blocks).abs() < 1e-12,
+        "{oracle}"
+    );
+    assert_eq!(
+        json["oracle"]["token_hit_rate"],
+        policies[0]["oracle_hit_rate"]
+    );
+    assert_eq!(json["setup"]["workers"], 4);
+}
+
+#[test]
+fn html_report_is_written_beside_the_json_and_self_contained() {
+    let dir = scratch("html");
+    let trace = write_fixture(&dir);
+    replay_json(
+        &trace,
+        &dir.join("report.json"),
+        &["--policy", "kv", "--policy", "round-robin"],
+    );
+    let html = std::fs::read_to_string(dir.join("report.html")).expect("the HTML report exists");
+    assert!(html.contains("Time to first token (CDF)"));
+    assert!(html.contains("Requests in flight per worker"));
+    assert!(
+        html.matches("<svg").count() >= 4,
+        "CDF, imbalance and one chart per policy"
+    );
+    for forbidden in ["<script", "http://", "https://", "src="] {
+        assert!(
+            !html.contains(forbidden),
+            "the report must not load anything: {forbidden}"
+        );
+    }
+}
+
+#[test]
+fn same_inputs_and_seed_give_the_same_numbers() {
+    let dir = scratch("determinism");
+    let trace = write_fixture(&dir);
+    let a = replay_json(&trace, &dir.join("a.json"), &["--seed", "7"]);
+    let b = replay_json(&trace, &dir.join("b.json"), &["--seed", "7"]);
+    assert_eq!(a, b);
+}
+
+#[test]
+fn kv_beats_round_robin_on_shared_prefixes() {
+    let dir = scratch("kv_beats_rr");
+    let trace = write_fixture(&dir);
+    let json = replay_json(&trace, &dir.join("out.json"), &[]);
+    let hit = |name| policy(&json, name)["hit_rate"].as_f64().expect("hit_rate");
+    // Round-robin moves every turn to another worker, so it only hits the shared first block.
+    assert!(hit("kv") > 2.0 * hit("round-robin"), "{json:#}");
+    assert!(hit("kv-affinity") > 2.0 * hit("round-robin"), "{json:#}");
+}
+
+#[test]
+fn table_on_stdout_has_a_row_per_policy() {
+    let dir = scratch("table");
+    let trace = write_fixture(&dir);
+    let mut args = vec!["replay", "--trace", trace.to_str().expect("utf-8 path")];
+    args.extend_from_slice(FIXTURE_ARGS);
+    args.extend_from_slice(&["--policy", "random", "--policy", "kv"]);
+    let output = kvroute(&args);
+    let (stdout, stderr) = text(&output);
+    assert!(output.status.success(), "{stderr}");
+    let rows: Vec<&str> = stdout.lines().collect();
+    assert_eq!(rows.len(), 4, "{stdout}");
+    assert!(rows[0].starts_with("| policy"), "{stdout}");
+    assert!(rows[2].starts_with("| random"), "{stdout}");
+    assert!(rows[3].starts_with("| kv"), "{stdout}");
+    // No progress bar leaks into captured output.
+    assert!(!stderr.contains("eta"), "{stderr}");
+}
+
+#[test]
+fn refused_requests_are_counted_and_free_their_router_load() {
+    let dir = scratch("refused");
+    let trace = dir.join("trace.jsonl");
+    // 30 blocks of 16 tokens hold 480 tokens: the 1000-token prompt can never fit and its engine
+    // refuses it. The replay fails if the router still holds its load after the drain.
+    let lines = [
+        r#"{"timestamp": 0, "input_length": 100, "output_length": 4, "hash_ids": [1, 2]}"#,
+        r#"{"timestamp": 5, "input_length": 1000, "output_length": 4, "hash_ids": [1, 3]}"#,
+        r#"{"timestamp": 9, "input_length": 100, "output_length": 4, "hash_ids": [1, 2]}"#,
+    ];
+    std::fs::write(&trace, lines.join("\n")).expect("write the trace");
+    let json_path = dir.join("out.json");
+    let output = kvroute(&[
+        "replay",
+        "--trace",
+        trace.to_str().expect("utf-8 path"),
+        "--json",
+        json_path.to_str().expect("utf-8 path"),
+        "--workers",
+        "2",
+        "--trace-block-size",
+        "64",
+        "--cache-blocks",
+        "30",
+    ]);
+    let (_, stderr) = text(&output);
+    assert!(output.status.success(), "{stderr}");
+    let body = std::fs::read_to_string(&json_path).expect("read the JSON report");
+    let json: Value = serde_json::from_str(&body).expect("the JSON report parses");
+    for p in json["policies"].as_array().expect("policies is an array") {
+        assert_eq!(
+            (&p["requests"], &p["rejected"], &p["completed"]),
+            (&3.into(), &1.into(), &2.into()),
+            "{p:#}"
+        );
+    }
+}
