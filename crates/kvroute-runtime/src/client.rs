@@ -201,6 +201,39 @@ where
         self.conn.call(Kind::EventsRange, &(from, to)).await
     }
 
+    /// Opens a long-lived stream of the worker's KV events: the events it still holds from id
+    /// `from` on (`None`: none), then each event as it is published, in id order, until the
+    /// stream is dropped or the connection closes. There is no first-response timeout (a quiet
+    /// worker publishes nothing); the connection's keepalive detects a dead worker. A gap in the
+    /// ids means the feed fell behind: fetch the missing ids with [`Client::kv_events_range`].
+    /// Fails with [`RequestError::EventsUnavailable`] when `from` was already evicted.
+    pub async fn subscribe_kv_events(
+        &self,
+        from: Option<u64>,
+    ) -> Result<ClientStream<RouterEvent>, RequestError> {
+        let (id, rx) = self.conn.open_slot()?;
+        let sent = frame::encode(
+            Kind::SubscribeKvEvents,
+            id,
+            &from,
+            self.conn.config.max_frame_bytes,
+        );
+        let sent = match sent {
+            Ok(f) => self
+                .conn
+                .tx
+                .send(f)
+                .await
+                .map_err(|_| self.conn.unavailable()),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = sent {
+            self.conn.slots.lock().open.remove(&id);
+            return Err(e);
+        }
+        Ok(ClientStream::without_deadline(self.conn.clone(), id, rx))
+    }
+
     /// Asks the worker for everything its engine holds (a late-joining router's rebuild).
     pub async fn kv_dump(&self) -> Result<KvDump, RequestError> {
         self.conn.call(Kind::KvDump, &()).await

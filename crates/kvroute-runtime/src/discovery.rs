@@ -7,6 +7,7 @@
 //! lease's time to live. This is the shape of NATS KV (a key per instance, a TTL, a watch).
 
 mod in_process;
+mod registry;
 mod static_file;
 
 use std::collections::BTreeMap;
@@ -18,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 pub use in_process::{InProcessDiscovery, Lease};
+pub use registry::{RegistryServer, RemoteDiscovery, RemoteDiscoveryConfig};
 pub use static_file::{StaticDiscovery, StaticFleetError};
 
 /// What a worker instance serves.

@@ -46,6 +46,9 @@ pub(crate) enum Kind {
     KvDump = 0x06,
     /// Keepalive probe; the worker answers with [`Kind::Pong`].
     Ping = 0x07,
+    /// A long-lived stream of the worker's KV events: `Option<u64>`, the first event id wanted
+    /// (`None`: only events published from now on). Items are `RouterEvent`s.
+    SubscribeKvEvents = 0x08,
     /// Server hello acknowledgement: [`HelloAck`].
     HelloAck = 0x81,
     /// One response item of a stream.
@@ -72,6 +75,7 @@ impl Kind {
             0x05 => Kind::EventsRange,
             0x06 => Kind::KvDump,
             0x07 => Kind::Ping,
+            0x08 => Kind::SubscribeKvEvents,
             0x81 => Kind::HelloAck,
             0x82 => Kind::Item,
             0x83 => Kind::End,

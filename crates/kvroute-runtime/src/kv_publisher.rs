@@ -9,7 +9,7 @@ use kvroute_protocols::WorkerId;
 use kvroute_protocols::kv_events::{KvCacheEvent, KvCacheEventData, RouterEvent, StorageTier};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc};
 
 use crate::event_plane::{EventPlane, encode_router_event};
 
@@ -28,6 +28,9 @@ pub struct KvEventPublisher {
     worker_id: WorkerId,
     state: Arc<Mutex<Ring>>,
     sink: Option<mpsc::UnboundedSender<RouterEvent>>,
+    /// The live feed of request-plane subscribers (`subscribe_kv_events`); a subscriber that
+    /// falls more than the ring's capacity behind loses events and recovers them by id.
+    live: broadcast::Sender<RouterEvent>,
 }
 
 struct Ring {
@@ -83,6 +86,7 @@ impl KvEventPublisher {
                 events: VecDeque::with_capacity(capacity.clamp(1, 4096)),
             })),
             sink: None,
+            live: broadcast::channel(capacity.clamp(1, 65_536)).0,
         }
     }
 
@@ -144,7 +148,42 @@ impl KvEventPublisher {
         if let Some(sink) = &self.sink {
             let _ = sink.send(event.clone());
         }
+        if self.live.receiver_count() > 0 {
+            let _ = self.live.send(event.clone());
+        }
         event
+    }
+
+    /// A consistent cut for a live subscriber: the held events from `from` on (none for `None`),
+    /// and a receiver of every event published after them. Taken under the ring's lock, so no
+    /// event falls between the backlog and the feed.
+    pub(crate) fn subscribe(
+        &self,
+        from: Option<u64>,
+    ) -> Result<(Vec<RouterEvent>, broadcast::Receiver<RouterEvent>), RangeError> {
+        let ring = self.state.lock();
+        let receiver = self.live.subscribe();
+        let backlog = match from {
+            Some(from) if from < ring.next_id => {
+                let oldest = ring
+                    .events
+                    .front()
+                    .map_or(ring.next_id, |e| e.event.event_id);
+                if from < oldest {
+                    return Err(RangeError::Evicted {
+                        from,
+                        oldest,
+                        newest: ring.next_id - 1,
+                    });
+                }
+                ring.events
+                    .range((from - oldest) as usize..)
+                    .cloned()
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
+        Ok((backlog, receiver))
     }
 
     /// The id of the newest event, or `None` before the first.

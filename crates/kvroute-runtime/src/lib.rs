@@ -6,8 +6,15 @@
 //! that turns a vLLM or SGLang engine's KV event feed into router events.
 //!
 //! Entry types: [`Engine`] and [`WorkerServer`] on the worker, [`Client`] and [`PushRouter`] on
-//! the caller, [`Discovery`] ([`InProcessDiscovery`], [`StaticDiscovery`]), [`EventPlane`]
-//! ([`InProcessEventPlane`]), [`KvEventPublisher`], [`ZmqKvListener`].
+//! the caller, [`Discovery`] ([`InProcessDiscovery`], [`StaticDiscovery`], and across processes
+//! [`RegistryServer`] with [`RemoteDiscovery`]), [`EventPlane`] ([`InProcessEventPlane`]),
+//! [`KvEventPublisher`] (whose events a router in another process receives through
+//! [`KvEventBridge`], a `subscribe_kv_events` stream per worker), [`ZmqKvListener`].
+//!
+//! One machine needs no external service: workers register with the router's
+//! [`RegistryServer`] and the router subscribes to each worker's KV events over the request
+//! plane. The traits are the seams for a broker (NATS KV for discovery, NATS subjects for
+//! events) that replaces both without touching the router.
 //!
 //! This crate moves bytes and tracks liveness; it must not contain routing policy (no cost model,
 //! no KV overlap matching) and depends on no kvroute crate other than `kvroute-protocols`.
@@ -59,6 +66,7 @@ mod engine;
 mod error;
 mod event_plane;
 mod frame;
+mod kv_bridge;
 mod kv_publisher;
 mod llm;
 mod push_router;
@@ -68,7 +76,8 @@ mod zmq_listener;
 pub use client::{Client, ClientConfig, ClientStream, EncodedRequest};
 pub use discovery::{
     Discovery, DiscoveryError, DiscoveryEvent, InProcessDiscovery, InstanceInfo, InstanceSet,
-    Lease, StaticDiscovery, StaticFleetError, WorkerRole, diff_instances,
+    Lease, RegistryServer, RemoteDiscovery, RemoteDiscoveryConfig, StaticDiscovery,
+    StaticFleetError, WorkerRole, diff_instances,
 };
 pub use engine::{Engine, EngineError, RequestContext, ResponseStream};
 pub use error::RequestError;
@@ -77,6 +86,7 @@ pub use event_plane::{
     Subscription, decode_router_event, encode_router_event,
 };
 pub use frame::{DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION};
+pub use kv_bridge::{KV_EVENTS_METADATA, KvEventBridge, KvEventBridgeConfig};
 pub use kv_publisher::{
     DEFAULT_RING_CAPACITY, KV_EVENT_SUBJECT, KvDump, KvEventPublisher, RangeError,
 };

@@ -9,8 +9,9 @@ use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use kvroute_protocols::SessionControl;
 use kvroute_protocols::WorkerId;
+use kvroute_protocols::kv_events::RouterEvent;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc};
 use tokio::task::{AbortHandle, JoinSet};
 use tokio_util::codec::{FramedRead, FramedWrite};
 
@@ -315,6 +316,42 @@ async fn run_streams<E: Engine>(
                 };
                 send_reply(tx, f.stream, reply, max).await;
             }
+            Kind::SubscribeKvEvents => {
+                if streams.contains_key(&f.stream) {
+                    break Err(format!("stream id {} is already in use", f.stream));
+                }
+                let feed = match (
+                    frame::decode::<Option<u64>>(&f.body, max),
+                    &shared.config.kv_events,
+                ) {
+                    (Err(message), _) => Err(WireError {
+                        code: WireErrorCode::BadRequest,
+                        message,
+                    }),
+                    (Ok(_), None) => Err(no_kv_events()),
+                    (Ok(from), Some(publisher)) => {
+                        publisher.subscribe(from).map_err(|e| WireError {
+                            code: WireErrorCode::EventsUnavailable,
+                            message: e.to_string(),
+                        })
+                    }
+                };
+                match feed {
+                    Err(e) => send_error(tx, f.stream, e.code, e.message, max).await,
+                    Ok((backlog, live)) => {
+                        let context = RequestContext::new("kv-events");
+                        let task = tasks.spawn(run_kv_feed(
+                            f.stream,
+                            backlog,
+                            live,
+                            context.clone(),
+                            tx.clone(),
+                            max,
+                        ));
+                        streams.insert(f.stream, StreamEntry { context, task });
+                    }
+                }
+            }
             Kind::Ping => {
                 let _ = tx.send(frame::encode_raw(Kind::Pong, f.stream, &[])).await;
             }
@@ -361,6 +398,57 @@ async fn run_stream<E: Engine>(
     let _ = tx.send(frame::encode_raw(Kind::End, stream, &[])).await;
     guard.disarm();
     stream
+}
+
+/// Streams a KV event subscription: the backlog, then every event as it is published, until the
+/// caller cancels or the connection closes. A feed that falls behind skips what it lost: the
+/// event ids say so, and the subscriber recovers them with a range or dump call.
+async fn run_kv_feed(
+    stream: u64,
+    backlog: Vec<RouterEvent>,
+    mut live: broadcast::Receiver<RouterEvent>,
+    context: RequestContext,
+    tx: mpsc::Sender<Bytes>,
+    max: usize,
+) -> u64 {
+    for event in &backlog {
+        if !send_event(&tx, stream, event, max).await {
+            return stream;
+        }
+    }
+    loop {
+        let event = tokio::select! {
+            () = context.stopped() => break,
+            event = live.recv() => event,
+        };
+        let event = match event {
+            Ok(event) => event,
+            Err(broadcast::error::RecvError::Lagged(lost)) => {
+                tracing::warn!(lost, "a KV event subscriber fell behind; it will see a gap");
+                continue;
+            }
+            Err(broadcast::error::RecvError::Closed) => break,
+        };
+        if !send_event(&tx, stream, &event, max).await {
+            return stream;
+        }
+    }
+    let _ = tx.send(frame::encode_raw(Kind::End, stream, &[])).await;
+    stream
+}
+
+/// Sends one event as a stream item; false once the connection is gone.
+async fn send_event(
+    tx: &mpsc::Sender<Bytes>,
+    stream: u64,
+    event: &RouterEvent,
+    max: usize,
+) -> bool {
+    match frame::encode(Kind::Item, stream, event, max) {
+        Ok(f) => tx.send(f).await.is_ok(),
+        // An event too large for a frame cannot be sent; the subscriber sees a gap instead.
+        Err(_) => true,
+    }
 }
 
 /// Kills a request's context when dropped, unless disarmed after a normal end.

@@ -48,6 +48,17 @@ impl<Resp> ClientStream<Resp> {
         }
     }
 
+    /// A stream that may wait for its first item forever (a subscription).
+    pub(super) fn without_deadline(
+        conn: Arc<Connection>,
+        id: u64,
+        rx: mpsc::UnboundedReceiver<Incoming>,
+    ) -> Self {
+        let mut stream = Self::new(conn, id, rx);
+        stream.first_deadline = None;
+        stream
+    }
+
     /// Asks the engine to finish gracefully; keep reading to get the final items.
     pub fn stop(&self) {
         if !self.done {

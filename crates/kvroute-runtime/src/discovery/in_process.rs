@@ -69,6 +69,42 @@ impl InProcessDiscovery {
     pub fn ttl(&self) -> Duration {
         self.inner.ttl
     }
+
+    /// Lists `info` under a new lease number that nobody renews yet (the registry server renews
+    /// it on a remote worker's heartbeats).
+    pub(crate) fn insert(&self, info: InstanceInfo) -> Result<u64, DiscoveryError> {
+        validate(&info)?;
+        let id = info.id;
+        let mut state = self.inner.state.lock();
+        if let Some(existing) = state.entries.get(&id) {
+            return Err(DiscoveryError::DuplicateId {
+                id,
+                address: existing.info.address.clone(),
+            });
+        }
+        state.next_lease += 1;
+        let lease = state.next_lease;
+        state.entries.insert(
+            id,
+            Entry {
+                info,
+                lease,
+                expires: Instant::now() + self.inner.ttl,
+            },
+        );
+        self.inner.publish(&state);
+        Ok(lease)
+    }
+
+    /// Extends lease `lease` of instance `id`; false when it is no longer held.
+    pub(crate) fn renew(&self, id: WorkerId, lease: u64) -> bool {
+        self.inner.renew(id, lease)
+    }
+
+    /// Removes instance `id` if it is still held under `lease`.
+    pub(crate) fn revoke(&self, id: WorkerId, lease: u64) {
+        self.inner.revoke(id, lease);
+    }
 }
 
 impl Inner {
@@ -113,29 +149,8 @@ impl Inner {
 impl Discovery for InProcessDiscovery {
     fn register(&self, info: InstanceInfo) -> BoxFuture<'_, Result<Lease, DiscoveryError>> {
         Box::pin(async move {
-            validate(&info)?;
             let id = info.id;
-            let lease = {
-                let mut state = self.inner.state.lock();
-                if let Some(existing) = state.entries.get(&id) {
-                    return Err(DiscoveryError::DuplicateId {
-                        id,
-                        address: existing.info.address.clone(),
-                    });
-                }
-                state.next_lease += 1;
-                let lease = state.next_lease;
-                state.entries.insert(
-                    id,
-                    Entry {
-                        info,
-                        lease,
-                        expires: Instant::now() + self.inner.ttl,
-                    },
-                );
-                self.inner.publish(&state);
-                lease
-            };
+            let lease = self.insert(info)?;
             let weak = Arc::downgrade(&self.inner);
             let period = self.inner.ttl / 3;
             let heartbeat = tokio::spawn(async move {

@@ -76,3 +76,47 @@ fn a_dump_carries_the_id_read_before_the_engine_was_asked() {
         (7, 1)
     );
 }
+
+/// Publishes `published` events into a ring of `capacity`, subscribes from `from`, publishes two
+/// more, and returns the backlog's ids then the live ids (or the error's message).
+fn check_subscribe(
+    capacity: usize,
+    published: u64,
+    from: Option<u64>,
+    expect: Result<(Vec<u64>, Vec<u64>), &str>,
+) {
+    let publisher = KvEventPublisher::new(1, capacity);
+    for _ in 0..published {
+        publisher.publish(0, KvCacheEventData::Cleared);
+    }
+    let got = publisher.subscribe(from).map_err(|e| e.to_string());
+    match (got, expect) {
+        (Ok((backlog, mut live)), Ok((expect_backlog, expect_live))) => {
+            publisher.publish(0, KvCacheEventData::Cleared);
+            publisher.publish(0, KvCacheEventData::Cleared);
+            let live_ids: Vec<u64> = std::iter::from_fn(|| live.try_recv().ok())
+                .map(|e| e.event.event_id)
+                .collect();
+            assert_eq!((ids(&backlog), live_ids), (expect_backlog, expect_live));
+        }
+        (Err(error), Err(fragment)) => {
+            assert!(
+                error.contains(fragment),
+                "{error:?} should mention {fragment:?}"
+            );
+        }
+        (got, expect) => panic!("got {got:?}, expected {expect:?}"),
+    }
+}
+
+#[test]
+fn subscribers_get_the_backlog_then_every_later_event() {
+    check_subscribe(4, 0, None, Ok((vec![], vec![0, 1])));
+    check_subscribe(4, 0, Some(0), Ok((vec![], vec![0, 1])));
+    check_subscribe(4, 3, None, Ok((vec![], vec![3, 4])));
+    check_subscribe(4, 3, Some(1), Ok((vec![1, 2], vec![3, 4])));
+    check_subscribe(4, 3, Some(3), Ok((vec![], vec![3, 4])));
+    check_subscribe(4, 3, Some(7), Ok((vec![], vec![3, 4])));
+    check_subscribe(4, 10, Some(6), Ok((vec![6, 7, 8, 9], vec![10, 11])));
+    check_subscribe(4, 10, Some(5), Err("holds events 6..=9"));
+}

@@ -7,6 +7,7 @@ mod discovery;
 mod failure;
 mod frames;
 mod kv;
+mod remote;
 mod router;
 mod streams;
 mod support;

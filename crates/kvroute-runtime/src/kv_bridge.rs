@@ -1,0 +1,173 @@
+//! Carries KV events from workers in other processes onto a local event plane, with no broker.
+//!
+//! For every instance discovery lists, [`KvEventBridge`] opens a long-lived
+//! `subscribe_kv_events` stream on the worker's request-plane address and republishes each event
+//! on [`KV_EVENT_SUBJECT`] of the given [`EventPlane`], where the router consumes them exactly as
+//! it would from NATS. Loss is repaired where it always is: a consumer that sees a gap in a
+//! worker's event ids asks the worker for the range (or a dump). The bridge resumes a dropped
+//! stream from the id after the last one it forwarded, so a reconnect loses nothing the worker
+//! still holds. With a real broker the workers publish there themselves and no bridge runs.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use kvroute_protocols::WorkerId;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::client::{Client, ClientConfig};
+use crate::discovery::{DiscoveryEvent, InstanceInfo, InstanceSet, diff_instances};
+use crate::error::RequestError;
+use crate::event_plane::{EventPlane, encode_router_event};
+use crate::kv_publisher::KV_EVENT_SUBJECT;
+
+/// The instance metadata key whose value `"false"` says the worker publishes no KV events (the
+/// bridge then does not subscribe). kvroute-router reads the same key.
+pub const KV_EVENTS_METADATA: &str = "kv_events";
+
+/// How a [`KvEventBridge`] connects.
+#[derive(Debug, Clone)]
+pub struct KvEventBridgeConfig {
+    /// The connection settings (the keepalive detects a worker that vanished).
+    pub client: ClientConfig,
+    /// The first wait before reconnecting to a worker whose stream dropped; doubles up to
+    /// `backoff_max`.
+    pub backoff_initial: Duration,
+    /// The longest wait between reconnects.
+    pub backoff_max: Duration,
+}
+
+impl Default for KvEventBridgeConfig {
+    fn default() -> Self {
+        Self {
+            client: ClientConfig {
+                first_response_timeout: Some(Duration::from_secs(10)),
+                ..ClientConfig::default()
+            },
+            backoff_initial: Duration::from_millis(50),
+            backoff_max: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Follows discovery and forwards every listed worker's KV events to an event plane. Dropping it
+/// stops every subscription.
+#[derive(Debug)]
+pub struct KvEventBridge {
+    task: JoinHandle<()>,
+}
+
+impl KvEventBridge {
+    /// Starts forwarding the KV events of every instance in `instances` to `plane`. Must be
+    /// called inside a tokio runtime.
+    pub fn start(
+        instances: watch::Receiver<InstanceSet>,
+        plane: Arc<dyn EventPlane>,
+        config: KvEventBridgeConfig,
+    ) -> Self {
+        Self {
+            task: tokio::spawn(follow(instances, plane, Arc::new(config))),
+        }
+    }
+}
+
+impl Drop for KvEventBridge {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Aborts its forwarder when dropped, so that the map of feeds owns them.
+struct Feed(JoinHandle<()>);
+
+impl Drop for Feed {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+async fn follow(
+    mut instances: watch::Receiver<InstanceSet>,
+    plane: Arc<dyn EventPlane>,
+    config: Arc<KvEventBridgeConfig>,
+) {
+    let mut feeds: HashMap<WorkerId, Feed> = HashMap::new();
+    let mut known = InstanceSet::default();
+    loop {
+        let current = instances.borrow_and_update().clone();
+        for event in diff_instances(&known, &current) {
+            match event {
+                DiscoveryEvent::Removed(id) => {
+                    feeds.remove(&id);
+                }
+                DiscoveryEvent::Added(info) => {
+                    let publishes = info
+                        .metadata
+                        .get(KV_EVENTS_METADATA)
+                        .is_none_or(|v| v != "false");
+                    // Inserting replaces (and so stops) the feed of an earlier registration.
+                    feeds.remove(&info.id);
+                    if publishes {
+                        let task =
+                            tokio::spawn(forward(info.clone(), plane.clone(), config.clone()));
+                        feeds.insert(info.id, Feed(task));
+                    }
+                }
+            }
+        }
+        known = current;
+        if instances.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Forwards one worker's events until aborted, reconnecting with backoff.
+async fn forward(info: InstanceInfo, plane: Arc<dyn EventPlane>, config: Arc<KvEventBridgeConfig>) {
+    let mut next: Option<u64> = None;
+    let mut backoff = config.backoff_initial;
+    loop {
+        match stream_once(&info, plane.as_ref(), &config, &mut next).await {
+            // The worker ended the feed (it is shutting down); its deregistration follows.
+            Ok(true) => backoff = config.backoff_initial,
+            Ok(false) => {}
+            Err(error) => {
+                tracing::debug!(worker = info.id, %error, "KV event feed dropped; reconnecting");
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(config.backoff_max);
+    }
+}
+
+/// Runs one subscription; `next` tracks the first id not yet forwarded. Returns whether any
+/// event was forwarded.
+async fn stream_once(
+    info: &InstanceInfo,
+    plane: &dyn EventPlane,
+    config: &KvEventBridgeConfig,
+    next: &mut Option<u64>,
+) -> Result<bool, RequestError> {
+    let client: Client<(), ()> = Client::connect(&info.address, config.client.clone()).await?;
+    let mut events = match client.subscribe_kv_events(*next).await {
+        // The worker no longer holds where we stopped: start from now; the consumer sees the
+        // gap and rebuilds from a dump.
+        Err(RequestError::EventsUnavailable { .. }) => client.subscribe_kv_events(None).await?,
+        other => other?,
+    };
+    let mut forwarded = false;
+    while let Some(event) = events.next().await {
+        let event = event?;
+        *next = Some(event.event.event_id + 1);
+        if let Err(error) = plane
+            .publish(KV_EVENT_SUBJECT, encode_router_event(&event))
+            .await
+        {
+            tracing::warn!(worker = info.id, %error, "the event plane refused a KV event");
+        }
+        forwarded = true;
+    }
+    Ok(forwarded)
+}
