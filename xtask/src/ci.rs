@@ -68,6 +68,7 @@ pub(crate) fn run(root: &Path, args: &CiArgs) -> Result<()> {
     })?;
     step("tidy", &mut || tidy::run_all(root))?;
     step("test", &mut || run_tests(root))?;
+    step("e2e", &mut || run_e2e(root))?;
     step("doc", &mut || {
         let mut cmd = cargo_cmd(root);
         cmd.args(["doc", "--workspace", "--no-deps", "--locked"])
@@ -124,6 +125,80 @@ fn run_tests(root: &Path) -> Result<()> {
         eprintln!("cargo-nextest not found; using `cargo test`");
         cargo_in(root, &["test", "--workspace", "--locked", "--no-fail-fast"])
     }
+}
+
+/// How long the OpenAI-client script may run before it is killed as hung.
+const E2E_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// The black-box tests of the binary in `tests/`: a stock OpenAI client (the `openai` package
+/// from PyPI, in a venv this step creates and reuses) against `kvroute serve` and mock workers.
+fn run_e2e(root: &Path) -> Result<()> {
+    let python_ok = Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !python_ok {
+        bail!(
+            "the e2e step needs python3 with the venv module on PATH \
+             (e.g. `apt-get install python3 python3-venv`)"
+        );
+    }
+    let target = target_dir(root);
+    let venv = match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(_) => target.join("..").join("venv"),
+        None => home_cache().join("venv"),
+    };
+    let python = venv.join("bin").join("python");
+    if !python.exists() {
+        run_command(Command::new("python3").arg("-m").arg("venv").arg(&venv))
+            .context("creating the e2e venv (is the python3 venv module installed?)")?;
+    }
+    let has_openai = Command::new(&python)
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_openai {
+        run_command(Command::new(&python).args(["-m", "pip", "install", "--quiet", "openai"]))
+            .context("installing the `openai` package into the e2e venv")?;
+    }
+    cargo_in(root, &["build", "-p", "kvroute", "--locked"])?;
+    let binary = target.join("debug").join("kvroute");
+    let mut cmd = Command::new(&python);
+    cmd.arg(root.join("tests").join("openai_client.py"))
+        .arg(&binary)
+        .current_dir(root);
+    let shown = format!("{cmd:?}");
+    eprintln!("$ {shown}");
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("could not start {shown}"))?;
+    let deadline = Instant::now() + E2E_TIMEOUT;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            if !status.success() {
+                bail!("command failed ({status}): {shown}");
+            }
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("timed out after {E2E_TIMEOUT:?}: {shown}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn target_dir(root: &Path) -> std::path::PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => root.join(dir),
+        None => root.join("target"),
+    }
+}
+
+fn home_cache() -> std::path::PathBuf {
+    let home = std::env::var_os("HOME").unwrap_or_else(|| ".".into());
+    Path::new(&home).join(".cache").join("kvroute")
 }
 
 /// Loom models compile the crate with `--cfg loom`, which changes every artifact, so they build in

@@ -67,6 +67,7 @@ const BENCHES: &[(&str, &str, &str)] = &[
     ("indexer-soak", "kvroute-indexer", "churn_soak"),
     ("mocker", "kvroute-mocker", "simulate"),
     ("request-plane", "kvroute-runtime", "request_plane"),
+    ("router-overhead", "kvroute", "router_overhead"),
 ];
 
 fn bench(root: &Path, which: &str, args: &[String]) -> Result<()> {

@@ -8,7 +8,11 @@
 //! This crate is the only place that parses command lines, prints tables and writes report
 //! files; the cores it drives stay free of I/O. anyhow is used here and nowhere below.
 
+mod demo;
 mod replay;
+mod serve;
+mod signal;
+mod worker;
 
 use std::process::ExitCode;
 
@@ -32,12 +36,22 @@ enum Command {
     /// Replay a Mooncake JSONL trace against simulated engines in virtual time and compare
     /// routing policies.
     Replay(replay::ReplayArgs),
+    /// Start a router and a simulated fleet in this process, drive generated multi-turn
+    /// conversations through the HTTP API with round-robin and then kv routing, and compare.
+    Demo(demo::DemoArgs),
+    /// Serve the OpenAI-compatible API and route requests over a fleet of workers.
+    Serve(serve::ServeArgs),
+    /// Run a simulated worker (`--mock`) that registers with a router and publishes KV events.
+    Worker(worker::WorkerArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Replay(args) => replay::run(&args),
+        Command::Demo(args) => demo::run(&args),
+        Command::Serve(args) => serve::run(args),
+        Command::Worker(args) => worker::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -34,7 +34,12 @@ pub(super) const ALLOWED: &[(&str, &[&str])] = &[
     ),
     (
         "kvroute",
-        &["kvroute-protocols", "kvroute-mocker", "kvroute-router"],
+        &[
+            "kvroute-protocols",
+            "kvroute-runtime",
+            "kvroute-mocker",
+            "kvroute-router",
+        ],
     ),
 ];
 

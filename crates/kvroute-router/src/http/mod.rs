@@ -32,6 +32,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use kvroute_protocols::Limits;
 use tokio::net::TcpListener;
 
@@ -159,6 +160,12 @@ pub async fn serve(
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    // Tokens go out as small SSE writes: with Nagle's algorithm on, a write that follows an
+    // unacknowledged one waits for the client's delayed ACK (40 ms on Linux), which would put a
+    // 40 ms floor under the time to first token.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, app(state))
         .with_graceful_shutdown(shutdown)
         .await

@@ -1,0 +1,118 @@
+//! `kvroute serve`: the OpenAI-compatible frontend and the KV router in front of a fleet.
+//!
+//! Workers are found by registration (they connect to the registry this process runs, see
+//! `kvroute worker --router`) or from a static fleet file. Their KV events arrive over the
+//! request plane: a [`KvEventBridge`] subscribes to each listed worker and feeds the router's
+//! in-process event plane, so no broker is needed. On SIGINT or SIGTERM the frontend stops
+//! accepting, lets in-flight requests finish (up to the drain timeout), then exits.
+
+mod config;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use kvroute_router::http::{self, AppState};
+use kvroute_router::{KvPushRouter, ModelRegistry};
+use kvroute_runtime::{
+    Discovery as _, InProcessDiscovery, InProcessEventPlane, KvEventBridge, KvEventBridgeConfig,
+    RegistryServer, StaticDiscovery,
+};
+
+pub(crate) use config::ServeOptions;
+use config::{Discovery, ServeConfig};
+
+use crate::signal;
+
+/// `kvroute serve` arguments.
+#[derive(Debug, clap::Args)]
+pub(crate) struct ServeArgs {
+    /// A TOML config file (see docs/examples/serve.toml); flags override its values.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    #[command(flatten)]
+    options: ServeOptions,
+}
+
+/// Runs the service until a shutdown signal.
+pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let file = match &args.config {
+        None => ServeOptions::default(),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading config file {}", path.display()))?;
+            ServeOptions::from_toml(&text)
+                .with_context(|| format!("parsing config file {}", path.display()))?
+        }
+    };
+    let config = file.overridden_by(args.options).validate()?;
+    signal::init_tracing();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?
+        .block_on(serve(config))
+}
+
+async fn serve(config: ServeConfig) -> anyhow::Result<()> {
+    let models = ModelRegistry::load(&config.models).context("loading the served models")?;
+    // The registry (kept alive for the whole run) or the static fleet; both give a watch.
+    let mut fleet_file = None;
+    let (instances, registry) = match &config.discovery {
+        Discovery::Static { fleet } => {
+            let discovery = StaticDiscovery::from_file(fleet)?;
+            let watch = discovery.watch();
+            fleet_file = Some(discovery);
+            (watch, None)
+        }
+        Discovery::Registration { listen, lease_ttl } => {
+            let registry = RegistryServer::bind(listen, InProcessDiscovery::new(*lease_ttl))
+                .await
+                .with_context(|| format!("binding the worker registry on {listen}"))?;
+            (registry.discovery().watch(), Some(registry))
+        }
+    };
+    let plane = Arc::new(InProcessEventPlane::default());
+    let _bridge = KvEventBridge::start(
+        instances.clone(),
+        plane.clone(),
+        KvEventBridgeConfig::default(),
+    );
+    let router = KvPushRouter::start(config.router.clone(), instances, plane)
+        .await
+        .context("starting the KV router")?;
+    let state = AppState::new(router, models, config.http.clone());
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("binding the HTTP frontend on {}", config.listen))?;
+    let http_addr = listener.local_addr()?;
+    let registry_addr = registry
+        .as_ref()
+        .map_or_else(|| "none".to_owned(), |r| r.local_addr().to_string());
+    // One machine-readable line, so scripts and tests can find the ports when they used port 0.
+    println!("kvroute serve: http={http_addr} registry={registry_addr}");
+    tracing::info!(%http_addr, registry = %registry_addr, "serving");
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(http::serve(listener, state.clone(), async move {
+        let _ = stop_rx.await;
+    }));
+    let signal_name = signal::shutdown().await;
+    tracing::info!(
+        signal = signal_name,
+        in_flight = state.in_flight(),
+        "draining"
+    );
+    let _ = stop_tx.send(());
+    match tokio::time::timeout(config.drain_timeout, server).await {
+        Ok(result) => result.context("the HTTP server task")??,
+        Err(_) => tracing::warn!(
+            in_flight = state.in_flight(),
+            after = ?config.drain_timeout,
+            "drain timeout: exiting with requests in flight"
+        ),
+    }
+    drop(fleet_file);
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,499 @@
+//! `kvroute serve` configuration: one serde + clap struct mirrors the TOML file and the command
+//! line ([`ServeOptions`]); flags win over the file; [`ServeOptions::validate`] turns the merge
+//! into the typed [`ServeConfig`] the service runs on, or an [`InvalidOption`] naming the key,
+//! the flag, what was expected and what was given.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use kvroute_router::http::{AdmissionConfig, HttpConfig};
+use kvroute_router::{KvMode, KvPushRouterConfig, ModelConfig, Policy};
+use kvroute_runtime::WorkerRole;
+use serde::Deserialize;
+
+/// Every option of `kvroute serve`, as the config file and as flags. `None` means "not given
+/// here": a flag overrides the file, the file overrides the default.
+#[derive(Debug, Default, Clone, PartialEq, Deserialize, clap::Args)]
+#[serde(default, deny_unknown_fields)]
+pub(crate) struct ServeOptions {
+    /// The HTTP frontend (`[http]`).
+    #[command(flatten)]
+    pub(crate) http: HttpOptions,
+    /// The KV router (`[router]`).
+    #[command(flatten)]
+    pub(crate) router: RouterOptions,
+    /// How workers are found (`[discovery]`).
+    #[command(flatten)]
+    pub(crate) discovery: DiscoveryOptions,
+    /// Served models (`[[models]]`); a flag `--model NAME[,tokenizer=PATH][,chat_template=PATH]`
+    /// adds one, and without any the built-in mock model `mock` is served.
+    #[arg(
+        long = "model",
+        value_name = "NAME[,tokenizer=PATH][,chat_template=PATH]"
+    )]
+    pub(crate) models: Vec<ModelOptions>,
+}
+
+/// `[http]`: the OpenAI-compatible frontend.
+#[derive(Debug, Default, Clone, PartialEq, Deserialize, clap::Args)]
+#[serde(default, deny_unknown_fields)]
+pub(crate) struct HttpOptions {
+    /// Address the HTTP frontend listens on, ip:port (default 127.0.0.1:8000; port 0 picks one).
+    #[arg(long = "listen", value_name = "IP:PORT")]
+    pub(crate) listen: Option<String>,
+    /// Requests in flight at most (default 4096).
+    #[arg(long)]
+    pub(crate) max_in_flight: Option<usize>,
+    /// Requests waiting for a slot at most; one more gets 429 (default 1024).
+    #[arg(long)]
+    pub(crate) max_queued: Option<usize>,
+    /// How long a request waits for a slot before a 503 (default 5s).
+    #[arg(long, value_name = "DURATION")]
+    pub(crate) queue_timeout: Option<HumanDuration>,
+    /// The Retry-After advised with 429/503 (default 1s).
+    #[arg(long, value_name = "DURATION")]
+    pub(crate) retry_after: Option<HumanDuration>,
+    /// Largest request body in bytes (default 16 MiB).
+    #[arg(long)]
+    pub(crate) max_body_bytes: Option<usize>,
+    /// Longest prompt in tokens (default 131072).
+    #[arg(long)]
+    pub(crate) max_prompt_tokens: Option<usize>,
+    /// Interval of SSE keep-alive comments (default 15s).
+    #[arg(long, value_name = "DURATION")]
+    pub(crate) keep_alive: Option<HumanDuration>,
+    /// On SIGINT/SIGTERM, how long in-flight requests may take to finish (default 30s).
+    #[arg(long, value_name = "DURATION")]
+    pub(crate) drain_timeout: Option<HumanDuration>,
+}
+
+/// `[router]`: routing policy and the cost model.
+#[derive(Debug, Default, Clone, PartialEq, Deserialize, clap::Args)]
+#[serde(default, deny_unknown_fields)]
+pub(crate) struct RouterOptions {
+    /// Tokens per KV block; workers with another block size are ignored (default 16).
+    #[arg(long)]
+    pub(crate) block_size: Option<u32>,
+    /// kv, round-robin, random or direct (default kv).
+    #[arg(long)]
+    pub(crate) policy: Option<String>,
+    /// Selection temperature, 0 picks the cheapest worker (default 0).
+    #[arg(long)]
+    pub(crate) temperature: Option<f64>,
+    /// Weight of cached blocks against prefill work in the cost (default 1).
+    #[arg(long)]
+    pub(crate) overlap_credit: Option<f64>,
+    /// How many times a request moves when its worker dies mid-stream (default 3).
+    #[arg(long)]
+    pub(crate) max_migrations: Option<u32>,
+    /// KV mode of workers that do not say: events or approximate (default events).
+    #[arg(long, value_name = "events|approximate")]
+    pub(crate) kv_mode: Option<String>,
+    /// Seed of the routing RNG (tie-breaking, temperature, random policy).
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
+}
+
+/// `[discovery]`: registration (the default) or a static fleet file.
+#[derive(Debug, Default, Clone, PartialEq, Deserialize, clap::Args)]
+#[serde(default, deny_unknown_fields)]
+pub(crate) struct DiscoveryOptions {
+    /// Address workers register at, ip:port (default 127.0.0.1:7100; port 0 picks one).
+    #[arg(long, value_name = "IP:PORT")]
+    pub(crate) registry_listen: Option<String>,
+    /// How long a registered worker stays listed without a heartbeat (default 5s).
+    #[arg(long, value_name = "DURATION")]
+    pub(crate) lease_ttl: Option<HumanDuration>,
+    /// A static fleet file (TOML `[[workers]]` or JSON) instead of registration.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) fleet: Option<PathBuf>,
+}
+
+/// One `[[models]]` entry.
+#[derive(Debug, Default, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ModelOptions {
+    /// The name clients put in `model`.
+    pub(crate) name: String,
+    /// A `tokenizer.json`; omitted: the built-in mock tokenizer.
+    #[serde(default)]
+    pub(crate) tokenizer: Option<PathBuf>,
+    /// A Jinja template or `tokenizer_config.json`; omitted: the mock template.
+    #[serde(default)]
+    pub(crate) chat_template: Option<PathBuf>,
+}
+
+impl FromStr for ModelOptions {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut parts = s.split(',');
+        let name = parts.next().unwrap_or_default().trim();
+        if name.is_empty() {
+            return Err(format!(
+                "expected NAME[,tokenizer=PATH][,chat_template=PATH], got {s:?}"
+            ));
+        }
+        let mut model = ModelOptions {
+            name: name.to_owned(),
+            ..ModelOptions::default()
+        };
+        for part in parts {
+            match part.split_once('=') {
+                Some(("tokenizer", path)) => model.tokenizer = Some(path.into()),
+                Some(("chat_template", path)) => model.chat_template = Some(path.into()),
+                _ => {
+                    return Err(format!(
+                        "expected tokenizer=PATH or chat_template=PATH after the model name, got {part:?}"
+                    ));
+                }
+            }
+        }
+        Ok(model)
+    }
+}
+
+/// A duration written as a number with a unit: `250ms`, `5s`, `2m`, `1h`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HumanDuration(pub(crate) Duration);
+
+impl FromStr for HumanDuration {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+        let (number, unit) = s.split_at(split);
+        let expected = || format!("expected a duration like 250ms, 5s, 2m or 1h, got {s:?}");
+        let n: u64 = number.parse().map_err(|_| expected())?;
+        let duration = match unit {
+            "ms" => Duration::from_millis(n),
+            "s" => Duration::from_secs(n),
+            "m" => Duration::from_secs(n.saturating_mul(60)),
+            "h" => Duration::from_secs(n.saturating_mul(3600)),
+            _ => return Err(expected()),
+        };
+        Ok(HumanDuration(duration))
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// An option whose value cannot be used.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("invalid option `{key}` (flag --{flag}): expected {expected}, got {got}")]
+pub(crate) struct InvalidOption {
+    /// The key in the config file, `section.name`.
+    pub(crate) key: &'static str,
+    /// The flag.
+    pub(crate) flag: &'static str,
+    /// What a valid value looks like.
+    pub(crate) expected: String,
+    /// What was given.
+    pub(crate) got: String,
+}
+
+fn invalid(
+    key: &'static str,
+    flag: &'static str,
+    expected: &str,
+    got: impl std::fmt::Debug,
+) -> InvalidOption {
+    InvalidOption {
+        key,
+        flag,
+        expected: expected.to_owned(),
+        got: format!("{got:?}"),
+    }
+}
+
+/// How workers are found, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Discovery {
+    /// Workers register at `listen`; a silent one is dropped after `lease_ttl`.
+    Registration {
+        /// The registry's address.
+        listen: SocketAddr,
+        /// The lease time to live.
+        lease_ttl: Duration,
+    },
+    /// A fixed fleet from a file.
+    Static {
+        /// The fleet file.
+        fleet: PathBuf,
+    },
+}
+
+/// The validated configuration `kvroute serve` runs on.
+#[derive(Debug, Clone)]
+pub(crate) struct ServeConfig {
+    /// Where the HTTP frontend listens.
+    pub(crate) listen: SocketAddr,
+    /// The frontend's limits.
+    pub(crate) http: HttpConfig,
+    /// How long shutdown waits for in-flight requests.
+    pub(crate) drain_timeout: Duration,
+    /// The KV router.
+    pub(crate) router: KvPushRouterConfig,
+    /// How workers are found.
+    pub(crate) discovery: Discovery,
+    /// The served models.
+    pub(crate) models: Vec<ModelConfig>,
+}
+
+impl ServeOptions {
+    /// Reads a TOML config file; errors name the line and key.
+    pub(crate) fn from_toml(text: &str) -> Result<Self, toml::de::Error> {
+        toml::from_str(text)
+    }
+
+    /// These options with every option `flags` gives replacing the file's.
+    pub(crate) fn overridden_by(self, flags: ServeOptions) -> ServeOptions {
+        fn pick<T>(file: Option<T>, flag: Option<T>) -> Option<T> {
+            flag.or(file)
+        }
+        let (h, f) = (self.http, flags.http);
+        let (r, fr) = (self.router, flags.router);
+        let (d, fd) = (self.discovery, flags.discovery);
+        // A fleet on the command line replaces registration from the file, and the reverse.
+        let (registry_listen, fleet) = match (fd.registry_listen, fd.fleet) {
+            (None, None) => (d.registry_listen, d.fleet),
+            given => given,
+        };
+        ServeOptions {
+            http: HttpOptions {
+                listen: pick(h.listen, f.listen),
+                max_in_flight: pick(h.max_in_flight, f.max_in_flight),
+                max_queued: pick(h.max_queued, f.max_queued),
+                queue_timeout: pick(h.queue_timeout, f.queue_timeout),
+                retry_after: pick(h.retry_after, f.retry_after),
+                max_body_bytes: pick(h.max_body_bytes, f.max_body_bytes),
+                max_prompt_tokens: pick(h.max_prompt_tokens, f.max_prompt_tokens),
+                keep_alive: pick(h.keep_alive, f.keep_alive),
+                drain_timeout: pick(h.drain_timeout, f.drain_timeout),
+            },
+            router: RouterOptions {
+                block_size: pick(r.block_size, fr.block_size),
+                policy: pick(r.policy, fr.policy),
+                temperature: pick(r.temperature, fr.temperature),
+                overlap_credit: pick(r.overlap_credit, fr.overlap_credit),
+                max_migrations: pick(r.max_migrations, fr.max_migrations),
+                kv_mode: pick(r.kv_mode, fr.kv_mode),
+                seed: pick(r.seed, fr.seed),
+            },
+            discovery: DiscoveryOptions {
+                registry_listen,
+                lease_ttl: pick(d.lease_ttl, fd.lease_ttl),
+                fleet,
+            },
+            models: if flags.models.is_empty() {
+                self.models
+            } else {
+                flags.models
+            },
+        }
+    }
+
+    /// Checks every option and builds the typed configuration.
+    pub(crate) fn validate(self) -> Result<ServeConfig, InvalidOption> {
+        let h = self.http;
+        let listen = parse_addr(
+            "http.listen",
+            "listen",
+            h.listen.as_deref(),
+            "127.0.0.1:8000",
+        )?;
+        let max_in_flight = h.max_in_flight.unwrap_or(4096);
+        if max_in_flight == 0 {
+            return Err(invalid(
+                "http.max_in_flight",
+                "max-in-flight",
+                "at least 1",
+                0,
+            ));
+        }
+        let max_body_bytes = h.max_body_bytes.unwrap_or(16 << 20);
+        if max_body_bytes < 1024 {
+            return Err(invalid(
+                "http.max_body_bytes",
+                "max-body-bytes",
+                "at least 1024",
+                max_body_bytes,
+            ));
+        }
+        let max_prompt_tokens = h.max_prompt_tokens.unwrap_or(128 * 1024);
+        if max_prompt_tokens == 0 {
+            return Err(invalid(
+                "http.max_prompt_tokens",
+                "max-prompt-tokens",
+                "at least 1",
+                0,
+            ));
+        }
+        let keep_alive = h.keep_alive.map_or(Duration::from_secs(15), |d| d.0);
+        if keep_alive.is_zero() {
+            return Err(invalid(
+                "http.keep_alive",
+                "keep-alive",
+                "a positive duration",
+                "0",
+            ));
+        }
+        let r = self.router;
+        let block_size = r.block_size.unwrap_or(16);
+        if block_size == 0 {
+            return Err(invalid("router.block_size", "block-size", "at least 1", 0));
+        }
+        let policy: Policy = match r.policy.as_deref() {
+            None => Policy::Kv,
+            Some(name) => name.parse().map_err(|_| {
+                invalid(
+                    "router.policy",
+                    "policy",
+                    "one of kv, round-robin, random, direct",
+                    name,
+                )
+            })?,
+        };
+        let kv_mode = match r.kv_mode.as_deref() {
+            None | Some("events") => KvMode::Events,
+            Some("approximate") => KvMode::Approximate,
+            Some(other) => {
+                return Err(invalid(
+                    "router.kv_mode",
+                    "kv-mode",
+                    "events or approximate",
+                    other,
+                ));
+            }
+        };
+        let mut router = KvPushRouterConfig::new(block_size);
+        router.core = router.core.with_policy(policy);
+        router.default_kv_mode = kv_mode;
+        // The HTTP path serves aggregated workers; prefill and decode workers need the
+        // disaggregated path, which the frontend does not compose yet.
+        router.push.role = Some(WorkerRole::Aggregated);
+        if let Some(seed) = r.seed {
+            router.seed = seed;
+        }
+        if let Some(t) = r.temperature {
+            if !(t.is_finite() && t >= 0.0) {
+                return Err(invalid(
+                    "router.temperature",
+                    "temperature",
+                    "a finite number >= 0",
+                    t,
+                ));
+            }
+            router.core.scheduler.temperature = t;
+        }
+        if let Some(c) = r.overlap_credit {
+            if !(c.is_finite() && c >= 0.0) {
+                return Err(invalid(
+                    "router.overlap_credit",
+                    "overlap-credit",
+                    "a finite number >= 0",
+                    c,
+                ));
+            }
+            router.core.scheduler.cost.overlap_credit = c;
+        }
+        let d = self.discovery;
+        let discovery = match (d.fleet, d.registry_listen) {
+            (Some(_), Some(listen)) => {
+                return Err(invalid(
+                    "discovery.registry_listen",
+                    "registry-listen",
+                    "no registry address when discovery.fleet (static) is set; choose one",
+                    listen,
+                ));
+            }
+            (Some(fleet), None) => Discovery::Static { fleet },
+            (None, listen) => {
+                let listen = parse_addr(
+                    "discovery.registry_listen",
+                    "registry-listen",
+                    listen.as_deref(),
+                    "127.0.0.1:7100",
+                )?;
+                let lease_ttl = d.lease_ttl.map_or(Duration::from_secs(5), |d| d.0);
+                if lease_ttl < Duration::from_millis(100) {
+                    return Err(invalid(
+                        "discovery.lease_ttl",
+                        "lease-ttl",
+                        "at least 100ms",
+                        lease_ttl,
+                    ));
+                }
+                Discovery::Registration { listen, lease_ttl }
+            }
+        };
+        let mut names = std::collections::BTreeSet::new();
+        for m in &self.models {
+            if m.name.is_empty() || !names.insert(m.name.as_str()) {
+                return Err(invalid(
+                    "models.name",
+                    "model",
+                    "a non-empty name, unique among the models",
+                    &m.name,
+                ));
+            }
+        }
+        let models = if self.models.is_empty() {
+            vec![ModelConfig::mock("mock")]
+        } else {
+            self.models
+                .into_iter()
+                .map(|m| ModelConfig {
+                    name: m.name,
+                    tokenizer: m.tokenizer,
+                    chat_template: m.chat_template,
+                })
+                .collect()
+        };
+        let http = HttpConfig {
+            max_body_bytes,
+            max_prompt_tokens,
+            admission: AdmissionConfig {
+                max_in_flight,
+                max_queued: h.max_queued.unwrap_or(1024),
+                queue_timeout: h.queue_timeout.map_or(Duration::from_secs(5), |d| d.0),
+                retry_after: h.retry_after.map_or(Duration::from_secs(1), |d| d.0),
+            },
+            keep_alive,
+            max_migrations: r
+                .max_migrations
+                .unwrap_or(kvroute_router::DEFAULT_MAX_MIGRATIONS),
+            ..HttpConfig::default()
+        };
+        Ok(ServeConfig {
+            listen,
+            http,
+            drain_timeout: h.drain_timeout.map_or(Duration::from_secs(30), |d| d.0),
+            router,
+            discovery,
+            models,
+        })
+    }
+}
+
+fn parse_addr(
+    key: &'static str,
+    flag: &'static str,
+    given: Option<&str>,
+    default: &str,
+) -> Result<SocketAddr, InvalidOption> {
+    let text = given.unwrap_or(default);
+    text.parse()
+        .map_err(|_| invalid(key, flag, "an ip:port address such as 127.0.0.1:8000", text))
+}
+
+#[cfg(test)]
+mod tests;

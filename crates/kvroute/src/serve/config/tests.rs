@@ -1,0 +1,193 @@
+use std::time::Duration;
+
+use clap::Parser;
+
+use super::*;
+
+/// Parses `file` as the config file and `flags` as the command line, validates the merge, and
+/// compares a rendering of the result (or the error's message) with `expect`.
+fn check(file: &str, flags: &[&str], expect: Result<&str, &str>) {
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        options: ServeOptions,
+    }
+    let from_file = ServeOptions::from_toml(file).map_err(|e| e.to_string());
+    let from_flags = Cli::try_parse_from(std::iter::once("serve").chain(flags.iter().copied()))
+        .map(|c| c.options)
+        .map_err(|e| e.to_string());
+    let got = from_file
+        .and_then(|file| from_flags.map(|flags| file.overridden_by(flags)))
+        .and_then(|options| options.validate().map_err(|e| e.to_string()))
+        .map(|c| render(&c));
+    match expect {
+        Ok(expect) => assert_eq!(got.as_deref(), Ok(expect)),
+        Err(fragment) => {
+            let error = got.expect_err("expected an error");
+            assert!(
+                error.contains(fragment),
+                "{error:?} should contain {fragment:?}"
+            );
+        }
+    }
+}
+
+fn render(c: &ServeConfig) -> String {
+    let discovery = match &c.discovery {
+        Discovery::Registration { listen, lease_ttl } => {
+            format!("registry {listen} ttl {lease_ttl:?}")
+        }
+        Discovery::Static { fleet } => format!("fleet {}", fleet.display()),
+    };
+    let models: Vec<&str> = c.models.iter().map(|m| m.name.as_str()).collect();
+    format!(
+        "http {} in_flight {} queue {:?} drain {:?}; block {} policy {} migrations {}; {discovery}; models {models:?}",
+        c.listen,
+        c.http.admission.max_in_flight,
+        c.http.admission.queue_timeout,
+        c.drain_timeout,
+        c.router.core.block_size(),
+        c.router.core.policy,
+        c.http.max_migrations,
+    )
+}
+
+#[test]
+fn defaults_serve_the_mock_model_with_registration() {
+    check(
+        "",
+        &[],
+        Ok(
+            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv migrations 3; registry 127.0.0.1:7100 ttl 5s; models [\"mock\"]",
+        ),
+    );
+}
+
+#[test]
+fn the_file_sets_options_and_flags_override_it() {
+    let file = r#"
+        [http]
+        listen = "0.0.0.0:9000"
+        max_in_flight = 8
+        queue_timeout = "250ms"
+        [router]
+        block_size = 32
+        policy = "round-robin"
+        max_migrations = 1
+        [discovery]
+        registry_listen = "127.0.0.1:0"
+        lease_ttl = "2s"
+        [[models]]
+        name = "llama"
+    "#;
+    check(
+        file,
+        &[],
+        Ok(
+            "http 0.0.0.0:9000 in_flight 8 queue 250ms drain 30s; block 32 policy round-robin migrations 1; registry 127.0.0.1:0 ttl 2s; models [\"llama\"]",
+        ),
+    );
+    check(
+        file,
+        &[
+            "--max-in-flight",
+            "2",
+            "--policy",
+            "kv",
+            "--fleet",
+            "fleet.toml",
+            "--model",
+            "a",
+            "--drain-timeout",
+            "1m",
+        ],
+        Ok(
+            "http 0.0.0.0:9000 in_flight 2 queue 250ms drain 60s; block 32 policy kv migrations 1; fleet fleet.toml; models [\"a\"]",
+        ),
+    );
+}
+
+#[test]
+fn bad_values_name_the_key_the_flag_and_what_was_expected() {
+    check(
+        "[http]\nmax_in_flight = 0",
+        &[],
+        Err("`http.max_in_flight` (flag --max-in-flight): expected at least 1, got 0"),
+    );
+    check(
+        "[http]\nlisten = \"localhost\"",
+        &[],
+        Err("`http.listen` (flag --listen): expected an ip:port address"),
+    );
+    check(
+        "[router]\npolicy = \"fastest\"",
+        &[],
+        Err(
+            "`router.policy` (flag --policy): expected one of kv, round-robin, random, direct, got \"fastest\"",
+        ),
+    );
+    check(
+        "[router]\nkv_mode = \"both\"",
+        &[],
+        Err("expected events or approximate"),
+    );
+    check("[router]\nblock_size = 0", &[], Err("`router.block_size`"));
+    check(
+        "[router]\ntemperature = -1.0",
+        &[],
+        Err("`router.temperature`"),
+    );
+    check(
+        "[discovery]\nfleet = \"f.toml\"\nregistry_listen = \"127.0.0.1:1\"",
+        &[],
+        Err(
+            "`discovery.registry_listen` (flag --registry-listen): expected no registry address when discovery.fleet",
+        ),
+    );
+    check(
+        "[discovery]\nlease_ttl = \"5\"",
+        &[],
+        Err("expected a duration like 250ms, 5s, 2m or 1h, got \"5\""),
+    );
+    check(
+        "[discovery]\nlease_ttl = \"10ms\"",
+        &[],
+        Err("`discovery.lease_ttl` (flag --lease-ttl): expected at least 100ms"),
+    );
+    check(
+        "[[models]]\nname = \"a\"\n[[models]]\nname = \"a\"",
+        &[],
+        Err("unique among the models"),
+    );
+    check(
+        "[http]\nlisten_on = \"x\"",
+        &[],
+        Err("unknown field `listen_on`"),
+    );
+    check(
+        "",
+        &["--model", "a,vocab=x"],
+        Err("expected tokenizer=PATH or chat_template=PATH"),
+    );
+    check("", &["--queue-timeout", "soon"], Err("expected a duration"));
+}
+
+#[test]
+fn durations_take_a_unit() {
+    let parse = |s: &str| s.parse::<HumanDuration>().map(|d| d.0);
+    assert_eq!(parse("250ms"), Ok(Duration::from_millis(250)));
+    assert_eq!(parse("5s"), Ok(Duration::from_secs(5)));
+    assert_eq!(parse("2m"), Ok(Duration::from_secs(120)));
+    assert_eq!(parse("1h"), Ok(Duration::from_secs(3600)));
+    assert!(parse("1.5s").is_err());
+    assert!(parse("s").is_err());
+}
+
+#[test]
+fn the_example_config_file_is_valid() {
+    let text = include_str!("../../../../../docs/examples/serve.toml");
+    let options = ServeOptions::from_toml(text).expect("docs/examples/serve.toml parses");
+    options
+        .validate()
+        .expect("docs/examples/serve.toml validates");
+}
