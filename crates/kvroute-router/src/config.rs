@@ -23,12 +23,13 @@ pub struct RouterConfig {
 }
 
 impl RouterConfig {
-    /// The reference defaults for engines with `block_size` tokens per KV block, with the
-    /// [`Policy::Kv`] policy.
+    /// The defaults for engines with `block_size` tokens per KV block: the default policy
+    /// ([`Policy::KvAdaptive`], whose weights are fixed) and the reference's defaults otherwise,
+    /// including the cost weights that [`Policy::Kv`] scores with.
     pub fn new(block_size: u32) -> Self {
         Self {
             scheduler: SchedulerConfig::new(block_size),
-            policy: Policy::Kv,
+            policy: Policy::default(),
             approx: ApproxConfig::default(),
             session_loss: WorkerLossMode::Soft,
             max_sessions: DEFAULT_MAX_SESSIONS,

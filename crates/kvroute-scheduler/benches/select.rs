@@ -28,7 +28,10 @@ fn prompt(family: u64, unique: u64, blocks: u64) -> Vec<u64> {
 }
 
 fn fleet(workers: u64, rng: &mut ChaCha8Rng) -> Scheduler {
-    let mut s = Scheduler::new(SchedulerConfig::new(BS)).expect("valid config");
+    let mut config = SchedulerConfig::new(BS);
+    // Half the fleet's requests are generating: measure output-block growth too.
+    config.track_output_blocks = true;
+    let mut s = Scheduler::new(config).expect("valid config");
     let mut id = 0;
     for wid in 0..workers {
         s.add_worker(&WorkerSpec::new(wid).with_kv_capacity(100_000))

@@ -17,6 +17,11 @@ pub struct SchedulerConfig {
     pub cost: CostWeights,
     /// Softmax temperature of selection; 0.0 picks the cheapest worker.
     pub temperature: f64,
+    /// Whether generated tokens add decode blocks (and, with an expected output length, decay a
+    /// request's exclusive blocks). Off by default, as the reference's
+    /// `router_track_output_blocks`: active decode blocks are then the prompt blocks of active
+    /// requests only.
+    pub track_output_blocks: bool,
     /// A request nobody freed is dropped from the load after this long.
     pub request_expiry: Duration,
     /// Above these a worker is not eligible at all.
@@ -32,6 +37,7 @@ impl SchedulerConfig {
             block_size,
             cost: CostWeights::default(),
             temperature: 0.0,
+            track_output_blocks: false,
             request_expiry: DEFAULT_REQUEST_EXPIRY,
             busy: LoadThresholds::default(),
             queue_threshold: LoadThresholds::default(),
@@ -58,15 +64,36 @@ impl SchedulerConfig {
     }
 }
 
-/// Weights of the default cost
-/// `prefill_load_scale * max(prefill_blocks - overlap_credit * overlap_blocks, 0) + decode_blocks`.
+/// Weights of the cost
+/// `scale * max(prefill_blocks - credit * overlap_blocks, 0) + decode_blocks`, where
+/// `scale = prefill_load_scale + (loaded_prefill_load_scale - prefill_load_scale) * backlog`,
+/// `backlog` is the eligible workers' outstanding prefill tokens over their batch budgets
+/// (capped at 1), and `credit = overlap_credit * (overlap_blocks / prompt_blocks) ^
+/// cached_share_exponent`.
+///
+/// Two presets: [`CostWeights::reference`] (the default) is the reference's cost (a fixed scale
+/// of 1 and a credit of 1 per cached block); [`CostWeights::load_adaptive`] raises the prefill
+/// scale from 1 to 8 as the fleet's prefill backlog builds.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostWeights {
-    /// Multiplies the prefill term (the reference's `prefill_load_scale`, default 1.0).
+    /// Multiplies the prefill term when no eligible worker has prefill outstanding (the
+    /// reference's `prefill_load_scale`, default 1.0).
     pub prefill_load_scale: f64,
+    /// Multiplies the prefill term once the eligible workers' outstanding prefill fills one batch
+    /// budget each (`max_num_batched_tokens`, taken as 8192 tokens when a worker did not report
+    /// it); between the two the scale is interpolated linearly. Equal to `prefill_load_scale` (a
+    /// fixed scale) in the reference's cost.
+    pub loaded_prefill_load_scale: f64,
     /// Blocks of prefill credited per cached block (the reference's `overlap_score_credit`,
     /// default 1.0; 0.0 ignores the cache).
     pub overlap_credit: f64,
+    /// How the credit falls with the share of the prompt that is cached: the credit per cached
+    /// block is `overlap_credit * share ^ cached_share_exponent`. 0.0 (both presets) credits
+    /// every cached block alike; 2.0 makes a shared preamble that covers a third of the prompt
+    /// worth a ninth of its blocks, while a conversation's continuation that covers most of the
+    /// prompt keeps most of its credit. Not overridable per request (the wire format has no
+    /// field for it).
+    pub cached_share_exponent: f64,
     /// Whether the prefill term counts at all (the reference's `track_prefill_tokens`).
     pub track_prefill_tokens: bool,
     /// Whether prompt blocks already active on a worker are counted once (the reference's
@@ -74,22 +101,58 @@ pub struct CostWeights {
     pub assume_kv_reuse: bool,
 }
 
+/// The batch budget assumed for a worker that did not report `max_num_batched_tokens` (vLLM's
+/// chunked-prefill default on large GPUs).
+pub const DEFAULT_BATCH_BUDGET_TOKENS: u64 = 8192;
+
 impl Default for CostWeights {
     fn default() -> Self {
-        Self {
-            prefill_load_scale: 1.0,
-            overlap_credit: 1.0,
-            track_prefill_tokens: true,
-            assume_kv_reuse: true,
-        }
+        Self::reference()
     }
 }
 
 impl CostWeights {
+    /// The reference's default cost: `max(prefill_blocks - overlap_blocks, 0) + decode_blocks`.
+    pub const fn reference() -> Self {
+        Self {
+            prefill_load_scale: 1.0,
+            loaded_prefill_load_scale: 1.0,
+            overlap_credit: 1.0,
+            cached_share_exponent: 0.0,
+            track_prefill_tokens: true,
+            assume_kv_reuse: true,
+        }
+    }
+
+    /// The load-adaptive cost: the reference's terms, with a prefill scale that rises from 1
+    /// with no prefill backlog to 8 once the backlog fills a batch on every worker.
+    ///
+    /// Time to first token is queue wait plus the request's own uncached prefill. With no
+    /// backlog there is no queue, so prefill weighs what the reference gives it (a block of
+    /// prefill like a block of decode) and light load is routed exactly as the reference
+    /// routes it: spread by active blocks, with a cache hit worth its blocks. As prefill queues
+    /// build, queued and uncached prefill become what every request waits on, so they (and the
+    /// cache credit, which is prefill not done) outweigh decode blocks up to eight to one: a
+    /// conversation stays with its cache even when its worker runs one more request, and load
+    /// is balanced by prefill backlog rather than by the prompt blocks of requests that are
+    /// already decoding.
+    pub const fn load_adaptive() -> Self {
+        Self {
+            prefill_load_scale: 1.0,
+            loaded_prefill_load_scale: 8.0,
+            overlap_credit: 1.0,
+            cached_share_exponent: 0.0,
+            track_prefill_tokens: true,
+            assume_kv_reuse: true,
+        }
+    }
+
     /// These weights with the request's overrides applied (`None` keeps the configured value).
     pub fn with_override(mut self, o: &RouterConfigOverride) -> Self {
+        // The wire field names one fixed scale: it replaces both ends of the range.
         if let Some(v) = o.prefill_load_scale {
             self.prefill_load_scale = v;
+            self.loaded_prefill_load_scale = v;
         }
         if let Some(v) = o.overlap_score_credit {
             self.overlap_credit = v;
@@ -103,10 +166,37 @@ impl CostWeights {
         self
     }
 
-    /// Checks that both weights are finite and non-negative.
+    /// Checks that every weight is finite and non-negative.
     pub fn validate(&self) -> Result<(), ConfigError> {
         check_weight("prefill_load_scale", self.prefill_load_scale)?;
-        check_weight("overlap_score_credit", self.overlap_credit)
+        check_weight("loaded_prefill_load_scale", self.loaded_prefill_load_scale)?;
+        check_weight("overlap_score_credit", self.overlap_credit)?;
+        check_weight("cached_share_exponent", self.cached_share_exponent)
+    }
+
+    /// The prefill scale at `backlog` (outstanding prefill over batch budget, clamped to 0..=1).
+    #[inline]
+    pub fn prefill_scale_at(&self, backlog: f64) -> f64 {
+        let b = if backlog.is_nan() {
+            0.0
+        } else {
+            backlog.clamp(0.0, 1.0)
+        };
+        self.prefill_load_scale + (self.loaded_prefill_load_scale - self.prefill_load_scale) * b
+    }
+
+    /// The credit per cached block for a prompt of `prompt_blocks` with `overlap_blocks` cached.
+    #[inline]
+    pub fn credit(&self, overlap_blocks: u32, prompt_blocks: usize) -> f64 {
+        if self.cached_share_exponent == 0.0 || overlap_blocks == 0 {
+            return self.overlap_credit;
+        }
+        let share = if prompt_blocks == 0 {
+            1.0
+        } else {
+            (f64::from(overlap_blocks) / prompt_blocks as f64).min(1.0)
+        };
+        self.overlap_credit * share.powf(self.cached_share_exponent)
     }
 }
 

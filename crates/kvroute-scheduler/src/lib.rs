@@ -4,7 +4,9 @@
 //! Entry types: [`Scheduler`] (register workers with [`WorkerSpec`], [`Scheduler::select`] a
 //! worker for a [`SelectRequest`], then track the request with [`Scheduler::add_request`],
 //! [`Scheduler::mark_prefill_completed`], [`Scheduler::add_output_tokens`], [`Scheduler::free`]
-//! and [`Scheduler::expire`]) and [`AdmissionQueue`].
+//! and [`Scheduler::expire`]) and [`AdmissionQueue`]. The cost has two presets of
+//! [`CostWeights`]: [`CostWeights::reference`], the reference's default, and
+//! [`CostWeights::load_adaptive`], whose prefill weight rises with the fleet's prefill backlog.
 //!
 //! It is a synchronous, deterministic core: time (`now` as a [`std::time::Duration`] since any
 //! fixed epoch) and randomness (any [`rand::Rng`]) come in as arguments. It must not depend on
@@ -20,8 +22,8 @@ mod select;
 mod workers;
 
 pub use config::{
-    ConfigError, CostWeights, DEFAULT_REQUEST_EXPIRY, LoadThresholds, PrefillThreshold,
-    SchedulerConfig,
+    ConfigError, CostWeights, DEFAULT_BATCH_BUDGET_TOKENS, DEFAULT_REQUEST_EXPIRY, LoadThresholds,
+    PrefillThreshold, SchedulerConfig,
 };
 pub use load::{LoadError, NewRequest, RequestId, WorkerLoad};
 pub use queue::{AdmissionQueue, QueueMeta, QueuePolicy, TryPushError};

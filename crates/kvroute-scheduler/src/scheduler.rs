@@ -89,10 +89,14 @@ impl Scheduler {
         self.requests.mark_prefill_completed(&mut self.workers, id)
     }
 
-    /// The request generated `tokens` more output tokens: each full block of output adds a decode
+    /// The request generated `tokens` more output tokens, which implies its prefill completed.
+    /// With [`SchedulerConfig::track_output_blocks`] each full block of output also adds a decode
     /// block, and with an expected length the request's exclusive blocks decay to
-    /// `1 - generated / expected`. Implies prefill completed.
+    /// `1 - generated / expected`.
     pub fn add_output_tokens(&mut self, id: RequestId, tokens: u64) -> Result<(), LoadError> {
+        if !self.config.track_output_blocks {
+            return self.requests.mark_prefill_completed(&mut self.workers, id);
+        }
         self.requests
             .add_output_tokens(&mut self.workers, self.config.block_size, id, tokens)
     }

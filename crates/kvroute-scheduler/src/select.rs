@@ -2,11 +2,15 @@
 //!
 //! Filters run in a fixed order, each with its own error when it leaves nobody:
 //! `allowed_worker_ids`, the exact pin (worker, optional dp rank), dp rank ranges, required
-//! taints, then the busy thresholds. Every survivor gets the default cost
-//! `prefill_load_scale * max(prefill_blocks - overlap_credit * overlap_blocks, 0) + decode_blocks`
+//! taints, then the busy thresholds. Every survivor gets the cost
+//! `scale * max(prefill_blocks - credit * overlap_blocks, 0) + decode_blocks`
 //! times its preferred-taint multiplier, where, as in the reference, `prefill_blocks` counts the
-//! worker's outstanding prefill plus this whole prompt and `decode_blocks` counts the worker's
-//! active blocks plus this prompt's blocks not already active there.
+//! worker's outstanding prefill (requests not yet past their first token) plus this whole prompt,
+//! and `decode_blocks` counts the worker's active blocks plus this prompt's blocks not already
+//! active there. `scale` is `prefill_load_scale` for the reference's cost and rises with the
+//! eligible workers' prefill backlog for the load-adaptive one ([`CostWeights::prefill_scale_at`]);
+//! `credit` is `overlap_credit`, optionally falling with the share of the prompt that is cached
+//! ([`CostWeights::credit`]).
 
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -18,7 +22,8 @@ use kvroute_protocols::{
 use rand::Rng;
 
 use crate::config::{
-    ConfigError, CostWeights, LoadThresholds, PrefillThreshold, effective_temperature,
+    ConfigError, CostWeights, DEFAULT_BATCH_BUDGET_TOKENS, LoadThresholds, PrefillThreshold,
+    effective_temperature,
 };
 use crate::fxhash::FxHashMap;
 use crate::load::RequestId;
@@ -44,6 +49,9 @@ pub struct SelectRequest<'a> {
     pub pinned_dp_rank: Option<DpRank>,
     /// Required and preferred taints.
     pub constraints: Option<&'a RoutingConstraints>,
+    /// Base cost weights for this request instead of the configured ones (the router passes
+    /// its policy's weights); `overrides` still apply on top.
+    pub weights: Option<CostWeights>,
     /// Per-request overrides of the cost weights and temperature.
     pub overrides: Option<&'a RouterConfigOverride>,
 }
@@ -81,15 +89,19 @@ pub struct CandidateCost {
     pub worker: WorkerWithDpRank,
     /// Prompt blocks cached there.
     pub overlap_blocks: u32,
+    /// Prefill blocks credited per cached block: `overlap_credit * share ^
+    /// cached_share_exponent` (see [`CostWeights::credit`]).
+    pub credit: f64,
     /// Outstanding prefill plus this prompt, in blocks (0 when prefill is not tracked).
     pub prefill_blocks: f64,
-    /// `max(prefill_blocks - overlap_credit * overlap_blocks, 0)`.
+    /// `max(prefill_blocks - credit * overlap_blocks, 0)`.
     pub credited_prefill_blocks: f64,
     /// Active decode blocks plus this prompt's blocks not already active there.
     pub decode_blocks: f64,
     /// Preferred-taint multiplier (1.0 without preferences).
     pub taint_multiplier: f64,
-    /// `(prefill_load_scale * credited_prefill_blocks + decode_blocks) * taint_multiplier`.
+    /// `(scale * credited_prefill_blocks + decode_blocks) * taint_multiplier`, `scale` being
+    /// [`Decision::prefill_load_scale`].
     pub cost: f64,
 }
 
@@ -97,12 +109,13 @@ impl fmt::Display for CandidateCost {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} cost={:.3} prefill={:.3}->{:.3} (overlap {}) decode={:.3} x{:.3}",
+            "{} cost={:.3} prefill={:.3}->{:.3} (overlap {} x credit {:.3}) decode={:.3} x{:.3}",
             self.worker,
             self.cost,
             self.prefill_blocks,
             self.credited_prefill_blocks,
             self.overlap_blocks,
+            self.credit,
             self.decode_blocks,
             self.taint_multiplier
         )
@@ -119,6 +132,9 @@ pub struct Decision<'a> {
     pub candidates: &'a [CandidateCost],
     /// The temperature used.
     pub temperature: f64,
+    /// The prefill scale every candidate was scored with (it depends on the fleet's prefill
+    /// backlog for the load-adaptive cost).
+    pub prefill_load_scale: f64,
 }
 
 /// A filter stage that can leave no worker.
@@ -211,6 +227,8 @@ pub(crate) struct Scratch {
     generation: u32,
     weights: Vec<f64>,
     preferred: Vec<(u64, f64)>,
+    /// The prefill scale of the last scoring pass.
+    prefill_load_scale: f64,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -422,12 +440,14 @@ impl Scheduler {
                     chosen = %chosen,
                     candidates = %CandidateList(candidates),
                     temperature,
-                    "selected worker: cost = prefill_load_scale * max(prefill - credit * overlap, 0) + decode"
+                    prefill_load_scale = self.scratch.prefill_load_scale,
+                    "selected worker: cost = prefill_load_scale * max(prefill - credit * overlap, 0) + decode, credit = overlap_credit * share^exponent"
                 );
                 Ok(Decision {
                     chosen,
                     candidates,
                     temperature,
+                    prefill_load_scale: self.scratch.prefill_load_scale,
                 })
             }
             Err(e) => {
@@ -445,9 +465,11 @@ impl Scheduler {
         req: &SelectRequest<'_>,
         rng: &mut R,
     ) -> Result<usize, SelectError> {
-        let mut weights = self.config.cost;
+        let mut weights = req.weights.unwrap_or(self.config.cost);
         if let Some(o) = req.overrides {
             weights = weights.with_override(o);
+        }
+        if req.weights.is_some() || req.overrides.is_some() {
             weights.validate()?;
         }
         let temperature = effective_temperature(self.config.temperature, req.overrides)?;
@@ -506,6 +528,22 @@ impl Scheduler {
 
         let block_size = f64::from(self.config.block_size);
         let prompt_blocks = req.block_hashes.len() as f64;
+        // The fleet's prefill backlog, only when the scale depends on it.
+        let scale = if w.loaded_prefill_load_scale == w.prefill_load_scale {
+            w.prefill_load_scale
+        } else {
+            let (outstanding, budget) = s.eligible.iter().filter_map(|&i| workers.slot(i)).fold(
+                (0u64, 0u64),
+                |(p, b), slot| {
+                    let budget = slot
+                        .max_batched_tokens
+                        .unwrap_or(DEFAULT_BATCH_BUDGET_TOKENS);
+                    (p + slot.load.prefill_tokens, b + budget)
+                },
+            );
+            w.prefill_scale_at(outstanding as f64 / budget.max(1) as f64)
+        };
+        s.prefill_load_scale = scale;
         s.candidates.clear();
         for &idx in &s.eligible {
             let Some(slot) = workers.slot(idx) else {
@@ -522,8 +560,9 @@ impl Scheduler {
             } else {
                 0.0
             };
+            let credit = w.credit(overlap_blocks, req.block_hashes.len());
             let credited_prefill_blocks =
-                (prefill_blocks - w.overlap_credit * f64::from(overlap_blocks)).max(0.0);
+                (prefill_blocks - credit * f64::from(overlap_blocks)).max(0.0);
             let already_active = f64::from(active).min(prompt_blocks);
             let decode_blocks = slot.load.decode_blocks() + (prompt_blocks - already_active);
             let taint_multiplier = if has_preferences {
@@ -537,11 +576,11 @@ impl Scheduler {
             } else {
                 1.0
             };
-            let cost =
-                (w.prefill_load_scale * credited_prefill_blocks + decode_blocks) * taint_multiplier;
+            let cost = (scale * credited_prefill_blocks + decode_blocks) * taint_multiplier;
             s.candidates.push(CandidateCost {
                 worker: slot.key,
                 overlap_blocks,
+                credit,
                 prefill_blocks,
                 credited_prefill_blocks,
                 decode_blocks,

@@ -82,6 +82,7 @@ fn costs(values: &[f64]) -> Vec<CandidateCost> {
         .map(|(i, &cost)| CandidateCost {
             worker: WorkerWithDpRank::from_worker_id(i as u64),
             overlap_blocks: 0,
+            credit: 1.0,
             prefill_blocks: 0.0,
             credited_prefill_blocks: 0.0,
             decode_blocks: cost,

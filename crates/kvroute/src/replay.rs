@@ -46,7 +46,8 @@ pub(crate) struct ReplayArgs {
     #[arg(long, default_value_t = 8, value_name = "N")]
     workers: usize,
     /// A routing policy to compare (repeatable): round-robin, random, kv (the reference's
-    /// default cost), kv-affinity (the best; tuned cost weights). Default: all of them.
+    /// default cost), kv-adaptive (the router's default: prefill weighs more as prefill queues
+    /// build), kv-affinity (an earlier tuning of kv's weights). Default: all but kv-affinity.
     #[arg(long = "policy", value_name = "P", value_parser = ReplayPolicy::parse)]
     policies: Vec<ReplayPolicy>,
     /// Replay speed: 2.0 makes requests arrive twice as fast as the trace says.
@@ -127,7 +128,7 @@ impl Plan {
         }
         mocker.validate().context("invalid engine settings")?;
         let asked: &[ReplayPolicy] = if args.policies.is_empty() {
-            &ReplayPolicy::ALL
+            &ReplayPolicy::DEFAULT
         } else {
             &args.policies
         };

@@ -97,6 +97,8 @@ fn model_load(reqs: &BTreeMap<u64, ModelReq>, worker: u64) -> WorkerLoad {
 fn run(ops: &[Op]) -> Result<(), TestCaseError> {
     let mut config = SchedulerConfig::new(BS);
     config.request_expiry = Duration::from_secs(TTL);
+    // The model grows output blocks, so the scheduler must too.
+    config.track_output_blocks = true;
     let mut s = Scheduler::new(config).expect("valid config");
     for id in 0..WORKERS {
         s.add_worker(&WorkerSpec::new(id)).expect("fresh worker");

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use kvroute_protocols::{RouterConfigOverride, RoutingConstraints, WorkerWithDpRank};
 use kvroute_scheduler::{
-    AdmissionQueue, CandidateCost, LoadThresholds, NewRequest, QueueMeta, QueuePolicy, RequestId,
-    SchedulerConfig, SelectRequest, WorkerSpec,
+    AdmissionQueue, CandidateCost, CostWeights, LoadThresholds, NewRequest, QueueMeta, QueuePolicy,
+    RequestId, SchedulerConfig, SelectRequest, WorkerSpec,
 };
 
 use crate::support::{BS, add, blocks, rng, scheduler, scheduler_with, w};
@@ -125,7 +125,9 @@ fn overrides_change_the_weights_per_request() {
 
 #[test]
 fn expected_output_length_decays_exclusive_blocks() {
-    let mut s = scheduler(1);
+    let mut config = SchedulerConfig::new(BS);
+    config.track_output_blocks = true;
+    let mut s = scheduler_with(config, [WorkerSpec::new(0)]);
     let prompt = blocks(100, 8);
     s.add_request(
         &NewRequest {
@@ -311,4 +313,158 @@ fn queued_requests_are_rescored_when_released() {
         .select(&SelectRequest::new(32, &released, &[]), &mut rng())
         .expect("ok");
     assert_eq!(d.chosen.worker, w(1));
+}
+
+#[test]
+fn output_tokens_add_no_decode_blocks_by_default_as_in_the_reference() {
+    // Regression: output blocks used to grow the decode term always, while the reference's
+    // `router_track_output_blocks` is off by default (decode load = active prompt blocks).
+    let prompt = blocks(100, 8);
+    for (track, expect) in [(false, 8.0), (true, 12.0)] {
+        let mut config = SchedulerConfig::new(BS);
+        config.track_output_blocks = track;
+        let mut s = scheduler_with(config, [WorkerSpec::new(0)]);
+        add(&mut s, 1, w(0), &prompt);
+        s.add_output_tokens(RequestId(1), 64).expect("active");
+        let load = s.worker_load(w(0)).expect("registered");
+        assert_eq!(
+            (load.prefill_tokens, load.decode_blocks),
+            (0, expect),
+            "{track}"
+        );
+        s.free(RequestId(1)).expect("active");
+        assert_eq!(s.worker_load(w(0)), Some(Default::default()));
+    }
+}
+
+#[test]
+fn credit_falls_with_the_cached_share_when_asked() {
+    let share = CostWeights {
+        cached_share_exponent: 2.0,
+        ..CostWeights::reference()
+    };
+    // (overlap, prompt blocks, expected credit per cached block)
+    for (overlap, prompt, expect) in [
+        (8, 8, 1.0),
+        (6, 8, 0.5625),
+        (4, 8, 0.25),
+        (2, 8, 0.0625),
+        (0, 8, 1.0),
+        (9, 8, 1.0),
+    ] {
+        assert_eq!(share.credit(overlap, prompt), expect, "{overlap}/{prompt}");
+        for preset in [CostWeights::reference(), CostWeights::load_adaptive()] {
+            assert_eq!(preset.credit(overlap, prompt), 1.0, "{overlap}/{prompt}");
+        }
+    }
+}
+
+#[test]
+fn load_adaptive_scale_rises_with_the_prefill_backlog() {
+    let w = CostWeights::load_adaptive();
+    for (backlog, expect) in [
+        (0.0, 1.0),
+        (0.5, 4.5),
+        (1.0, 8.0),
+        (3.0, 8.0),
+        (-1.0, 1.0),
+        (f64::NAN, 1.0),
+    ] {
+        assert_eq!(w.prefill_scale_at(backlog), expect, "{backlog}");
+    }
+    assert_eq!(CostWeights::reference().prefill_scale_at(1.0), 1.0);
+}
+
+/// Two workers with a 64-token batch budget each. Worker 1 caches the first 6 blocks of an
+/// 8-block (128-token) prompt and runs one unrelated 8-block request that has `pending` prompt
+/// tokens still to prefill (the rest of its 128 tokens were cached); worker 0 is idle. Checks
+/// the scale, both costs and the choice.
+fn check_backlog(weights: CostWeights, pending: u64, expect: (f64, f64, f64, u64)) {
+    let mut config = SchedulerConfig::new(BS);
+    config.cost = weights;
+    let specs = (0..2).map(|i| WorkerSpec::new(i).with_max_batched_tokens(64));
+    let mut s = scheduler_with(config, specs);
+    let running = blocks(500, 8);
+    s.add_request(
+        &NewRequest {
+            id: RequestId(1),
+            worker: w(1),
+            isl_tokens: 128,
+            block_hashes: &running,
+            overlap_blocks: ((128 - pending) / u64::from(BS)) as u32,
+            expected_output_tokens: None,
+        },
+        Duration::ZERO,
+    )
+    .expect("added");
+    let prompt = blocks(100, 8);
+    let overlaps = [(w(1), 6)];
+    let d = s
+        .select(&SelectRequest::new(128, &prompt, &overlaps), &mut rng())
+        .expect("selected");
+    let got = (
+        d.prefill_load_scale,
+        cost_of(d.candidates, w(0)).cost,
+        cost_of(d.candidates, w(1)).cost,
+        d.chosen.worker.worker_id,
+    );
+    assert_eq!(got, expect, "{weights:?} with {pending} tokens pending");
+}
+
+#[test]
+fn load_adaptive_matches_the_reference_without_backlog_and_keeps_the_cache_under_it() {
+    let reference = CostWeights::reference();
+    let adaptive = CostWeights::load_adaptive();
+    // No backlog (worker 1's request is past its prefill): both score alike.
+    // w0 = (128 / 16) + 8 = 16; w1 = (8 - 6) + (8 + 8) = 18: the extra running request
+    // drives the conversation off its cache.
+    check_backlog(reference, 0, (1.0, 16.0, 18.0, 0));
+    check_backlog(adaptive, 0, (1.0, 16.0, 18.0, 0));
+    // 64 tokens pending of a 128-token budget: backlog 1/2, scale 1 + 7 / 2 = 4.5.
+    // w0 = 4.5 * 8 + 8 = 44; w1 = 4.5 * ((64 + 128) / 16 - 6) + 16 = 4.5 * 6 + 16 = 43.
+    check_backlog(adaptive, 64, (4.5, 44.0, 43.0, 1));
+    // The reference still leaves: w1 = (12 - 6) + 16 = 22 > 16.
+    check_backlog(reference, 64, (1.0, 16.0, 22.0, 0));
+    // 128 pending: backlog 1, scale 8. w0 = 8 * 8 + 8 = 72; w1 = 8 * (16 - 6) + 16 = 96: a
+    // full queue outweighs the hit, and the request goes to the idle worker.
+    check_backlog(adaptive, 128, (8.0, 72.0, 96.0, 0));
+}
+
+#[test]
+fn request_weights_replace_the_configured_cost_and_overrides_still_apply() {
+    let mut s = scheduler(2);
+    let prompt = blocks(100, 8);
+    let overlaps = [(w(1), 4)];
+    let mut req = SelectRequest::new(128, &prompt, &overlaps);
+    let share = CostWeights {
+        prefill_load_scale: 8.0,
+        loaded_prefill_load_scale: 8.0,
+        cached_share_exponent: 2.0,
+        ..CostWeights::reference()
+    };
+    req.weights = Some(share);
+    // w1: 8 * (8 - 4 * 0.25) + 8 = 64.
+    let d = s.select(&req, &mut rng()).expect("selected");
+    assert_eq!(cost_of(d.candidates, w(1)).cost, 64.0);
+    assert_eq!(cost_of(d.candidates, w(1)).credit, 0.25);
+    // prefill_load_scale 2 on top replaces the whole scale range: w1 = 2 * 7 + 8 = 22.
+    let o = RouterConfigOverride {
+        prefill_load_scale: Some(2.0),
+        ..Default::default()
+    };
+    req.overrides = Some(&o);
+    let d = s.select(&req, &mut rng()).expect("selected");
+    assert_eq!(cost_of(d.candidates, w(1)).cost, 22.0);
+    assert_eq!(d.prefill_load_scale, 2.0);
+    // Invalid base weights are refused like invalid overrides.
+    req.overrides = None;
+    req.weights = Some(CostWeights {
+        cached_share_exponent: -1.0,
+        ..share
+    });
+    let err = s.select(&req, &mut rng()).expect_err("negative exponent");
+    assert_eq!(
+        err.to_string(),
+        "invalid router_config_override: cached_share_exponent must be a finite number >= 0, got -1"
+    );
 }
