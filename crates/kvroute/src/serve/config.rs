@@ -352,12 +352,12 @@ impl ServeOptions {
             return Err(invalid("router.block_size", "block-size", "at least 1", 0));
         }
         let policy: Policy = match r.policy.as_deref() {
-            None => Policy::Kv,
+            None => Policy::default(),
             Some(name) => name.parse().map_err(|_| {
                 invalid(
                     "router.policy",
                     "policy",
-                    "one of kv, round-robin, random, direct",
+                    "one of kv-adaptive, kv, round-robin, random, direct",
                     name,
                 )
             })?,

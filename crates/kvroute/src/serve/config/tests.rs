@@ -58,7 +58,7 @@ fn defaults_serve_the_mock_model_with_registration() {
         "",
         &[],
         Ok(
-            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv migrations 3; registry 127.0.0.1:7100 ttl 5s; models [\"mock\"]",
+            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-adaptive migrations 3; registry 127.0.0.1:7100 ttl 5s; models [\"mock\"]",
         ),
     );
 }
@@ -123,7 +123,7 @@ fn bad_values_name_the_key_the_flag_and_what_was_expected() {
         "[router]\npolicy = \"fastest\"",
         &[],
         Err(
-            "`router.policy` (flag --policy): expected one of kv, round-robin, random, direct, got \"fastest\"",
+            "`router.policy` (flag --policy): expected one of kv-adaptive, kv, round-robin, random, direct, got \"fastest\"",
         ),
     );
     check(
