@@ -1,9 +1,11 @@
 //! Integration tests of the `kvroute` binary: each test runs the built binary, on a small trace
 //! generated into cargo's per-test temporary directory (`replay`) or as a router and worker
-//! processes on loopback (`e2e`).
+//! processes on loopback (`e2e`), except `prefill`, which composes the prefill router with
+//! simulated prefill and decode workers in-process (over TCP on loopback).
 
 mod demo;
 mod e2e;
 mod errors;
+mod prefill;
 mod replay;
 mod support;
