@@ -80,6 +80,7 @@ pub use request::{PhaseTimings, RouteRequest, RouteSource, Routed};
 // The types callers need to drive the core, so they need not depend on every lower crate.
 pub use kvroute_indexer::hash::HashSalt;
 pub use kvroute_indexer::{ApproxConfig, EventGap};
+pub use kvroute_prefill::{DisaggMode, PrefillRouterConfig};
 pub use kvroute_scheduler::{
     CandidateCost, LoadError, RequestId, SchedulerConfig, WorkerLoad, WorkerSpec,
 };

@@ -299,7 +299,7 @@ impl KvPushRouter {
     }
 }
 
-fn is_query(request: &PreprocessedRequest) -> bool {
+pub(crate) fn is_query(request: &PreprocessedRequest) -> bool {
     request.annotations.iter().any(|a| {
         a == QUERY_INSTANCE_ID
             || a.strip_prefix(QUERY_INSTANCE_ID)

@@ -40,7 +40,7 @@ enum Command {
     /// conversations through the HTTP API with round-robin and then kv routing, and compare.
     Demo(demo::DemoArgs),
     /// Serve the OpenAI-compatible API and route requests over a fleet of workers.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Run a simulated worker (`--mock`) that registers with a router and publishes KV events.
     Worker(worker::WorkerArgs),
 }
@@ -50,7 +50,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Replay(args) => replay::run(&args),
         Command::Demo(args) => demo::run(&args),
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(*args),
         Command::Worker(args) => worker::run(args),
     };
     match result {

@@ -3,7 +3,9 @@
 //! Workers are found by registration (they connect to the registry this process runs, see
 //! `kvroute worker --router`) or from a static fleet file. Their KV events arrive over the
 //! request plane: a [`KvEventBridge`] subscribes to each listed worker and feeds the router's
-//! in-process event plane, so no broker is needed. On SIGINT or SIGTERM the frontend stops
+//! in-process event plane, so no broker is needed. Unless `[router] disagg = "off"`, the KV
+//! router of the decode phase serves decode and aggregated workers and another serves prefill
+//! workers; while a prefill worker is registered, requests are served disaggregated. On SIGINT or SIGTERM the frontend stops
 //! accepting, lets in-flight requests finish (up to the drain timeout), then exits.
 
 mod config;
@@ -12,11 +14,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use kvroute_router::http::{self, AppState};
-use kvroute_router::{KvPushRouter, ModelRegistry};
+use kvroute_router::http::{self, AppState, Disagg};
+use kvroute_router::{
+    KvPhaseRouter, KvPushRouter, ModelRegistry, PrefillRouterConfig, role_filtered,
+};
 use kvroute_runtime::{
     Discovery as _, InProcessDiscovery, InProcessEventPlane, KvEventBridge, KvEventBridgeConfig,
-    RegistryServer, StaticDiscovery,
+    RegistryServer, StaticDiscovery, WorkerRole,
 };
 
 pub(crate) use config::ServeOptions;
@@ -78,10 +82,35 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
         plane.clone(),
         KvEventBridgeConfig::default(),
     );
-    let router = KvPushRouter::start(config.router.clone(), instances, plane)
-        .await
-        .context("starting the KV router")?;
-    let state = AppState::new(router, models, config.http.clone());
+    let state = match config.disagg {
+        None => {
+            let router = KvPushRouter::start(config.router.clone(), instances, plane)
+                .await
+                .context("starting the KV router")?;
+            AppState::new(router, models, config.http.clone())
+        }
+        Some(mode) => {
+            let start = |roles: &'static [WorkerRole]| {
+                KvPushRouter::start(
+                    config.router.clone(),
+                    role_filtered(instances.clone(), roles),
+                    plane.clone(),
+                )
+            };
+            let prefill = start(&[WorkerRole::Prefill])
+                .await
+                .context("starting the KV router of the prefill phase")?;
+            let decode = start(&[WorkerRole::Decode, WorkerRole::Aggregated])
+                .await
+                .context("starting the KV router of the decode phase")?;
+            let disagg = Disagg::new(
+                KvPhaseRouter::new(prefill, decode.clone()),
+                instances,
+                PrefillRouterConfig::default().with_mode(mode),
+            );
+            AppState::new(decode, models, config.http.clone()).with_disagg(disagg)
+        }
+    };
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding the HTTP frontend on {}", config.listen))?;

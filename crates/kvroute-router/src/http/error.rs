@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use kvroute_prefill::{PhaseRouteError, PrefillError};
 use kvroute_protocols::ProtocolError;
 use kvroute_runtime::RequestError;
 use kvroute_scheduler::SelectError;
@@ -101,6 +102,45 @@ impl ApiError {
     /// 500: something failed on our side or the engine's.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", message)
+    }
+
+    /// 502: a worker failed the request before any output reached the client.
+    pub fn bad_gateway(message: impl Into<String>) -> Self {
+        Self {
+            code: Some("upstream_error"),
+            ..Self::new(StatusCode::BAD_GATEWAY, "upstream_error", message)
+        }
+    }
+
+    /// A failure of disaggregated serving: saturation or no prefill worker while disaggregation
+    /// is enforced (503 with `Retry-After`), a pin to an unknown worker (400), a worker that
+    /// failed the prefill (502), anything else 500.
+    pub fn from_prefill(error: &PrefillError, retry_after: Duration) -> Self {
+        let message = error.to_string();
+        match error {
+            PrefillError::NotActivated | PrefillError::ResourceExhausted { .. } => {
+                Self::unavailable(message, retry_after)
+            }
+            PrefillError::UnknownPrefillWorker { .. } => {
+                Self::invalid(message, Some("nvext.prefill_worker_id".to_owned()))
+            }
+            PrefillError::Route { source, .. } => match source {
+                PhaseRouteError::NoWorkers { .. } | PhaseRouteError::ResourceExhausted { .. } => {
+                    Self::unavailable(message, retry_after)
+                }
+                PhaseRouteError::UnknownWorker { .. } => {
+                    Self::invalid(message, Some("nvext.backend_instance_id".to_owned()))
+                }
+                PhaseRouteError::Failed {
+                    worker_id: Some(_), ..
+                } => Self::bad_gateway(message),
+                _ => Self::internal(message),
+            },
+            PrefillError::PrefillFailed { .. } | PrefillError::NoDisaggregatedParams { .. } => {
+                Self::bad_gateway(message)
+            }
+            _ => Self::internal(message),
+        }
     }
 
     /// 400 from a protocol error: the JSON path (prefixed by `nvext.` for validation rules of

@@ -12,6 +12,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
+use kvroute_prefill::{DisaggMode, DisaggStream};
 use kvroute_protocols::{
     FinishReason, HeaderOverrides, LLMEngineOutput, NvExt, NvExtResponse, PreprocessedRequest,
     TimingInfo, WorkerIdInfo, WorkerWithDpRank, from_json,
@@ -28,8 +29,9 @@ use crate::http::openai::{
 };
 use crate::migration::{MigratingResponse, MigratingStream};
 use crate::model::Model;
-use crate::push::QueryAnswer;
+use crate::push::{QueryAnswer, is_query};
 use crate::tokenizer::{IncrementalDetokenizer, TemplateMessage};
+use kvroute_runtime::{LlmResponse, RequestError};
 
 /// A request ready to route.
 struct Prepared {
@@ -117,7 +119,10 @@ pub(crate) async fn models(State(state): State<AppState>) -> Response {
 }
 
 pub(crate) async fn health(State(state): State<AppState>) -> Response {
-    let workers = state.router().with_core(|c| c.workers().count());
+    let prefill = state
+        .disagg()
+        .map_or(0, |d| d.prefill_router().with_core(|c| c.workers().count()));
+    let workers = state.router().with_core(|c| c.workers().count()) + prefill;
     let healthy = workers > 0;
     let status = if healthy {
         StatusCode::OK
@@ -143,9 +148,72 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        state.router().metrics_text(),
+        match state.disagg() {
+            None => state.router().metrics_text(),
+            Some(d) => merge_worker_series(
+                &state.router().metrics_text(),
+                &d.prefill_router().metrics_text(),
+            ),
+        },
     )
         .into_response()
+}
+
+/// `main` (OpenMetrics text) with the per-worker series (samples labelled `worker=`) of `extra`
+/// added to their families. Both routers register the same families, and each family's samples
+/// must stay together, so `extra`'s are inserted after `main`'s; router-wide series (counters,
+/// histograms) are `main`'s alone.
+pub(crate) fn merge_worker_series(main: &str, extra: &str) -> String {
+    // The family a sample line belongs to: the name in the last `# TYPE` line before it.
+    let mut extra_by_family: Vec<(&str, Vec<&str>)> = Vec::new();
+    let mut family = "";
+    for line in extra.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            family = rest.split(' ').next().unwrap_or("");
+        } else if !line.starts_with('#') && line.contains("worker=\"") {
+            match extra_by_family.last_mut() {
+                Some((f, lines)) if *f == family => lines.push(line),
+                _ => extra_by_family.push((family, vec![line])),
+            }
+        }
+    }
+    let mut out = String::with_capacity(main.len() + extra.len());
+    let mut family = "";
+    let flush = |family: &str, out: &mut String| {
+        for (_, lines) in extra_by_family.iter().filter(|(f, _)| *f == family) {
+            for line in lines {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    };
+    for line in main.lines() {
+        let next_family = if let Some(rest) = line.strip_prefix("# TYPE ") {
+            Some(rest.split(' ').next().unwrap_or(""))
+        } else if line.starts_with("# HELP ") || line.starts_with("# UNIT ") || line == "# EOF" {
+            Some("")
+        } else {
+            None
+        };
+        if let Some(next) = next_family
+            && next != family
+            && !family.is_empty()
+        {
+            flush(family, &mut out);
+            family = "";
+        }
+        if let Some(next) = next_family
+            && !next.is_empty()
+        {
+            family = next;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    if !family.is_empty() {
+        flush(family, &mut out);
+    }
+    out
 }
 
 fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
@@ -360,24 +428,39 @@ async fn run(state: AppState, p: Prepared) -> Response {
         Err(e) => return e.into_response(),
     };
     let prompt_len = p.request.token_ids.len();
-    let response = match state.inner.migrator.generate(p.request.clone()).await {
-        Ok(r) => r,
-        Err(e) => return ApiError::from_router(&e, retry).into_response(),
-    };
-    match response {
-        MigratingResponse::Query(answer) => {
-            drop(permit);
-            query_response(&p, *answer)
-        }
-        MigratingResponse::Stream(stream) => {
-            let stream = *stream;
-            let track = Tracker::new(&state, &p, &stream, prompt_len);
-            if p.stream {
-                sse_response(&state, p, stream, track, permit)
-            } else {
-                whole_response(&state, p, stream, track).await
+    // Disaggregated while a prefill worker is registered (or always when enforced, so that the
+    // prefill router refuses); a query is answered by the decode-phase router's `select`.
+    let disagg = state.disagg().filter(|d| {
+        !is_query(&p.request)
+            && (d.router().config().mode == DisaggMode::Enforced || d.router().is_active())
+    });
+    let response = match disagg {
+        Some(d) => match d.router().generate(&p.meta.id, p.request.clone()).await {
+            Ok(stream) => Output::Disagg(Box::new(stream)),
+            Err(e) => return ApiError::from_prefill(&e, retry).into_response(),
+        },
+        None => match state.inner.migrator.generate(p.request.clone()).await {
+            Ok(MigratingResponse::Query(answer)) => {
+                drop(permit);
+                return query_response(&p, *answer);
             }
-        }
+            Ok(MigratingResponse::Stream(stream)) => Output::Migrating(stream),
+            Err(e) => return ApiError::from_router(&e, retry).into_response(),
+        },
+    };
+    let stream = response;
+    let hit_rate = match &stream {
+        Output::Migrating(s) => Some(
+            s.first_decision()
+                .predicted_hit_rate(state.inner.block_size),
+        ),
+        Output::Disagg(_) => None,
+    };
+    let track = Tracker::new(&p, hit_rate, prompt_len);
+    if p.stream {
+        sse_response(&state, p, stream, track, permit)
+    } else {
+        whole_response(&state, p, stream, track).await
     }
 }
 
@@ -398,6 +481,41 @@ fn query_response(p: &Prepared, answer: QueryAnswer) -> Response {
     } else {
         let prompt = p.request.token_ids.len();
         axum::Json(p.meta.response("", "stop", usage(prompt, 0), ext)).into_response()
+    }
+}
+
+/// The response stream of one request, however it was routed.
+enum Output {
+    /// Aggregated, through the migrator.
+    Migrating(Box<MigratingStream>),
+    /// Through the prefill router (disaggregated, or its aggregated fallback).
+    Disagg(Box<DisaggStream>),
+}
+
+impl Output {
+    async fn next(&mut self) -> Option<Result<LlmResponse, RequestError>> {
+        match self {
+            Output::Migrating(s) => s.next().await,
+            Output::Disagg(s) => s.next().await.map(Ok),
+        }
+    }
+
+    /// The workers serving the request: the prefill worker is the decode worker when prefill
+    /// did not run on a worker of its own.
+    fn workers(&self) -> WorkerIdInfo {
+        match self {
+            Output::Migrating(s) => worker_info(s.worker()),
+            Output::Disagg(s) => {
+                let decode = s.worker();
+                let prefill = s.prefill_worker().unwrap_or(decode);
+                WorkerIdInfo {
+                    prefill_worker_id: Some(prefill.worker_id),
+                    prefill_dp_rank: Some(prefill.dp_rank),
+                    decode_worker_id: Some(decode.worker_id),
+                    decode_dp_rank: Some(decode.dp_rank),
+                }
+            }
+        }
     }
 }
 
@@ -422,7 +540,7 @@ struct Tracker {
     sent: Instant,
     first: Option<Instant>,
     last: Option<Instant>,
-    hit_rate: f64,
+    hit_rate: Option<f64>,
     max_tokens: Option<u32>,
 }
 
@@ -435,7 +553,7 @@ enum Step {
 }
 
 impl Tracker {
-    fn new(state: &AppState, p: &Prepared, stream: &MigratingStream, prompt_tokens: usize) -> Self {
+    fn new(p: &Prepared, hit_rate: Option<f64>, prompt_tokens: usize) -> Self {
         Self {
             model: p.model.clone(),
             detok: IncrementalDetokenizer::new(),
@@ -447,9 +565,7 @@ impl Tracker {
             sent: Instant::now(),
             first: None,
             last: None,
-            hit_rate: stream
-                .first_decision()
-                .predicted_hit_rate(state.inner.block_size),
+            hit_rate,
             max_tokens: p.request.stop_conditions.max_tokens,
         }
     }
@@ -516,17 +632,17 @@ impl Tracker {
                 (Some(first), n) if n > 1 => Some(ms(end - first) / (n - 1) as f64),
                 _ => None,
             },
-            kv_hit_rate: Some(self.hit_rate),
+            kv_hit_rate: self.hit_rate,
         }
     }
 }
 
-fn nvext_value(worker: Option<WorkerWithDpRank>, timing: Option<TimingInfo>) -> Option<Value> {
+fn nvext_value(worker: Option<WorkerIdInfo>, timing: Option<TimingInfo>) -> Option<Value> {
     if worker.is_none() && timing.is_none() {
         return None;
     }
     serde_json::to_value(NvExtResponse {
-        worker_id: worker.map(worker_info),
+        worker_id: worker,
         timing,
         token_ids: None,
     })
@@ -536,7 +652,7 @@ fn nvext_value(worker: Option<WorkerWithDpRank>, timing: Option<TimingInfo>) -> 
 async fn whole_response(
     state: &AppState,
     p: Prepared,
-    mut stream: MigratingStream,
+    mut stream: Output,
     mut track: Tracker,
 ) -> Response {
     let retry = state.config().admission.retry_after;
@@ -554,7 +670,7 @@ async fn whole_response(
         }
     }
     let ext = nvext_value(
-        p.want_worker_id.then(|| stream.worker()),
+        p.want_worker_id.then(|| stream.workers()),
         p.want_timing.then(|| track.timing()),
     );
     axum::Json(
@@ -571,7 +687,7 @@ fn data(value: &Value) -> Result<Event, Infallible> {
 fn sse_response(
     state: &AppState,
     p: Prepared,
-    mut stream: MigratingStream,
+    mut stream: Output,
     mut track: Tracker,
     permit: Permit,
 ) -> Response {
@@ -580,7 +696,7 @@ fn sse_response(
         // The permit and the routed stream live as long as this body: a client that goes away
         // drops both, cancelling the request on its worker and freeing its slot.
         let _permit = permit;
-        let worker = p.want_worker_id.then(|| stream.worker());
+        let worker = p.want_worker_id.then(|| stream.workers());
         let opening = p.meta.chunk(
             (p.meta.endpoint == Endpoint::Chat).then_some(""),
             true,
@@ -608,7 +724,7 @@ fn sse_response(
             return;
         }
         let ext = nvext_value(
-            p.want_worker_id.then(|| stream.worker()),
+            p.want_worker_id.then(|| stream.workers()),
             p.want_timing.then(|| track.timing()),
         );
         yield data(&p.meta.chunk(None, false, Some(track.finish_reason()), ext));
@@ -621,3 +737,6 @@ fn sse_response(
         .keep_alive(KeepAlive::new().interval(keep_alive))
         .into_response()
 }
+
+#[cfg(test)]
+mod tests;

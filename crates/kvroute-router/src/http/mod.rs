@@ -15,6 +15,12 @@
 //! stream, so a client that disconnects drops it, which cancels the request on its worker and
 //! frees its load.
 //!
+//! With [`AppState::with_disagg`] the frontend serves disaggregated while prefill workers are
+//! registered: the request goes through kvroute-prefill's `PrefillRouter` over a
+//! [`KvPhaseRouter`] (prefill on a prefill worker, then decode), and `nvext.worker_id` names
+//! both workers. Otherwise (no prefill worker, optional disaggregation) it takes the migrating
+//! path above over the decode-phase router.
+//!
 //! A query-only request (`nvext.annotations` holding `query_instance_id:`) is answered with the
 //! chosen worker in `nvext.worker_id` and the prompt's tokens in `nvext.token_ids`; nothing is
 //! sent to a worker.
@@ -33,14 +39,18 @@ use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
-use kvroute_protocols::Limits;
+use kvroute_prefill::{PrefillRouter, PrefillRouterConfig};
+use kvroute_protocols::{Limits, RequestPhase};
+use kvroute_runtime::InstanceSet;
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 
 pub use admission::AdmissionConfig;
 pub use error::ApiError;
 
 use crate::migration::{DEFAULT_MAX_MIGRATIONS, Migrator};
 use crate::model::ModelRegistry;
+use crate::phase::KvPhaseRouter;
 use crate::push::KvPushRouter;
 
 /// The frontend's limits and behaviour.
@@ -77,6 +87,48 @@ impl Default for HttpConfig {
 #[derive(Clone)]
 pub struct AppState {
     inner: Arc<Shared>,
+    disagg: Option<Disagg>,
+}
+
+/// Disaggregated serving: the prefill router over the KV routers of both phases. Cheap to clone.
+#[derive(Clone)]
+pub struct Disagg {
+    router: PrefillRouter<KvPhaseRouter>,
+    prefill: KvPushRouter,
+}
+
+impl std::fmt::Debug for Disagg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Disagg")
+            .field("mode", &self.router.config().mode)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Disagg {
+    /// Routes each phase with `phases`; active while `instances` (the unfiltered discovery
+    /// watch) lists a prefill worker.
+    pub fn new(
+        phases: KvPhaseRouter,
+        instances: watch::Receiver<InstanceSet>,
+        config: PrefillRouterConfig,
+    ) -> Self {
+        let prefill = phases.router(RequestPhase::Prefill).clone();
+        Self {
+            router: PrefillRouter::new(Arc::new(phases), instances, config),
+            prefill,
+        }
+    }
+
+    /// The prefill router.
+    pub fn router(&self) -> &PrefillRouter<KvPhaseRouter> {
+        &self.router
+    }
+
+    /// The KV router of the prefill phase.
+    pub fn prefill_router(&self) -> &KvPushRouter {
+        &self.prefill
+    }
 }
 
 struct Shared {
@@ -99,7 +151,8 @@ impl std::fmt::Debug for AppState {
 }
 
 impl AppState {
-    /// The state of a frontend serving `models` through `router`.
+    /// The state of a frontend serving `models` through `router` (in disaggregated serving, the
+    /// router of the decode phase, which also serves requests aggregated).
     pub fn new(router: KvPushRouter, models: ModelRegistry, config: HttpConfig) -> Self {
         let block_size = router.with_core(|c| c.block_size());
         let id_salt = std::time::SystemTime::now()
@@ -115,10 +168,23 @@ impl AppState {
                 next_id: AtomicU64::new(1),
                 id_salt,
             }),
+            disagg: None,
         }
     }
 
-    /// The KV router underneath.
+    /// This state, serving disaggregated through `disagg` while it is active (or always, when
+    /// disaggregation is enforced).
+    pub fn with_disagg(mut self, disagg: Disagg) -> Self {
+        self.disagg = Some(disagg);
+        self
+    }
+
+    /// Disaggregated serving, when configured.
+    pub fn disagg(&self) -> Option<&Disagg> {
+        self.disagg.as_ref()
+    }
+
+    /// The KV router underneath (of the decode phase when serving disaggregated).
     pub fn router(&self) -> &KvPushRouter {
         self.inner.migrator.router()
     }

@@ -9,7 +9,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use kvroute_router::http::{AdmissionConfig, HttpConfig};
-use kvroute_router::{KvMode, KvPushRouterConfig, ModelConfig, Policy};
+use kvroute_router::{DisaggMode, KvMode, KvPushRouterConfig, ModelConfig, Policy};
 use kvroute_runtime::WorkerRole;
 use serde::Deserialize;
 
@@ -94,6 +94,10 @@ pub(crate) struct RouterOptions {
     /// Seed of the routing RNG (tie-breaking, temperature, random policy).
     #[arg(long)]
     pub(crate) seed: Option<u64>,
+    /// Disaggregated serving: optional (while prefill workers are registered), enforced
+    /// (refuse without them) or off (aggregated workers only) (default optional).
+    #[arg(long, value_name = "optional|enforced|off")]
+    pub(crate) disagg: Option<String>,
 }
 
 /// `[discovery]`: registration (the default) or a static fleet file.
@@ -240,8 +244,10 @@ pub(crate) struct ServeConfig {
     pub(crate) http: HttpConfig,
     /// How long shutdown waits for in-flight requests.
     pub(crate) drain_timeout: Duration,
-    /// The KV router.
+    /// The KV router (of each phase, when serving disaggregated).
     pub(crate) router: KvPushRouterConfig,
+    /// Disaggregated serving, or `None` (off: aggregated workers only).
+    pub(crate) disagg: Option<DisaggMode>,
     /// How workers are found.
     pub(crate) discovery: Discovery,
     /// The served models.
@@ -287,6 +293,7 @@ impl ServeOptions {
                 max_migrations: pick(r.max_migrations, fr.max_migrations),
                 kv_mode: pick(r.kv_mode, fr.kv_mode),
                 seed: pick(r.seed, fr.seed),
+                disagg: pick(r.disagg, fr.disagg),
             },
             discovery: DiscoveryOptions {
                 registry_listen,
@@ -377,9 +384,24 @@ impl ServeOptions {
         let mut router = KvPushRouterConfig::new(block_size);
         router.core = router.core.with_policy(policy);
         router.default_kv_mode = kv_mode;
-        // The HTTP path serves aggregated workers; prefill and decode workers need the
-        // disaggregated path, which the frontend does not compose yet.
-        router.push.role = Some(WorkerRole::Aggregated);
+        let disagg = match r.disagg.as_deref() {
+            None | Some("optional") => Some(DisaggMode::Optional),
+            Some("enforced") => Some(DisaggMode::Enforced),
+            Some("off") => None,
+            Some(other) => {
+                return Err(invalid(
+                    "router.disagg",
+                    "disagg",
+                    "optional, enforced or off",
+                    other,
+                ));
+            }
+        };
+        // Without disaggregation only aggregated workers can serve a request whole; with it,
+        // each phase's router gets a role-filtered discovery watch instead.
+        if disagg.is_none() {
+            router.push.role = Some(WorkerRole::Aggregated);
+        }
         if let Some(seed) = r.seed {
             router.seed = seed;
         }
@@ -478,6 +500,7 @@ impl ServeOptions {
             http,
             drain_timeout: h.drain_timeout.map_or(Duration::from_secs(30), |d| d.0),
             router,
+            disagg,
             discovery,
             models,
         })

@@ -109,6 +109,11 @@ struct Fleet {
 impl Fleet {
     /// Starts the fleet; `serve_flags` are added to `kvroute serve`, `speedup` to each worker.
     async fn start(test: &str, serve_flags: &[&str], speedup: &str) -> Fleet {
+        Self::start_roles(test, serve_flags, speedup, &["aggregated"; 3]).await
+    }
+
+    /// Starts the router and one worker per entry of `roles` (ids 1, 2, ...).
+    async fn start_roles(test: &str, serve_flags: &[&str], speedup: &str, roles: &[&str]) -> Fleet {
         let dir = scratch(&format!("e2e-{test}"));
         let mut args = vec![
             "serve",
@@ -121,15 +126,19 @@ impl Fleet {
         let serve = Proc::start(&args, &dir.join("serve.log"));
         let registry = serve.field("registry").to_owned();
         let base = format!("http://{}", serve.field("http"));
-        let workers = (1..=3)
-            .map(|id| {
-                let id = id.to_string();
+        let workers = roles
+            .iter()
+            .enumerate()
+            .map(|(i, role)| {
+                let id = (i + 1).to_string();
                 Proc::start(
                     &[
                         "worker",
                         "--mock",
                         "--id",
                         &id,
+                        "--role",
+                        role,
                         "--router",
                         &registry,
                         "--speedup",
@@ -150,9 +159,10 @@ impl Fleet {
                 .expect("http client"),
             base,
         };
+        let n = roles.len() as u64;
         fleet
-            .eventually("the router to list workers 1, 2 and 3", |m| {
-                (1..=3).all(|w| active_requests(m, w).is_some())
+            .eventually("the router to list every worker", |m| {
+                (1..=n).all(|w| active_requests(m, w).is_some())
             })
             .await;
         fleet
@@ -522,4 +532,29 @@ async fn a_burst_beyond_capacity_gets_429_or_503_never_a_hang() {
         .await;
     let status = fleet.serve.terminate();
     assert!(status.success(), "serve exit: {status}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_and_decode_workers_serve_disaggregated_and_both_loads_drain() {
+    // Worker 1 prefills, worker 2 decodes; the router lists both (one per phase's router).
+    let fleet = Fleet::start_roles("disagg", &[], "50", &["prefill", "decode"]).await;
+    for turn in 0..2 {
+        let body = chat_body(
+            conversation(turn, 2),
+            6,
+            json!({"extra_fields": ["worker_id"]}),
+        );
+        let (status, reply) = fleet.chat(&body, None).await;
+        assert_eq!(status, 200, "{reply}");
+        assert!(
+            reply["usage"]["completion_tokens"]
+                .as_u64()
+                .is_some_and(|n| n > 0),
+            "the decode worker produced tokens: {reply}"
+        );
+        let workers = &reply["nvext"]["worker_id"];
+        assert_eq!(workers["prefill_worker_id"], 1, "{reply}");
+        assert_eq!(decode_worker(&reply), 2, "{reply}");
+    }
+    fleet.assert_idle(&[1, 2]).await;
 }

@@ -133,6 +133,11 @@ fn bad_values_name_the_key_the_flag_and_what_was_expected() {
     );
     check("[router]\nblock_size = 0", &[], Err("`router.block_size`"));
     check(
+        "[router]\ndisagg = \"always\"",
+        &[],
+        Err("`router.disagg` (flag --disagg): expected optional, enforced or off, got \"always\""),
+    );
+    check(
         "[router]\ntemperature = -1.0",
         &[],
         Err("`router.temperature`"),
@@ -190,4 +195,36 @@ fn the_example_config_file_is_valid() {
     options
         .validate()
         .expect("docs/examples/serve.toml validates");
+}
+
+#[test]
+fn disagg_defaults_to_optional_and_off_routes_aggregated_workers_only() {
+    let validate = |file: &str| {
+        ServeOptions::from_toml(file)
+            .expect("toml")
+            .validate()
+            .expect("valid")
+    };
+    let cases = [
+        ("", Some(DisaggMode::Optional), None),
+        (
+            "[router]\ndisagg = \"optional\"",
+            Some(DisaggMode::Optional),
+            None,
+        ),
+        (
+            "[router]\ndisagg = \"enforced\"",
+            Some(DisaggMode::Enforced),
+            None,
+        ),
+        (
+            "[router]\ndisagg = \"off\"",
+            None,
+            Some(WorkerRole::Aggregated),
+        ),
+    ];
+    for (file, mode, role) in cases {
+        let c = validate(file);
+        assert_eq!((c.disagg, c.router.push.role), (mode, role), "{file:?}");
+    }
 }
