@@ -83,12 +83,24 @@ pub fn parse_jsonl(text: &str) -> Result<Vec<TraceRecord>, TraceError> {
 /// Writes the prompt of `record` into `out`: each hash id's 512 tokens in order, cut at
 /// `input_length`; a prompt longer than its hash ids is padded with tokens unique to `id`.
 pub fn synthesize_prompt(record: &TraceRecord, id: RequestId, out: &mut Vec<u32>) {
+    synthesize_prompt_with(record, id, MOONCAKE_BLOCK_TOKENS, out);
+}
+
+/// [`synthesize_prompt`] with `block_tokens` tokens per hash id instead of 512: hash id `h`
+/// always expands to the same tokens, so requests that share leading hash ids share those prompt
+/// tokens exactly, at any block size.
+pub fn synthesize_prompt_with(
+    record: &TraceRecord,
+    id: RequestId,
+    block_tokens: usize,
+    out: &mut Vec<u32>,
+) {
     out.clear();
     let len = record.input_length as usize;
     out.reserve(len);
     'ids: for &h in &record.hash_ids {
         let base = splitmix64(h);
-        for j in 0..MOONCAKE_BLOCK_TOKENS as u64 {
+        for j in 0..block_tokens as u64 {
             if out.len() == len {
                 break 'ids;
             }

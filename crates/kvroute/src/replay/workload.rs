@@ -1,11 +1,8 @@
 //! The trace as the simulation sees it: records read from the file with errors that name the file
 //! and line, and arrivals with synthetic prompts.
 //!
-//! Prompt synthesis generalizes the mocker's ([`kvroute_mocker::trace::synthesize_prompt`], fixed
-//! at 512 tokens per hash id) to any `T`: hash id `h` always expands to the same `T` tokens, so
-//! requests sharing leading hash ids share those prompt tokens exactly. With `T = 512` the tokens
-//! are identical to the mocker's (a unit test checks), so replay and the mocker's own benches see
-//! the same prompts.
+//! Prompts come from the mocker's [`kvroute_mocker::trace::synthesize_prompt_with`] at `T` tokens
+//! per hash id, so replay and the mocker's own benches see the same prompts at `T = 512`.
 
 use std::path::Path;
 use std::time::Duration;
@@ -14,9 +11,6 @@ use anyhow::Context;
 use kvroute_mocker::Request;
 use kvroute_mocker::sim::Arrival;
 use kvroute_mocker::trace::{self, TraceRecord};
-
-/// Token ids stay below this (Llama 3's vocabulary size, as in the mocker).
-const SYNTH_VOCAB: u64 = 128_256;
 
 /// Reads and parses a Mooncake JSONL trace; errors name the file (and the line, for bad lines).
 pub(crate) fn load(path: &Path) -> anyhow::Result<Vec<TraceRecord>> {
@@ -56,7 +50,7 @@ pub(crate) fn arrivals(
         let record = &records[i];
         let id = i as u64;
         let mut tokens = Vec::new();
-        synthesize_prompt(record, id, synthesis.trace_block_tokens, &mut tokens);
+        trace::synthesize_prompt_with(record, id, synthesis.trace_block_tokens, &mut tokens);
         Arrival {
             at: arrival_time(record.timestamp, synthesis.speed),
             request: Request {
@@ -72,40 +66,6 @@ pub(crate) fn arrivals(
 /// `timestamp` ms scaled by `1 / speed`, rounded to the microsecond.
 pub(crate) fn arrival_time(timestamp_ms: f64, speed: f64) -> Duration {
     Duration::from_micros((timestamp_ms * 1000.0 / speed).round() as u64)
-}
-
-/// Writes the prompt of `record` into `out`: each hash id's `block_tokens` tokens in order, cut at
-/// `input_length`; a prompt longer than its hash ids is padded with tokens unique to `id`.
-pub(crate) fn synthesize_prompt(
-    record: &TraceRecord,
-    id: u64,
-    block_tokens: usize,
-    out: &mut Vec<u32>,
-) {
-    out.clear();
-    let len = record.input_length as usize;
-    out.reserve(len);
-    'ids: for &h in &record.hash_ids {
-        let base = splitmix64(h);
-        for j in 0..block_tokens as u64 {
-            if out.len() == len {
-                break 'ids;
-            }
-            out.push((splitmix64(base ^ j) % SYNTH_VOCAB) as u32);
-        }
-    }
-    let pad_base = splitmix64(!id);
-    while out.len() < len {
-        out.push((splitmix64(pad_base ^ out.len() as u64) % SYNTH_VOCAB) as u32);
-    }
-}
-
-/// Vigna's splitmix64 finalizer, as the mocker uses it for trace prompts.
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 #[cfg(test)]

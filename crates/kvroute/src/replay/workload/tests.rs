@@ -1,8 +1,8 @@
 use std::time::Duration;
 
-use kvroute_mocker::trace::{self, MOONCAKE_BLOCK_TOKENS, TraceRecord};
+use kvroute_mocker::trace::{TraceRecord, synthesize_prompt_with as synthesize_prompt};
 
-use super::{Synthesis, arrival_time, arrivals, synthesize_prompt};
+use super::{Synthesis, arrival_time, arrivals};
 
 fn rec(timestamp: f64, input_length: u32, hash_ids: &[u64]) -> TraceRecord {
     TraceRecord {
@@ -10,17 +10,6 @@ fn rec(timestamp: f64, input_length: u32, hash_ids: &[u64]) -> TraceRecord {
         input_length,
         output_length: 0,
         hash_ids: hash_ids.to_vec(),
-    }
-}
-
-#[test]
-fn prompts_match_the_mockers_at_512_tokens_per_id() {
-    let records = [rec(0.0, 1300, &[7, 8, 9]), rec(1.0, 2000, &[7, 8])];
-    for (id, record) in records.iter().enumerate() {
-        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-        synthesize_prompt(record, id as u64, MOONCAKE_BLOCK_TOKENS, &mut ours);
-        trace::synthesize_prompt(record, id as u64, &mut theirs);
-        assert_eq!(ours, theirs);
     }
 }
 
