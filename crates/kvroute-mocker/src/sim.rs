@@ -247,3 +247,238 @@ impl Simulation {
         Ok(report)
     }
 }
+
+/// The dispatcher of a [`DisaggSimulation`]: [`Dispatcher::pick`] chooses the prefill engine of
+/// each arrival (and [`Dispatcher::observe`] / [`Dispatcher::rejected`] see the prefill engines),
+/// the methods here the decode engine once the prefill finished.
+pub trait DisaggDispatcher: Dispatcher {
+    /// The index (into `decode`) of the decode engine that continues `request` (the client's
+    /// request, with its full output budget), whose prefill finished at `now`.
+    fn pick_decode(&mut self, now: Duration, request: &Request, decode: &[Engine]) -> usize;
+
+    /// Called with everything decode engine `worker` produced at each of its wake-ups.
+    fn observe_decode(&mut self, worker: usize, output: &StepOutput) {
+        let _ = (worker, output);
+    }
+
+    /// Called when decode engine `worker` refused request `id` at `now`.
+    fn rejected_decode(
+        &mut self,
+        now: Duration,
+        worker: usize,
+        id: RequestId,
+        error: &RequestError,
+    ) {
+        let _ = (now, worker, id, error);
+    }
+}
+
+/// Disaggregated serving in virtual time: every arrival is prefilled on a prefill engine with an
+/// output budget of one token; when that finishes, the request goes to a decode engine, which
+/// receives the prompt's KV after the modelled transfer time
+/// ([`crate::disagg::DecodeConfig::transfer_per_block`]) and generates the full output.
+///
+/// The report counts prompt tokens (and cached ones) on the prefill engines, output tokens on the
+/// decode engines, and measures TTFT and end-to-end latency from arrival to the decode engine's
+/// first and last token, as a client of the disaggregated router sees them.
+#[derive(Debug)]
+pub struct DisaggSimulation {
+    prefill: Vec<Engine>,
+    decode: Vec<Engine>,
+    transfer: crate::disagg::DecodeConfig,
+}
+
+impl DisaggSimulation {
+    /// `prefill` prefill engines and `decode` decode engines, all with `config`.
+    pub fn new(
+        config: &MockerConfig,
+        prefill: usize,
+        decode: usize,
+        transfer: crate::disagg::DecodeConfig,
+    ) -> Result<Self, ConfigError> {
+        let engines = |n: usize| {
+            (0..n)
+                .map(|_| Engine::new(config.clone(), 0))
+                .collect::<Result<Vec<_>, _>>()
+        };
+        Ok(Self {
+            prefill: engines(prefill)?,
+            decode: engines(decode)?,
+            transfer,
+        })
+    }
+
+    /// The prefill engines, in index order.
+    pub fn prefill_engines(&self) -> &[Engine] {
+        &self.prefill
+    }
+
+    /// The decode engines, in index order.
+    pub fn decode_engines(&self) -> &[Engine] {
+        &self.decode
+    }
+
+    /// Feeds every arrival through prefill, transfer and decode, and runs until all engines are
+    /// idle. Same-instant events run in a fixed order: prefill engines, decode engines (each by
+    /// index), finished transfers (by the order their prefills finished), then arrivals.
+    pub fn run<I, D>(&mut self, arrivals: I, dispatcher: &mut D) -> Result<SimReport, SimError>
+    where
+        I: IntoIterator<Item = Arrival>,
+        D: DisaggDispatcher + ?Sized,
+    {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+
+        let mut arrivals = arrivals.into_iter().peekable();
+        let mut report = SimReport::default();
+        // The client's request (full output budget) and its arrival, until it leaves decode.
+        let mut pending: HashMap<RequestId, (Request, Duration)> = HashMap::new();
+        // Transfers in flight: (ready at, sequence number, decode engine, request id).
+        let mut transfers: BinaryHeap<Reverse<(Duration, u64, usize, RequestId)>> =
+            BinaryHeap::new();
+        let mut next_transfer = 0u64;
+        let mut ttft = Vec::new();
+        let mut e2e = Vec::new();
+        let mut out = StepOutput::default();
+        let mut last_arrival = Duration::ZERO;
+        let before_prefill: Vec<_> = self.prefill.iter().map(Engine::stats).collect();
+        let before_decode: Vec<_> = self.decode.iter().map(Engine::stats).collect();
+        loop {
+            let next_engine = self
+                .prefill
+                .iter()
+                .chain(&self.decode)
+                .filter_map(Engine::next_wakeup)
+                .min();
+            let next_transfer_at = transfers.peek().map(|Reverse((at, ..))| *at);
+            let next_arrival = arrivals.peek().map(|a| a.at);
+            let Some(now) = [next_engine, next_transfer_at, next_arrival]
+                .into_iter()
+                .flatten()
+                .min()
+            else {
+                break;
+            };
+            for (worker, engine) in self.prefill.iter_mut().enumerate() {
+                if engine.next_wakeup().is_none_or(|w| w > now) {
+                    continue;
+                }
+                out.clear();
+                engine.advance_into(now, &mut out);
+                report.kv_events += out.events.len() as u64;
+                report.simulated = report.simulated.max(engine.clock());
+                dispatcher.observe(worker, &out);
+                for finished in &out.finished {
+                    let Some((request, _)) = pending.get(&finished.request_id) else {
+                        continue;
+                    };
+                    if finished.reason != crate::request::FinishReason::Length {
+                        pending.remove(&finished.request_id);
+                        continue;
+                    }
+                    let picked = dispatcher.pick_decode(now, request, &self.decode);
+                    if picked >= self.decode.len() {
+                        return Err(SimError::NoSuchEngine {
+                            picked,
+                            engines: self.decode.len(),
+                        });
+                    }
+                    let config = self.decode[picked].config();
+                    let transfer = crate::disagg::transfer_time(
+                        &self.transfer,
+                        request.tokens.len(),
+                        config.block_size,
+                        config.speedup,
+                    );
+                    let ready = finished.at.max(now) + transfer;
+                    transfers.push(Reverse((ready, next_transfer, picked, finished.request_id)));
+                    next_transfer += 1;
+                }
+            }
+            for (worker, engine) in self.decode.iter_mut().enumerate() {
+                if engine.next_wakeup().is_none_or(|w| w > now) {
+                    continue;
+                }
+                out.clear();
+                engine.advance_into(now, &mut out);
+                for token in out.tokens.iter().filter(|t| t.index == 0) {
+                    if let Some((_, arrived)) = pending.get(&token.request_id) {
+                        ttft.push(token.at.saturating_sub(*arrived));
+                    }
+                }
+                for finished in &out.finished {
+                    if let Some((_, arrived)) = pending.remove(&finished.request_id) {
+                        e2e.push(finished.at.saturating_sub(arrived));
+                        report.completed += 1;
+                    }
+                }
+                report.kv_events += out.events.len() as u64;
+                report.simulated = report.simulated.max(engine.clock());
+                dispatcher.observe_decode(worker, &out);
+            }
+            while let Some(Reverse((_, _, worker, id))) = transfers
+                .peek()
+                .copied()
+                .filter(|Reverse((at, ..))| *at <= now)
+            {
+                transfers.pop();
+                let Some((request, _)) = pending.get(&id) else {
+                    continue;
+                };
+                if let Err(error) = self.decode[worker].add_prefilled_request(now, request.clone())
+                {
+                    pending.remove(&id);
+                    report.rejected += 1;
+                    dispatcher.rejected_decode(now, worker, id, &error);
+                }
+            }
+            while let Some(arrival) = arrivals.next_if(|a| a.at <= now) {
+                if arrival.at < last_arrival {
+                    return Err(SimError::OutOfOrder {
+                        id: arrival.request.id,
+                        at: arrival.at,
+                        previous: last_arrival,
+                    });
+                }
+                last_arrival = arrival.at;
+                report.arrived += 1;
+                let picked = dispatcher.pick(now, &arrival.request, &self.prefill);
+                let engines = self.prefill.len();
+                let engine = self
+                    .prefill
+                    .get_mut(picked)
+                    .ok_or(SimError::NoSuchEngine { picked, engines })?;
+                let id = arrival.request.id;
+                let prefill = Request {
+                    max_output_tokens: 1,
+                    ..arrival.request.clone()
+                };
+                match engine.add_request(now, prefill) {
+                    Ok(()) => {
+                        pending.insert(id, (arrival.request, now));
+                    }
+                    Err(error) => {
+                        report.rejected += 1;
+                        dispatcher.rejected(now, picked, id, &error);
+                    }
+                }
+            }
+        }
+        for (engine, before) in self.prefill.iter().zip(before_prefill) {
+            let stats = engine.stats();
+            report.prompt_tokens += stats.prompt_tokens - before.prompt_tokens;
+            report.cached_prompt_tokens += stats.cached_prompt_tokens - before.cached_prompt_tokens;
+            report.preemptions += stats.preemptions - before.preemptions;
+            report.steps += stats.steps - before.steps;
+        }
+        for (engine, before) in self.decode.iter().zip(before_decode) {
+            let stats = engine.stats();
+            report.output_tokens += stats.output_tokens - before.output_tokens;
+            report.preemptions += stats.preemptions - before.preemptions;
+            report.steps += stats.steps - before.steps;
+        }
+        report.ttft = LatencySummary::from_samples(ttft);
+        report.e2e = LatencySummary::from_samples(e2e);
+        Ok(report)
+    }
+}

@@ -5,6 +5,7 @@
 //! [`kvroute_router::KvRouterCore`] with the same seed, so runs are independent and the same
 //! inputs always give the same numbers; policies run on parallel threads only to save wall time.
 
+mod disagg;
 mod dispatch;
 mod html;
 mod metrics;
@@ -22,12 +23,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use indicatif::ProgressBar;
 use kvroute_mocker::MockerConfig;
-use kvroute_mocker::sim::{SimReport, Simulation};
+use kvroute_mocker::disagg::DecodeConfig;
+use kvroute_mocker::sim::{DisaggSimulation, SimReport, Simulation};
 use kvroute_mocker::trace::TraceRecord;
 use kvroute_router::{KvMode, KvRouterCore, WorkerSpec};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use disagg::DisaggRouterDispatcher;
 use dispatch::RouterDispatcher;
 use metrics::Recorder;
 use oracle::{Oracle, ratio};
@@ -62,7 +65,10 @@ pub(crate) struct ReplayArgs {
     /// KV cache capacity of each engine, in blocks [default: the mocker's, 25000].
     #[arg(long, value_name = "C")]
     cache_blocks: Option<u32>,
-    /// Disaggregated serving with N prefill workers (not supported by replay yet).
+    /// Disaggregated serving: N prefill engines before the --workers decode engines. Each
+    /// request is prefilled (one token) on a prefill engine routed by the policy, then its KV is
+    /// transferred to a decode engine routed without overlap credit; TTFT is the first decode
+    /// token, hit rate counts cached prompt tokens on the prefill engines.
     #[arg(long, value_name = "N")]
     prefill_workers: Option<usize>,
     /// Seed of every random choice (router tie-breaks, the random policy, generated tokens).
@@ -77,6 +83,8 @@ pub(crate) struct ReplayArgs {
 struct Plan {
     policies: Vec<ReplayPolicy>,
     workers: usize,
+    /// Prefill engines in disaggregated replay; `None` is aggregated serving.
+    prefill_workers: Option<usize>,
     mocker: MockerConfig,
     synthesis: Synthesis,
     seed: u64,
@@ -84,10 +92,10 @@ struct Plan {
 
 impl Plan {
     fn new(args: &ReplayArgs) -> anyhow::Result<Self> {
-        if let Some(n) = args.prefill_workers {
+        if args.prefill_workers == Some(0) {
             bail!(
-                "--prefill-workers {n}: disaggregated (prefill/decode) replay is not supported yet; \
-                 replay simulates aggregated engines only, so leave the flag out"
+                "--prefill-workers must be at least 1, got 0; leave the flag out for aggregated \
+                 serving"
             );
         }
         if let Some(json) = &args.json
@@ -142,6 +150,7 @@ impl Plan {
         Ok(Self {
             policies,
             workers: args.workers,
+            prefill_workers: args.prefill_workers,
             mocker,
             synthesis: Synthesis {
                 trace_block_tokens: args.trace_block_size as usize,
@@ -171,6 +180,7 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
         trace: args.trace.display().to_string(),
         requests: records.len() as u64,
         workers: plan.workers,
+        prefill_workers: plan.prefill_workers.unwrap_or(0),
         block_size: args.block_size,
         trace_block_size: args.trace_block_size,
         cache_blocks: plan.mocker.num_blocks,
@@ -198,11 +208,13 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
     // Let the table reach the terminal before the summary on stderr.
     let _ = std::io::Write::flush(&mut std::io::stdout());
     eprintln!(
-        "replayed {} requests x {} policies on {} workers in {:.1} s wall time; oracle hit rate \
+        "replayed {} requests x {} policies on {} workers{} in {:.1} s wall time; oracle hit rate \
          {:.2}% by tokens ({:.2}% by trace blocks)",
         records.len(),
         plan.policies.len(),
         plan.workers,
+        plan.prefill_workers
+            .map_or_else(String::new, |n| format!(" (decode) + {n} prefill workers")),
         wall.as_secs_f64(),
         oracle.token_hit_rate() * 100.0,
         oracle.block_hit_rate() * 100.0,
@@ -288,24 +300,13 @@ fn run_policy(
     records: &[TraceRecord],
     progress: ProgressBar,
 ) -> anyhow::Result<PolicyRun> {
+    if let Some(prefill) = plan.prefill_workers {
+        return run_disagg_policy(plan, policy, prefill, records, progress);
+    }
     let mut sim = Simulation::new(&plan.mocker, plan.workers).context("invalid engine settings")?;
     let config = policy.router_config(plan.mocker.block_size);
-    let mut core = KvRouterCore::new(config).context("invalid router settings")?;
-    for worker in 0..plan.workers {
-        let spec = WorkerSpec::new(worker as u64)
-            .with_kv_capacity(u64::from(plan.mocker.num_blocks))
-            .with_max_batched_tokens(u64::from(plan.mocker.max_num_batched_tokens));
-        core.add_worker(&spec, KvMode::Events)
-            .with_context(|| format!("registering worker {worker}"))?;
-    }
-    let span = records
-        .iter()
-        .map(|r| workload::arrival_time(r.timestamp, plan.synthesis.speed))
-        .max()
-        .unwrap_or_default();
-    // About 200 buckets over the trace; the run's tail adds a few more.
-    let bucket = (span / 200).max(Duration::from_millis(10));
-    let recorder = Recorder::new(plan.workers, bucket);
+    let core = new_core(plan, config, plan.workers)?;
+    let recorder = Recorder::new(plan.workers, load_bucket(plan, records));
     let rng = ChaCha8Rng::seed_from_u64(plan.seed);
     let mut dispatcher = RouterDispatcher::new(core, rng, recorder, progress);
     let result = sim.run(workload::arrivals(records, plan.synthesis), &mut dispatcher);
@@ -314,7 +315,12 @@ fn run_policy(
         bail!("policy {policy}: the router could not route a request: {e}");
     }
     let sim_report = result.with_context(|| format!("policy {policy}: simulation failed"))?;
-    check_drained(policy, &dispatcher)?;
+    check_drained(
+        policy,
+        &[("", dispatcher.core())],
+        dispatcher.recorder.in_flight(),
+    )?;
+    warn_gaps(policy, dispatcher.gaps, dispatcher.expired);
     let mut recorder = dispatcher.recorder;
     recorder.load.finish(sim_report.simulated);
     Ok(PolicyRun {
@@ -323,29 +329,106 @@ fn run_policy(
     })
 }
 
-/// Every request that entered the router left it: no request, load or in-flight entry remains.
-fn check_drained(policy: ReplayPolicy, d: &RouterDispatcher) -> anyhow::Result<()> {
-    let core = d.core();
-    let loaded: Vec<_> = core
-        .workers()
-        .filter_map(|w| core.worker_load(w).map(|l| (w, l)))
-        .filter(|(_, l)| l.active_requests > 0 || l.prefill_tokens > 0 || l.decode_blocks > 0.0)
-        .collect();
-    if core.active_requests() > 0 || !loaded.is_empty() || d.recorder.in_flight() > 0 {
-        bail!(
-            "policy {policy}: after the trace drained the router still holds {} requests and load \
-             on {loaded:?} ({} unfinished in the simulation); every request must free its load",
-            core.active_requests(),
-            d.recorder.in_flight()
-        );
+/// A router core over `workers` engines `0..`, registered as live mocker workers register.
+fn new_core(
+    plan: &Plan,
+    config: kvroute_router::RouterConfig,
+    workers: usize,
+) -> anyhow::Result<KvRouterCore> {
+    let mut core = KvRouterCore::new(config).context("invalid router settings")?;
+    for worker in 0..workers {
+        let spec = WorkerSpec::new(worker as u64)
+            .with_kv_capacity(u64::from(plan.mocker.num_blocks))
+            .with_max_batched_tokens(u64::from(plan.mocker.max_num_batched_tokens));
+        core.add_worker(&spec, KvMode::Events)
+            .with_context(|| format!("registering worker {worker}"))?;
     }
-    if d.gaps > 0 || d.expired > 0 {
-        eprintln!(
-            "warning: policy {policy}: {} KV event gaps and {} expired requests during replay",
-            d.gaps, d.expired
-        );
+    Ok(core)
+}
+
+/// The load timeline's bucket: about 200 over the trace; the run's tail adds a few more.
+fn load_bucket(plan: &Plan, records: &[TraceRecord]) -> Duration {
+    let span = records
+        .iter()
+        .map(|r| workload::arrival_time(r.timestamp, plan.synthesis.speed))
+        .max()
+        .unwrap_or_default();
+    (span / 200).max(Duration::from_millis(10))
+}
+
+/// One policy in disaggregated serving: `prefill` prefill engines and `plan.workers` decode
+/// engines, a prefill core with the policy's cost and a decode core with the decode overrides,
+/// the whole trace, then a drain check of both cores.
+fn run_disagg_policy(
+    plan: &Plan,
+    policy: ReplayPolicy,
+    prefill: usize,
+    records: &[TraceRecord],
+    progress: ProgressBar,
+) -> anyhow::Result<PolicyRun> {
+    let mut sim =
+        DisaggSimulation::new(&plan.mocker, prefill, plan.workers, DecodeConfig::default())
+            .context("invalid engine settings")?;
+    let config = policy.router_config(plan.mocker.block_size);
+    let prefill_core = new_core(plan, config.clone(), prefill)?;
+    let decode_core = new_core(plan, config, plan.workers)?;
+    let recorder = Recorder::new(prefill + plan.workers, load_bucket(plan, records));
+    let rng = ChaCha8Rng::seed_from_u64(plan.seed);
+    let mut dispatcher =
+        DisaggRouterDispatcher::new(prefill_core, decode_core, prefill, rng, recorder, progress);
+    let result = sim.run(workload::arrivals(records, plan.synthesis), &mut dispatcher);
+    dispatcher.flush_progress();
+    if let Some(e) = dispatcher.error.take() {
+        bail!("policy {policy}: the router could not route a request: {e}");
+    }
+    let sim_report = result.with_context(|| format!("policy {policy}: simulation failed"))?;
+    check_drained(policy, &dispatcher.cores(), dispatcher.recorder.in_flight())?;
+    warn_gaps(policy, dispatcher.gaps, dispatcher.expired);
+    let mut recorder = dispatcher.recorder;
+    recorder.load.finish(sim_report.simulated);
+    Ok(PolicyRun {
+        sim: sim_report,
+        recorder,
+    })
+}
+
+/// Every request that entered the router left it: no request, load or in-flight entry remains
+/// in any of `cores` (named by role, empty for the aggregated router).
+fn check_drained(
+    policy: ReplayPolicy,
+    cores: &[(&str, &KvRouterCore)],
+    in_flight: usize,
+) -> anyhow::Result<()> {
+    for (role, core) in cores {
+        let loaded: Vec<_> = core
+            .workers()
+            .filter_map(|w| core.worker_load(w).map(|l| (w, l)))
+            .filter(|(_, l)| l.active_requests > 0 || l.prefill_tokens > 0 || l.decode_blocks > 0.0)
+            .collect();
+        if core.active_requests() > 0 || !loaded.is_empty() || in_flight > 0 {
+            let role = if role.is_empty() {
+                String::new()
+            } else {
+                format!(" ({role})")
+            };
+            bail!(
+                "policy {policy}: after the trace drained the router{role} still holds {} \
+                 requests and load on {loaded:?} ({in_flight} unfinished in the simulation); \
+                 every request must free its load",
+                core.active_requests(),
+            );
+        }
     }
     Ok(())
+}
+
+fn warn_gaps(policy: ReplayPolicy, gaps: u64, expired: u64) {
+    if gaps > 0 || expired > 0 {
+        eprintln!(
+            "warning: policy {policy}: {gaps} KV event gaps and {expired} expired requests during \
+             replay"
+        );
+    }
 }
 
 fn policy_report(

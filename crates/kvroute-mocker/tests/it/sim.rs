@@ -91,3 +91,75 @@ fn out_of_order_arrivals_are_an_error() {
         .expect_err("unsorted");
     assert!(matches!(err, SimError::OutOfOrder { id: 2, .. }), "{err}");
 }
+
+/// Round-robin over prefill engines and, separately, over decode engines.
+#[derive(Default)]
+struct DisaggRoundRobin {
+    prefill: RoundRobin,
+    decode: usize,
+    decode_picks: Vec<(u64, usize)>,
+}
+
+impl kvroute_mocker::sim::Dispatcher for DisaggRoundRobin {
+    fn pick(
+        &mut self,
+        now: Duration,
+        request: &kvroute_mocker::Request,
+        engines: &[kvroute_mocker::Engine],
+    ) -> usize {
+        self.prefill.pick(now, request, engines)
+    }
+}
+
+impl kvroute_mocker::sim::DisaggDispatcher for DisaggRoundRobin {
+    fn pick_decode(
+        &mut self,
+        _now: Duration,
+        request: &kvroute_mocker::Request,
+        decode: &[kvroute_mocker::Engine],
+    ) -> usize {
+        let picked = self.decode % decode.len();
+        self.decode += 1;
+        self.decode_picks.push((request.id, picked));
+        picked
+    }
+}
+
+#[test]
+fn disaggregated_runs_prefill_then_decode_and_is_deterministic() {
+    use kvroute_mocker::disagg::DecodeConfig;
+    use kvroute_mocker::sim::DisaggSimulation;
+
+    let records = trace_records();
+    let config = kvroute_mocker::MockerConfig {
+        num_blocks: 2000,
+        ..kvroute_mocker::MockerConfig::default()
+    };
+    let run = || {
+        let mut sim =
+            DisaggSimulation::new(&config, 2, 2, DecodeConfig::default()).expect("valid config");
+        let mut dispatcher = DisaggRoundRobin::default();
+        let report = sim
+            .run(trace::arrivals(&records), &mut dispatcher)
+            .expect("sorted arrivals");
+        assert!(sim.prefill_engines().iter().all(|e| e.num_requests() == 0));
+        assert!(sim.decode_engines().iter().all(|e| e.num_requests() == 0));
+        (report, dispatcher.decode_picks)
+    };
+    let (a, picks) = run();
+    assert_eq!((a.clone(), picks.clone()), run());
+    assert_eq!((a.arrived, a.completed, a.rejected), (40, 40, 0));
+    assert_eq!(picks.len(), 40, "every request reaches decode once");
+    // Output tokens are counted on decode only: each request's full budget.
+    let expected: u64 = records.iter().map(|r| u64::from(r.output_length)).sum();
+    assert_eq!(a.output_tokens, expected);
+    assert_eq!(a.ttft.count, 40);
+    // Prompt tokens are counted on the prefill engines, which share hash id 0.
+    let prompts: u64 = records.iter().map(|r| u64::from(r.input_length)).sum();
+    assert_eq!(a.prompt_tokens, prompts);
+    assert!(
+        a.cached_prompt_tokens >= 38 * 512,
+        "{}",
+        a.cached_prompt_tokens
+    );
+}

@@ -59,6 +59,17 @@ impl Recorder {
         self.load.change(worker, now, 1);
     }
 
+    /// Request `id` moved to `worker` at `now` (disaggregated replay: from its prefill worker
+    /// to its decode worker), so the load timeline follows it.
+    pub(crate) fn moved(&mut self, id: u64, worker: usize, now: Duration) {
+        let Some(f) = self.in_flight.get_mut(&id) else {
+            return;
+        };
+        let from = std::mem::replace(&mut f.worker, worker);
+        self.load.change(from, now, -1);
+        self.load.change(worker, now, 1);
+    }
+
     /// A token came out.
     pub(crate) fn token(&mut self, token: &TokenOutput) {
         let Some(f) = self.in_flight.get_mut(&token.request_id) else {

@@ -68,17 +68,19 @@ fn unknown_policy_lists_the_known_ones() {
 }
 
 #[test]
-fn prefill_workers_are_not_supported_yet() {
+fn zero_prefill_workers_is_refused() {
     let dir = scratch("prefill");
     let trace = write_fixture(&dir);
     let stderr = fails(&[
         "--trace",
         trace.to_str().expect("utf-8 path"),
         "--prefill-workers",
-        "2",
+        "0",
     ]);
-    assert!(stderr.contains("--prefill-workers"), "{stderr}");
-    assert!(stderr.contains("not supported yet"), "{stderr}");
+    assert!(
+        stderr.contains("--prefill-workers must be at least 1, got 0"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -1,0 +1,204 @@
+//! Disaggregated replay: the [`DisaggDispatcher`] seam driven by two live router cores, one over
+//! the prefill engines (the policy's normal cost) and one over the decode engines with the decode
+//! overrides the prefill router applies (see [`decode_override`]).
+//!
+//! Prefill engine `i` is prefill-core worker `i`; decode engine `j` is decode-core worker `j` and
+//! recorder worker `prefill + j`, so the load timeline shows both pools side by side.
+
+use std::time::Duration;
+
+use indicatif::ProgressBar;
+use kvroute_mocker::sim::{DisaggDispatcher, Dispatcher};
+use kvroute_mocker::{Engine, Request, RequestError, StepOutput};
+use kvroute_protocols::RouterConfigOverride;
+use kvroute_protocols::kv_events::{RouterEvent, StorageTier};
+use kvroute_router::{KvRouterCore, RequestId, RouteError, RouteRequest};
+use rand_chacha::ChaCha8Rng;
+
+use crate::replay::metrics::Recorder;
+
+/// How often (virtual time) the cores' expiry runs, as the live router's background task would.
+const EXPIRE_EVERY: Duration = Duration::from_secs(10);
+
+/// Progress is reported in steps of this many requests, so the bar's lock is rarely taken.
+const PROGRESS_STEP: u64 = 64;
+
+/// The decode-phase overrides of `kvroute-prefill` (`request::decode_override(None)`): the
+/// prompt's KV arrives from the prefill worker, so cached overlap earns no credit, no reuse is
+/// assumed and the prompt is not counted as prefill load. Restated here because the binary may
+/// not depend on `kvroute-prefill` (see the layering table); a test keeps the two equal.
+pub(crate) fn decode_override() -> RouterConfigOverride {
+    RouterConfigOverride {
+        overlap_score_credit: Some(0.0),
+        assume_kv_reuse: Some(false),
+        track_prefill_tokens: Some(false),
+        ..RouterConfigOverride::default()
+    }
+}
+
+/// Drives a prefill core and a decode core from a [`kvroute_mocker::sim::DisaggSimulation`].
+pub(crate) struct DisaggRouterDispatcher {
+    prefill: KvRouterCore,
+    decode: KvRouterCore,
+    prefill_workers: usize,
+    overrides: RouterConfigOverride,
+    rng: ChaCha8Rng,
+    pub(crate) recorder: Recorder,
+    progress: ProgressBar,
+    unreported: u64,
+    next_expire: Duration,
+    /// The first routing failure; the run stops there.
+    pub(crate) error: Option<RouteError>,
+    /// Event-id gaps either core detected (none expected).
+    pub(crate) gaps: u64,
+    /// Requests either core expired before they finished.
+    pub(crate) expired: u64,
+}
+
+impl DisaggRouterDispatcher {
+    /// Wraps the two cores, whose workers `0..` are the prefill and decode engines in order.
+    pub(crate) fn new(
+        prefill: KvRouterCore,
+        decode: KvRouterCore,
+        prefill_workers: usize,
+        rng: ChaCha8Rng,
+        recorder: Recorder,
+        progress: ProgressBar,
+    ) -> Self {
+        Self {
+            prefill,
+            decode,
+            prefill_workers,
+            overrides: decode_override(),
+            rng,
+            recorder,
+            progress,
+            unreported: 0,
+            next_expire: EXPIRE_EVERY,
+            error: None,
+            gaps: 0,
+            expired: 0,
+        }
+    }
+
+    /// Both cores, after the run (to check that all load was freed).
+    pub(crate) fn cores(&self) -> [(&'static str, &KvRouterCore); 2] {
+        [("prefill", &self.prefill), ("decode", &self.decode)]
+    }
+
+    /// Reports progress not yet shown.
+    pub(crate) fn flush_progress(&mut self) {
+        self.progress.inc(std::mem::take(&mut self.unreported));
+    }
+
+    fn maybe_expire(&mut self, now: Duration) {
+        if now < self.next_expire {
+            return;
+        }
+        self.next_expire = now + EXPIRE_EVERY;
+        self.expired += self.prefill.expire(now).requests.len() as u64;
+        self.expired += self.decode.expire(now).requests.len() as u64;
+    }
+}
+
+/// Feeds one engine's KV events to `core` as worker `worker`; returns the gaps detected.
+fn apply_events(core: &mut KvRouterCore, worker: usize, output: &StepOutput) -> u64 {
+    let mut gaps = 0;
+    for event in &output.events {
+        let event = RouterEvent {
+            worker_id: worker as u64,
+            storage_tier: StorageTier::default(),
+            event: event.clone(),
+        };
+        if core.apply_event(&event).is_some() {
+            gaps += 1;
+        }
+    }
+    gaps
+}
+
+impl Dispatcher for DisaggRouterDispatcher {
+    fn pick(&mut self, now: Duration, request: &Request, engines: &[Engine]) -> usize {
+        self.maybe_expire(now);
+        self.unreported += 1;
+        if self.unreported >= PROGRESS_STEP {
+            self.flush_progress();
+        }
+        let route = RouteRequest::new(RequestId(request.id), &request.tokens);
+        match self.prefill.route(&route, now, &mut self.rng) {
+            Ok(routed) => {
+                let worker = routed.worker.worker_id as usize;
+                self.recorder.arrived(request.id, worker, now);
+                worker
+            }
+            Err(e) => {
+                // An index past the last engine stops the simulation; the caller reports `e`.
+                self.error.get_or_insert(e);
+                engines.len()
+            }
+        }
+    }
+
+    fn observe(&mut self, worker: usize, output: &StepOutput) {
+        self.gaps += apply_events(&mut self.prefill, worker, output);
+        // The prefill's single token is not the client's: only the core's load follows it.
+        for token in &output.tokens {
+            let id = RequestId(token.request_id);
+            if token.index == 0 {
+                let _ = self.prefill.on_first_token(id);
+            }
+            let _ = self.prefill.on_output_tokens(id, 1);
+        }
+        for finished in &output.finished {
+            let _ = self.prefill.on_finished(RequestId(finished.request_id));
+        }
+    }
+
+    fn rejected(&mut self, now: Duration, _worker: usize, id: u64, _error: &RequestError) {
+        let _ = self.prefill.on_failed(RequestId(id));
+        self.recorder.left(id, now, false);
+    }
+}
+
+impl DisaggDispatcher for DisaggRouterDispatcher {
+    fn pick_decode(&mut self, now: Duration, request: &Request, decode: &[Engine]) -> usize {
+        let route = RouteRequest::new(RequestId(request.id), &request.tokens)
+            .with_overrides(&self.overrides);
+        match self.decode.route(&route, now, &mut self.rng) {
+            Ok(routed) => {
+                let worker = routed.worker.worker_id as usize;
+                self.recorder
+                    .moved(request.id, self.prefill_workers + worker, now);
+                worker
+            }
+            Err(e) => {
+                self.error.get_or_insert(e);
+                decode.len()
+            }
+        }
+    }
+
+    fn observe_decode(&mut self, worker: usize, output: &StepOutput) {
+        self.gaps += apply_events(&mut self.decode, worker, output);
+        for token in &output.tokens {
+            let id = RequestId(token.request_id);
+            if token.index == 0 {
+                let _ = self.decode.on_first_token(id);
+            }
+            let _ = self.decode.on_output_tokens(id, 1);
+            self.recorder.token(token);
+        }
+        for finished in &output.finished {
+            let _ = self.decode.on_finished(RequestId(finished.request_id));
+            self.recorder.left(finished.request_id, finished.at, true);
+        }
+    }
+
+    fn rejected_decode(&mut self, now: Duration, _worker: usize, id: u64, _error: &RequestError) {
+        let _ = self.decode.on_failed(RequestId(id));
+        self.recorder.left(id, now, false);
+    }
+}
+
+#[cfg(test)]
+mod tests;
