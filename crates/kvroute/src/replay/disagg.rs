@@ -11,10 +11,10 @@ use indicatif::ProgressBar;
 use kvroute_mocker::sim::{DisaggDispatcher, Dispatcher};
 use kvroute_mocker::{Engine, Request, RequestError, StepOutput};
 use kvroute_protocols::RouterConfigOverride;
-use kvroute_protocols::kv_events::{RouterEvent, StorageTier};
 use kvroute_router::{KvRouterCore, RequestId, RouteError, RouteRequest};
 use rand_chacha::ChaCha8Rng;
 
+use crate::replay::dispatch::apply_events;
 use crate::replay::metrics::Recorder;
 
 /// How often (virtual time) the cores' expiry runs, as the live router's background task would.
@@ -99,22 +99,6 @@ impl DisaggRouterDispatcher {
         self.expired += self.prefill.expire(now).requests.len() as u64;
         self.expired += self.decode.expire(now).requests.len() as u64;
     }
-}
-
-/// Feeds one engine's KV events to `core` as worker `worker`; returns the gaps detected.
-fn apply_events(core: &mut KvRouterCore, worker: usize, output: &StepOutput) -> u64 {
-    let mut gaps = 0;
-    for event in &output.events {
-        let event = RouterEvent {
-            worker_id: worker as u64,
-            storage_tier: StorageTier::default(),
-            event: event.clone(),
-        };
-        if core.apply_event(&event).is_some() {
-            gaps += 1;
-        }
-    }
-    gaps
 }
 
 impl Dispatcher for DisaggRouterDispatcher {

@@ -102,16 +102,7 @@ impl Dispatcher for RouterDispatcher {
     }
 
     fn observe(&mut self, worker: usize, output: &StepOutput) {
-        for event in &output.events {
-            let event = RouterEvent {
-                worker_id: worker as u64,
-                storage_tier: StorageTier::default(),
-                event: event.clone(),
-            };
-            if self.core.apply_event(&event).is_some() {
-                self.gaps += 1;
-            }
-        }
+        self.gaps += apply_events(&mut self.core, worker, output);
         for token in &output.tokens {
             let id = RequestId(token.request_id);
             // Unknown ids (expired requests) are fine to ignore: their load is already gone.
@@ -132,4 +123,20 @@ impl Dispatcher for RouterDispatcher {
         let _ = self.core.on_failed(RequestId(id));
         self.recorder.left(id, now, false);
     }
+}
+
+/// Feeds one engine's KV events to `core` as worker `worker`; returns the gaps detected.
+pub(crate) fn apply_events(core: &mut KvRouterCore, worker: usize, output: &StepOutput) -> u64 {
+    let mut gaps = 0;
+    for event in &output.events {
+        let event = RouterEvent {
+            worker_id: worker as u64,
+            storage_tier: StorageTier::default(),
+            event: event.clone(),
+        };
+        if core.apply_event(&event).is_some() {
+            gaps += 1;
+        }
+    }
+    gaps
 }
