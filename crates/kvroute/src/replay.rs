@@ -56,13 +56,18 @@ pub(crate) struct ReplayArgs {
     /// Replay speed: 2.0 makes requests arrive twice as fast as the trace says.
     #[arg(long, default_value_t = 1.0, value_name = "X")]
     speed: f64,
-    /// Engine (and router) KV block size in tokens.
-    #[arg(long, default_value_t = 16, value_name = "B")]
-    block_size: u32,
+    /// Engine sizing before --block-size and --cache-blocks: `reference` (Dynamo's mocker
+    /// defaults, 16,384 blocks of 64 tokens per engine, so figures compare with the reference's)
+    /// or `h100-8b` (kvroute's mocker model of an 8B BF16 model on one H100: 25,000 blocks of 16).
+    #[arg(long, value_enum, default_value_t = EngineProfile::Reference, value_name = "P")]
+    engine_profile: EngineProfile,
+    /// Engine (and router) KV block size in tokens [default: the profile's].
+    #[arg(long, value_name = "B")]
+    block_size: Option<u32>,
     /// Tokens per trace hash id; must be a multiple of --block-size.
     #[arg(long, default_value_t = 512, value_name = "T")]
     trace_block_size: u32,
-    /// KV cache capacity of each engine, in blocks [default: the mocker's, 25000].
+    /// KV cache capacity of each engine, in blocks [default: the profile's].
     #[arg(long, value_name = "C")]
     cache_blocks: Option<u32>,
     /// Disaggregated serving: N prefill engines before the --workers decode engines. Each
@@ -77,6 +82,33 @@ pub(crate) struct ReplayArgs {
     /// Write the results as JSON here, and an HTML report beside it (same name, .html).
     #[arg(long, value_name = "OUT")]
     json: Option<PathBuf>,
+}
+
+/// How each simulated engine is sized when --block-size and --cache-blocks are not given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum EngineProfile {
+    /// Dynamo's mocker defaults (`MockEngineArgs`: `num_gpu_blocks = 16384`, `block_size = 64`;
+    /// ~1M tokens of KV per engine): the basis of the reference's own replay figures.
+    Reference,
+    /// [`MockerConfig::default`]: an 8B BF16 model on one H100, ~400k tokens of KV per engine
+    /// (25,000 blocks of vLLM's default 16 tokens; derivation in the mocker's config module).
+    #[value(name = "h100-8b")]
+    #[serde(rename = "h100-8b")]
+    H100Llama8b,
+}
+
+impl EngineProfile {
+    /// `(block_size, cache_blocks)` of one engine.
+    fn sizing(self) -> (u32, u32) {
+        match self {
+            Self::Reference => (64, 16_384),
+            Self::H100Llama8b => {
+                let d = MockerConfig::default();
+                (d.block_size, d.num_blocks)
+            }
+        }
+    }
 }
 
 /// The arguments, checked.
@@ -113,27 +145,28 @@ impl Plan {
         if !(args.speed.is_finite() && args.speed > 0.0) {
             bail!("--speed must be a finite number > 0, got {}", args.speed);
         }
-        if args.block_size == 0 {
+        let (profile_block_size, profile_cache_blocks) = args.engine_profile.sizing();
+        let block_size = args.block_size.unwrap_or(profile_block_size);
+        if block_size == 0 {
             bail!("--block-size must be at least 1, got 0");
         }
-        if args.trace_block_size == 0 || !args.trace_block_size.is_multiple_of(args.block_size) {
+        if args.trace_block_size == 0 || !args.trace_block_size.is_multiple_of(block_size) {
             bail!(
-                "--trace-block-size must be a positive multiple of --block-size ({}), got {}",
-                args.block_size,
+                "--trace-block-size must be a positive multiple of --block-size ({block_size}), \
+                 got {}",
                 args.trace_block_size
             );
         }
-        let mut mocker = MockerConfig {
-            block_size: args.block_size,
+        let num_blocks = args.cache_blocks.unwrap_or(profile_cache_blocks);
+        if num_blocks == 0 {
+            bail!("--cache-blocks must be at least 1, got 0");
+        }
+        let mocker = MockerConfig {
+            block_size,
+            num_blocks,
             seed: args.seed,
             ..MockerConfig::default()
         };
-        if let Some(c) = args.cache_blocks {
-            if c == 0 {
-                bail!("--cache-blocks must be at least 1, got 0");
-            }
-            mocker.num_blocks = c;
-        }
         mocker.validate().context("invalid engine settings")?;
         let asked: &[ReplayPolicy] = if args.policies.is_empty() {
             &ReplayPolicy::DEFAULT
@@ -174,14 +207,15 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
     let oracle = Oracle::compute(
         &records,
         u64::from(args.trace_block_size),
-        u64::from(args.block_size),
+        u64::from(plan.mocker.block_size),
     );
     let setup = Setup {
         trace: args.trace.display().to_string(),
         requests: records.len() as u64,
         workers: plan.workers,
+        engine_profile: args.engine_profile,
         prefill_workers: plan.prefill_workers.unwrap_or(0),
-        block_size: args.block_size,
+        block_size: plan.mocker.block_size,
         trace_block_size: args.trace_block_size,
         cache_blocks: plan.mocker.num_blocks,
         speed: args.speed,

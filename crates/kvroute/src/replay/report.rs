@@ -24,6 +24,8 @@ pub(crate) struct Setup {
     pub(crate) trace: String,
     pub(crate) requests: u64,
     pub(crate) workers: usize,
+    /// The engine sizing asked for (--block-size and --cache-blocks below are what ran).
+    pub(crate) engine_profile: super::EngineProfile,
     /// Prefill engines before the `workers` decode engines; 0 for aggregated serving.
     pub(crate) prefill_workers: usize,
     pub(crate) block_size: u32,

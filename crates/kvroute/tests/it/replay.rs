@@ -199,6 +199,8 @@ fn refused_requests_are_counted_and_free_their_router_load() {
         json_path.to_str().expect("utf-8 path"),
         "--workers",
         "2",
+        "--block-size",
+        "16",
         "--trace-block-size",
         "64",
         "--cache-blocks",
@@ -215,4 +217,58 @@ fn refused_requests_are_counted_and_free_their_router_load() {
             "{p:#}"
         );
     }
+}
+
+#[test]
+fn engine_profiles_size_the_engines_and_flags_override_them() {
+    let dir = scratch("profiles");
+    let trace = dir.join("trace.jsonl");
+    let line = r#"{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]}"#;
+    std::fs::write(&trace, line).expect("write the trace");
+    let setup = |extra: &[&str]| {
+        let json_path = dir.join("out.json");
+        let mut args = vec![
+            "replay",
+            "--trace",
+            trace.to_str().expect("utf-8 path"),
+            "--json",
+            json_path.to_str().expect("utf-8 path"),
+            "--workers",
+            "1",
+            "--policy",
+            "kv",
+        ];
+        args.extend_from_slice(extra);
+        let output = kvroute(&args);
+        let (_, stderr) = text(&output);
+        assert!(output.status.success(), "{stderr}");
+        let body = std::fs::read_to_string(&json_path).expect("read the JSON report");
+        let json: Value = serde_json::from_str(&body).expect("the JSON report parses");
+        let s = &json["setup"];
+        (
+            s["engine_profile"].as_str().map(str::to_owned),
+            s["block_size"].as_u64(),
+            s["cache_blocks"].as_u64(),
+        )
+    };
+    // Dynamo's mocker defaults unless asked otherwise.
+    assert_eq!(
+        setup(&[]),
+        (Some("reference".into()), Some(64), Some(16_384))
+    );
+    assert_eq!(
+        setup(&["--engine-profile", "h100-8b"]),
+        (Some("h100-8b".into()), Some(16), Some(25_000))
+    );
+    assert_eq!(
+        setup(&[
+            "--engine-profile",
+            "h100-8b",
+            "--block-size",
+            "32",
+            "--cache-blocks",
+            "99"
+        ]),
+        (Some("h100-8b".into()), Some(32), Some(99))
+    );
 }
