@@ -142,26 +142,17 @@ fn ext_of(seq: u64) -> ExternalSequenceBlockHash {
     ExternalSequenceBlockHash(seq ^ 0x5bd1_e995_5bd1_e995)
 }
 
+/// The first `--limit` requests of the trace as `(input_length, hash_ids)`.
 fn load_trace(args: &Args) -> anyhow::Result<Vec<(usize, Vec<u64>)>> {
     let text = std::fs::read_to_string(&args.trace)
         .with_context(|| format!("reading trace {}", args.trace))?;
-    let mut out = Vec::new();
-    for (n, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {
-        if out.len() >= args.limit {
-            break;
-        }
-        let v: serde_json::Value =
-            serde_json::from_str(line).with_context(|| format!("trace line {}", n + 1))?;
-        let input = v["input_length"].as_u64().context("input_length")? as usize;
-        let ids = v["hash_ids"]
-            .as_array()
-            .context("hash_ids")?
-            .iter()
-            .map(|h| h.as_u64().context("hash_id"))
-            .collect::<anyhow::Result<Vec<u64>>>()?;
-        out.push((input, ids));
-    }
-    Ok(out)
+    let records =
+        kvroute_protocols::trace::parse_jsonl(&text).with_context(|| args.trace.clone())?;
+    Ok(records
+        .into_iter()
+        .take(args.limit)
+        .map(|r| (r.input_length as usize, r.hash_ids))
+        .collect())
 }
 
 /// The engine blocks' local hashes of one trace block: synthetic tokens derived from its id.

@@ -15,19 +15,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_indexer::hash::{HashSalt, compute_block_hashes, next_seq_hash};
-use kvroute_protocols::{BootstrapInfo, DpRank, PreprocessedRequest, WorkerId};
+use kvroute_protocols::{
+    BOOTSTRAP_HOST_KEY, BOOTSTRAP_PORT_KEY, BootstrapInfo, DpRank, PreprocessedRequest, WorkerId,
+};
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
-
-/// Discovery metadata key of the bootstrap host (the prefill router reads the same key).
-pub const BOOTSTRAP_HOST_KEY: &str = "bootstrap_host";
-
-/// Discovery metadata key of the bootstrap port.
-pub const BOOTSTRAP_PORT_KEY: &str = "bootstrap_port";
 
 /// Largest bootstrap answer accepted, so a bad peer cannot make the reader allocate at will.
 const MAX_ANSWER_BYTES: u32 = 16 << 20;

@@ -168,28 +168,19 @@ impl Simulation {
         I: IntoIterator<Item = Arrival>,
         D: Dispatcher + ?Sized,
     {
-        let mut arrivals = arrivals.into_iter().peekable();
+        let mut arrivals = ArrivalFeed::new(arrivals);
         let mut report = SimReport::default();
         let mut started: HashMap<RequestId, Duration> = HashMap::new();
         let mut ttft = Vec::new();
         let mut e2e = Vec::new();
         let mut out = StepOutput::default();
-        let mut last_arrival = Duration::ZERO;
         let before: Vec<_> = self.engines.iter().map(Engine::stats).collect();
         loop {
             let next_engine = self.engines.iter().filter_map(Engine::next_wakeup).min();
-            let next_arrival = arrivals.peek().map(|a| a.at);
-            let now = match (next_engine, next_arrival) {
-                (None, None) => break,
-                (Some(e), Some(a)) => e.min(a),
-                (e, a) => e.or(a).unwrap_or_default(),
+            let Some(now) = next_engine.into_iter().chain(arrivals.next_at()).min() else {
+                break;
             };
-            for (worker, engine) in self.engines.iter_mut().enumerate() {
-                if engine.next_wakeup().is_none_or(|w| w > now) {
-                    continue;
-                }
-                out.clear();
-                engine.advance_into(now, &mut out);
+            advance_due(&mut self.engines, now, &mut out, &mut report, |worker, out| {
                 for token in out.tokens.iter().filter(|t| t.index == 0) {
                     if let Some(&arrived) = started.get(&token.request_id) {
                         ttft.push(token.at.saturating_sub(arrived));
@@ -198,31 +189,15 @@ impl Simulation {
                 for finished in &out.finished {
                     if let Some(arrived) = started.remove(&finished.request_id) {
                         e2e.push(finished.at.saturating_sub(arrived));
-                        report.completed += 1;
                     }
                 }
-                report.kv_events += out.events.len() as u64;
-                report.simulated = report.simulated.max(engine.clock());
-                dispatcher.observe(worker, &out);
-            }
-            while let Some(arrival) = arrivals.next_if(|a| a.at <= now) {
-                if arrival.at < last_arrival {
-                    return Err(SimError::OutOfOrder {
-                        id: arrival.request.id,
-                        at: arrival.at,
-                        previous: last_arrival,
-                    });
-                }
-                last_arrival = arrival.at;
+                dispatcher.observe(worker, out);
+            });
+            while let Some(arrival) = arrivals.next_due(now)? {
                 report.arrived += 1;
                 let picked = dispatcher.pick(now, &arrival.request, &self.engines);
-                let engines = self.engines.len();
-                let engine = self
-                    .engines
-                    .get_mut(picked)
-                    .ok_or(SimError::NoSuchEngine { picked, engines })?;
                 let id = arrival.request.id;
-                match engine.add_request(now, arrival.request) {
+                match engine_at(&mut self.engines, picked)?.add_request(now, arrival.request) {
                     Ok(()) => {
                         started.insert(id, now);
                     }
@@ -233,15 +208,9 @@ impl Simulation {
                 }
             }
         }
+        report.completed = e2e.len() as u64;
         // Counters are per engine lifetime; a second run reports only its own work.
-        for (engine, before) in self.engines.iter().zip(before) {
-            let stats = engine.stats();
-            report.prompt_tokens += stats.prompt_tokens - before.prompt_tokens;
-            report.cached_prompt_tokens += stats.cached_prompt_tokens - before.cached_prompt_tokens;
-            report.output_tokens += stats.output_tokens - before.output_tokens;
-            report.preemptions += stats.preemptions - before.preemptions;
-            report.steps += stats.steps - before.steps;
-        }
+        add_stats(&mut report, &self.engines, &before, Counted::All);
         report.ttft = LatencySummary::from_samples(ttft);
         report.e2e = LatencySummary::from_samples(e2e);
         Ok(report)
@@ -329,7 +298,7 @@ impl DisaggSimulation {
         use std::cmp::Reverse;
         use std::collections::BinaryHeap;
 
-        let mut arrivals = arrivals.into_iter().peekable();
+        let mut arrivals = ArrivalFeed::new(arrivals);
         let mut report = SimReport::default();
         // The client's request (full output budget) and its arrival, until it leaves decode.
         let mut pending: HashMap<RequestId, (Request, Duration)> = HashMap::new();
@@ -340,7 +309,6 @@ impl DisaggSimulation {
         let mut ttft = Vec::new();
         let mut e2e = Vec::new();
         let mut out = StepOutput::default();
-        let mut last_arrival = Duration::ZERO;
         let before_prefill: Vec<_> = self.prefill.iter().map(Engine::stats).collect();
         let before_decode: Vec<_> = self.decode.iter().map(Engine::stats).collect();
         loop {
@@ -351,23 +319,19 @@ impl DisaggSimulation {
                 .filter_map(Engine::next_wakeup)
                 .min();
             let next_transfer_at = transfers.peek().map(|Reverse((at, ..))| *at);
-            let next_arrival = arrivals.peek().map(|a| a.at);
-            let Some(now) = [next_engine, next_transfer_at, next_arrival]
+            let Some(now) = [next_engine, next_transfer_at, arrivals.next_at()]
                 .into_iter()
                 .flatten()
                 .min()
             else {
                 break;
             };
-            for (worker, engine) in self.prefill.iter_mut().enumerate() {
-                if engine.next_wakeup().is_none_or(|w| w > now) {
-                    continue;
-                }
-                out.clear();
-                engine.advance_into(now, &mut out);
-                report.kv_events += out.events.len() as u64;
-                report.simulated = report.simulated.max(engine.clock());
-                dispatcher.observe(worker, &out);
+            // A prefill that picked a decode engine out of range; reported after the wake-ups.
+            let mut bad_pick = None;
+            let decode = &self.decode;
+            let transfer_config = &self.transfer;
+            advance_due(&mut self.prefill, now, &mut out, &mut report, |worker, out| {
+                dispatcher.observe(worker, out);
                 for finished in &out.finished {
                     let Some((request, _)) = pending.get(&finished.request_id) else {
                         continue;
@@ -376,16 +340,14 @@ impl DisaggSimulation {
                         pending.remove(&finished.request_id);
                         continue;
                     }
-                    let picked = dispatcher.pick_decode(now, request, &self.decode);
-                    if picked >= self.decode.len() {
-                        return Err(SimError::NoSuchEngine {
-                            picked,
-                            engines: self.decode.len(),
-                        });
-                    }
-                    let config = self.decode[picked].config();
+                    let picked = dispatcher.pick_decode(now, request, decode);
+                    let Some(engine) = decode.get(picked) else {
+                        bad_pick.get_or_insert(picked);
+                        continue;
+                    };
+                    let config = engine.config();
                     let transfer = crate::disagg::transfer_time(
-                        &self.transfer,
+                        transfer_config,
                         request.tokens.len(),
                         config.block_size,
                         config.speedup,
@@ -394,13 +356,14 @@ impl DisaggSimulation {
                     transfers.push(Reverse((ready, next_transfer, picked, finished.request_id)));
                     next_transfer += 1;
                 }
+            });
+            if let Some(picked) = bad_pick {
+                return Err(SimError::NoSuchEngine {
+                    picked,
+                    engines: self.decode.len(),
+                });
             }
-            for (worker, engine) in self.decode.iter_mut().enumerate() {
-                if engine.next_wakeup().is_none_or(|w| w > now) {
-                    continue;
-                }
-                out.clear();
-                engine.advance_into(now, &mut out);
+            advance_due(&mut self.decode, now, &mut out, &mut report, |worker, out| {
                 for token in out.tokens.iter().filter(|t| t.index == 0) {
                     if let Some((_, arrived)) = pending.get(&token.request_id) {
                         ttft.push(token.at.saturating_sub(*arrived));
@@ -409,13 +372,10 @@ impl DisaggSimulation {
                 for finished in &out.finished {
                     if let Some((_, arrived)) = pending.remove(&finished.request_id) {
                         e2e.push(finished.at.saturating_sub(arrived));
-                        report.completed += 1;
                     }
                 }
-                report.kv_events += out.events.len() as u64;
-                report.simulated = report.simulated.max(engine.clock());
-                dispatcher.observe_decode(worker, &out);
-            }
+                dispatcher.observe_decode(worker, out);
+            });
             while let Some(Reverse((_, _, worker, id))) = transfers
                 .peek()
                 .copied()
@@ -432,28 +392,15 @@ impl DisaggSimulation {
                     dispatcher.rejected_decode(now, worker, id, &error);
                 }
             }
-            while let Some(arrival) = arrivals.next_if(|a| a.at <= now) {
-                if arrival.at < last_arrival {
-                    return Err(SimError::OutOfOrder {
-                        id: arrival.request.id,
-                        at: arrival.at,
-                        previous: last_arrival,
-                    });
-                }
-                last_arrival = arrival.at;
+            while let Some(arrival) = arrivals.next_due(now)? {
                 report.arrived += 1;
                 let picked = dispatcher.pick(now, &arrival.request, &self.prefill);
-                let engines = self.prefill.len();
-                let engine = self
-                    .prefill
-                    .get_mut(picked)
-                    .ok_or(SimError::NoSuchEngine { picked, engines })?;
                 let id = arrival.request.id;
                 let prefill = Request {
                     max_output_tokens: 1,
                     ..arrival.request.clone()
                 };
-                match engine.add_request(now, prefill) {
+                match engine_at(&mut self.prefill, picked)?.add_request(now, prefill) {
                     Ok(()) => {
                         pending.insert(id, (arrival.request, now));
                     }
@@ -464,21 +411,110 @@ impl DisaggSimulation {
                 }
             }
         }
-        for (engine, before) in self.prefill.iter().zip(before_prefill) {
-            let stats = engine.stats();
-            report.prompt_tokens += stats.prompt_tokens - before.prompt_tokens;
-            report.cached_prompt_tokens += stats.cached_prompt_tokens - before.cached_prompt_tokens;
-            report.preemptions += stats.preemptions - before.preemptions;
-            report.steps += stats.steps - before.steps;
-        }
-        for (engine, before) in self.decode.iter().zip(before_decode) {
-            let stats = engine.stats();
-            report.output_tokens += stats.output_tokens - before.output_tokens;
-            report.preemptions += stats.preemptions - before.preemptions;
-            report.steps += stats.steps - before.steps;
-        }
+        report.completed = e2e.len() as u64;
+        add_stats(&mut report, &self.prefill, &before_prefill, Counted::Prompts);
+        add_stats(&mut report, &self.decode, &before_decode, Counted::Outputs);
         report.ttft = LatencySummary::from_samples(ttft);
         report.e2e = LatencySummary::from_samples(e2e);
         Ok(report)
+    }
+}
+
+/// The arrivals of one run, checked to come in time order.
+struct ArrivalFeed<I: Iterator<Item = Arrival>> {
+    arrivals: std::iter::Peekable<I>,
+    last: Duration,
+}
+
+impl<I: Iterator<Item = Arrival>> ArrivalFeed<I> {
+    fn new(arrivals: impl IntoIterator<IntoIter = I>) -> Self {
+        Self {
+            arrivals: arrivals.into_iter().peekable(),
+            last: Duration::ZERO,
+        }
+    }
+
+    /// When the next arrival is due, if any is left.
+    fn next_at(&mut self) -> Option<Duration> {
+        self.arrivals.peek().map(|a| a.at)
+    }
+
+    /// The next arrival due by `now`, or an error if it arrives before the one before it.
+    fn next_due(&mut self, now: Duration) -> Result<Option<Arrival>, SimError> {
+        let Some(arrival) = self.arrivals.next_if(|a| a.at <= now) else {
+            return Ok(None);
+        };
+        if arrival.at < self.last {
+            return Err(SimError::OutOfOrder {
+                id: arrival.request.id,
+                at: arrival.at,
+                previous: self.last,
+            });
+        }
+        self.last = arrival.at;
+        Ok(Some(arrival))
+    }
+}
+
+/// The engine a dispatcher picked, or an error naming the index out of range.
+fn engine_at(engines: &mut [Engine], picked: usize) -> Result<&mut Engine, SimError> {
+    let engines_len = engines.len();
+    engines.get_mut(picked).ok_or(SimError::NoSuchEngine {
+        picked,
+        engines: engines_len,
+    })
+}
+
+/// Runs every engine whose wake-up is due by `now`, in index order, counting its KV events and
+/// clock in `report` and handing its output to `each` with the engine's index.
+fn advance_due(
+    engines: &mut [Engine],
+    now: Duration,
+    out: &mut StepOutput,
+    report: &mut SimReport,
+    mut each: impl FnMut(usize, &StepOutput),
+) {
+    for (worker, engine) in engines.iter_mut().enumerate() {
+        if engine.next_wakeup().is_none_or(|w| w > now) {
+            continue;
+        }
+        out.clear();
+        engine.advance_into(now, out);
+        report.kv_events += out.events.len() as u64;
+        report.simulated = report.simulated.max(engine.clock());
+        each(worker, out);
+    }
+}
+
+/// Which engine counters a group of engines contributes to the report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Counted {
+    /// Aggregated engines: prompts and outputs.
+    All,
+    /// Prefill engines: prompts (their one output token each is not the client's).
+    Prompts,
+    /// Decode engines: outputs (their prompts arrived as transferred KV).
+    Outputs,
+}
+
+/// Adds what `engines` did since `before` (counters are per engine lifetime, so a second run
+/// reports only its own work).
+fn add_stats(
+    report: &mut SimReport,
+    engines: &[Engine],
+    before: &[crate::request::EngineStats],
+    counted: Counted,
+) {
+    for (engine, before) in engines.iter().zip(before) {
+        let stats = engine.stats();
+        if counted != Counted::Outputs {
+            report.prompt_tokens += stats.prompt_tokens - before.prompt_tokens;
+            report.cached_prompt_tokens += stats.cached_prompt_tokens - before.cached_prompt_tokens;
+        }
+        if counted != Counted::Prompts {
+            report.output_tokens += stats.output_tokens - before.output_tokens;
+        }
+        report.preemptions += stats.preemptions - before.preemptions;
+        report.steps += stats.steps - before.steps;
     }
 }

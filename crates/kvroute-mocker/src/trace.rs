@@ -8,77 +8,14 @@
 
 use std::time::Duration;
 
-use serde::Deserialize;
+pub use kvroute_protocols::trace::{MOONCAKE_BLOCK_TOKENS, TraceError, TraceRecord, parse_jsonl};
 
 use crate::engine::splitmix64;
 use crate::request::{Request, RequestId};
 use crate::sim::Arrival;
 
-/// Tokens per hash id in Mooncake traces.
-pub const MOONCAKE_BLOCK_TOKENS: usize = 512;
-
 /// Token ids synthesized for traces stay below this (Llama 3's vocabulary size).
 const SYNTH_VOCAB: u64 = 128_256;
-
-/// One request of a trace.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub struct TraceRecord {
-    /// Arrival time in milliseconds since the start of the trace.
-    pub timestamp: f64,
-    /// Prompt length in tokens.
-    pub input_length: u32,
-    /// Output length in tokens.
-    pub output_length: u32,
-    /// One id per 512-token prompt block.
-    pub hash_ids: Vec<u64>,
-}
-
-/// A trace line that could not be read.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum TraceError {
-    /// The line is not a valid record.
-    #[error(
-        "trace line {line}: expected a JSON object with timestamp, input_length, output_length and hash_ids: {source}"
-    )]
-    Json {
-        /// 1-based line number.
-        line: usize,
-        /// The parse error.
-        source: serde_json::Error,
-    },
-    /// The timestamp is negative or not finite.
-    #[error("trace line {line}: timestamp must be a finite number >= 0, got {got}")]
-    BadTimestamp {
-        /// 1-based line number.
-        line: usize,
-        /// The value found.
-        got: f64,
-    },
-}
-
-/// Parses a JSONL trace, skipping blank lines.
-pub fn parse_jsonl(text: &str) -> Result<Vec<TraceRecord>, TraceError> {
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let record: TraceRecord =
-            serde_json::from_str(line).map_err(|source| TraceError::Json {
-                line: i + 1,
-                source,
-            })?;
-        if !(record.timestamp.is_finite() && record.timestamp >= 0.0) {
-            return Err(TraceError::BadTimestamp {
-                line: i + 1,
-                got: record.timestamp,
-            });
-        }
-        out.push(record);
-    }
-    Ok(out)
-}
 
 /// Writes the prompt of `record` into `out`: each hash id's 512 tokens in order, cut at
 /// `input_length`; a prompt longer than its hash ids is padded with tokens unique to `id`.

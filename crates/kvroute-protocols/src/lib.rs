@@ -20,6 +20,7 @@ pub mod nvext;
 pub mod output;
 pub mod request;
 pub mod routing;
+pub mod trace;
 pub mod validate;
 mod wire;
 mod worker;
@@ -34,8 +35,9 @@ pub use nvext::{
 };
 pub use output::{CompletionUsage, FinishReason, LLMEngineOutput, PromptTokensDetails};
 pub use request::{
-    BootstrapInfo, MmRoutingInfo, OutputOptions, PrefillResult, PreprocessedRequest,
-    PreprocessedRequestBuilder, RequestPhase, SamplingOptions, StopConditions,
+    BOOTSTRAP_HOST_KEY, BOOTSTRAP_PORT_KEY, BootstrapInfo, MmRoutingInfo, OutputOptions,
+    PrefillResult, PreprocessedRequest, PreprocessedRequestBuilder, RequestPhase, SamplingOptions,
+    StopConditions,
 };
 pub use routing::{RouterConfigOverride, RoutingConstraints, RoutingHints};
 pub use validate::{Limits, from_json, parse_nvext_json, parse_request_json};

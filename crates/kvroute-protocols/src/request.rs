@@ -184,6 +184,15 @@ impl std::fmt::Display for RequestPhase {
     }
 }
 
+/// Discovery metadata key under which a prefill worker advertises the host of its bootstrap
+/// (KV transfer rendezvous) server; with [`BOOTSTRAP_PORT_KEY`] it offers the bootstrap path,
+/// whose rooms travel to the decode worker as [`BootstrapInfo`].
+pub const BOOTSTRAP_HOST_KEY: &str = "bootstrap_host";
+
+/// Discovery metadata key under which a prefill worker advertises the port of its bootstrap
+/// server (decimal, 1..=65535).
+pub const BOOTSTRAP_PORT_KEY: &str = "bootstrap_port";
+
 /// Where the decode worker connects to the prefill worker for the KV transfer.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BootstrapInfo {

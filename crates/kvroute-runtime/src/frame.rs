@@ -15,8 +15,14 @@ use tokio_util::codec::LengthDelimitedCodec;
 
 use crate::error::RequestError;
 
-/// The protocol version this build speaks; the handshake refuses any other.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// The protocol version this build speaks; the handshake refuses any other, so a router and a
+/// worker from builds that frame things differently fail at connect time with a message naming
+/// both versions instead of misreading each other's frames.
+///
+/// History: 1, the first request plane; 2 added [`Kind::SubscribeKvEvents`] (workers stream KV
+/// events over the request-plane connection), which a version-1 worker would answer with an
+/// unknown-kind error mid-session.
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// The magic bytes that open a client's hello frame.
 pub(crate) const MAGIC: [u8; 4] = *b"KVRT";

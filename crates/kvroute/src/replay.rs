@@ -344,7 +344,7 @@ fn run_policy(
     let rng = ChaCha8Rng::seed_from_u64(plan.seed);
     let mut dispatcher = RouterDispatcher::new(core, rng, recorder, progress);
     let result = sim.run(workload::arrivals(records, plan.synthesis), &mut dispatcher);
-    dispatcher.flush_progress();
+    dispatcher.pacer.flush();
     if let Some(e) = dispatcher.error.take() {
         bail!("policy {policy}: the router could not route a request: {e}");
     }
@@ -411,7 +411,7 @@ fn run_disagg_policy(
     let mut dispatcher =
         DisaggRouterDispatcher::new(prefill_core, decode_core, prefill, rng, recorder, progress);
     let result = sim.run(workload::arrivals(records, plan.synthesis), &mut dispatcher);
-    dispatcher.flush_progress();
+    dispatcher.pacer.flush();
     if let Some(e) = dispatcher.error.take() {
         bail!("policy {policy}: the router could not route a request: {e}");
     }

@@ -57,11 +57,16 @@ fn encoded_frames_round_trip_and_respect_the_limit() {
 #[test]
 fn hellos_are_checked() {
     assert_eq!(check_hello(&hello_body()), Ok(()));
-    assert!(
-        check_hello(b"KVRT\x02\x00")
-            .unwrap_err()
-            .contains("version 2")
-    );
+    assert_eq!(PROTOCOL_VERSION, 2);
+    for (older_or_newer, named) in [
+        (b"KVRT\x01\x00", "version 1"),
+        (b"KVRT\x03\x00", "version 3"),
+    ] {
+        assert!(
+            check_hello(older_or_newer).unwrap_err().contains(named),
+            "{named} is refused by name"
+        );
+    }
     assert!(check_hello(b"HTTP/1").unwrap_err().contains("magic"));
     assert_eq!(cancel_kind(&[1]), Ok(CancelKind::Kill));
     assert!(cancel_kind(&[1, 0]).is_err());

@@ -14,14 +14,8 @@ use kvroute_protocols::RouterConfigOverride;
 use kvroute_router::{KvRouterCore, RequestId, RouteError, RouteRequest};
 use rand_chacha::ChaCha8Rng;
 
-use crate::replay::dispatch::apply_events;
+use crate::replay::dispatch::{Pacer, feed, route_index};
 use crate::replay::metrics::Recorder;
-
-/// How often (virtual time) the cores' expiry runs, as the live router's background task would.
-const EXPIRE_EVERY: Duration = Duration::from_secs(10);
-
-/// Progress is reported in steps of this many requests, so the bar's lock is rarely taken.
-const PROGRESS_STEP: u64 = 64;
 
 /// The decode-phase overrides of `kvroute-prefill` (`request::decode_override(None)`): the
 /// prompt's KV arrives from the prefill worker, so cached overlap earns no credit, no reuse is
@@ -44,9 +38,7 @@ pub(crate) struct DisaggRouterDispatcher {
     overrides: RouterConfigOverride,
     rng: ChaCha8Rng,
     pub(crate) recorder: Recorder,
-    progress: ProgressBar,
-    unreported: u64,
-    next_expire: Duration,
+    pub(crate) pacer: Pacer,
     /// The first routing failure; the run stops there.
     pub(crate) error: Option<RouteError>,
     /// Event-id gaps either core detected (none expected).
@@ -72,9 +64,7 @@ impl DisaggRouterDispatcher {
             overrides: decode_override(),
             rng,
             recorder,
-            progress,
-            unreported: 0,
-            next_expire: EXPIRE_EVERY,
+            pacer: Pacer::new(progress),
             error: None,
             gaps: 0,
             expired: 0,
@@ -85,57 +75,29 @@ impl DisaggRouterDispatcher {
     pub(crate) fn cores(&self) -> [(&'static str, &KvRouterCore); 2] {
         [("prefill", &self.prefill), ("decode", &self.decode)]
     }
-
-    /// Reports progress not yet shown.
-    pub(crate) fn flush_progress(&mut self) {
-        self.progress.inc(std::mem::take(&mut self.unreported));
-    }
-
-    fn maybe_expire(&mut self, now: Duration) {
-        if now < self.next_expire {
-            return;
-        }
-        self.next_expire = now + EXPIRE_EVERY;
-        self.expired += self.prefill.expire(now).requests.len() as u64;
-        self.expired += self.decode.expire(now).requests.len() as u64;
-    }
 }
 
 impl Dispatcher for DisaggRouterDispatcher {
     fn pick(&mut self, now: Duration, request: &Request, engines: &[Engine]) -> usize {
-        self.maybe_expire(now);
-        self.unreported += 1;
-        if self.unreported >= PROGRESS_STEP {
-            self.flush_progress();
+        if self.pacer.arrival(now) {
+            self.expired += self.prefill.expire(now).requests.len() as u64;
+            self.expired += self.decode.expire(now).requests.len() as u64;
         }
         let route = RouteRequest::new(RequestId(request.id), &request.tokens);
-        match self.prefill.route(&route, now, &mut self.rng) {
-            Ok(routed) => {
-                let worker = routed.worker.worker_id as usize;
+        let picked = route_index(&mut self.prefill, &route, now, &mut self.rng, &mut self.error);
+        match picked {
+            Some(worker) => {
                 self.recorder.arrived(request.id, worker, now);
                 worker
             }
-            Err(e) => {
-                // An index past the last engine stops the simulation; the caller reports `e`.
-                self.error.get_or_insert(e);
-                engines.len()
-            }
+            // An index past the last engine stops the simulation; the caller reports the error.
+            None => engines.len(),
         }
     }
 
     fn observe(&mut self, worker: usize, output: &StepOutput) {
-        self.gaps += apply_events(&mut self.prefill, worker, output);
         // The prefill's single token is not the client's: only the core's load follows it.
-        for token in &output.tokens {
-            let id = RequestId(token.request_id);
-            if token.index == 0 {
-                let _ = self.prefill.on_first_token(id);
-            }
-            let _ = self.prefill.on_output_tokens(id, 1);
-        }
-        for finished in &output.finished {
-            let _ = self.prefill.on_finished(RequestId(finished.request_id));
-        }
+        self.gaps += feed(&mut self.prefill, worker, output, None);
     }
 
     fn rejected(&mut self, now: Duration, _worker: usize, id: u64, _error: &RequestError) {
@@ -148,34 +110,19 @@ impl DisaggDispatcher for DisaggRouterDispatcher {
     fn pick_decode(&mut self, now: Duration, request: &Request, decode: &[Engine]) -> usize {
         let route = RouteRequest::new(RequestId(request.id), &request.tokens)
             .with_overrides(&self.overrides);
-        match self.decode.route(&route, now, &mut self.rng) {
-            Ok(routed) => {
-                let worker = routed.worker.worker_id as usize;
+        let picked = route_index(&mut self.decode, &route, now, &mut self.rng, &mut self.error);
+        match picked {
+            Some(worker) => {
                 self.recorder
                     .moved(request.id, self.prefill_workers + worker, now);
                 worker
             }
-            Err(e) => {
-                self.error.get_or_insert(e);
-                decode.len()
-            }
+            None => decode.len(),
         }
     }
 
     fn observe_decode(&mut self, worker: usize, output: &StepOutput) {
-        self.gaps += apply_events(&mut self.decode, worker, output);
-        for token in &output.tokens {
-            let id = RequestId(token.request_id);
-            if token.index == 0 {
-                let _ = self.decode.on_first_token(id);
-            }
-            let _ = self.decode.on_output_tokens(id, 1);
-            self.recorder.token(token);
-        }
-        for finished in &output.finished {
-            let _ = self.decode.on_finished(RequestId(finished.request_id));
-            self.recorder.left(finished.request_id, finished.at, true);
-        }
+        self.gaps += feed(&mut self.decode, worker, output, Some(&mut self.recorder));
     }
 
     fn rejected_decode(&mut self, now: Duration, _worker: usize, id: u64, _error: &RequestError) {

@@ -27,9 +27,7 @@ pub(crate) struct RouterDispatcher {
     core: KvRouterCore,
     rng: ChaCha8Rng,
     pub(crate) recorder: Recorder,
-    progress: ProgressBar,
-    unreported: u64,
-    next_expire: Duration,
+    pub(crate) pacer: Pacer,
     /// The first routing failure; the run stops there.
     pub(crate) error: Option<RouteError>,
     /// Event-id gaps the core detected (none expected: the simulation loses no events).
@@ -50,9 +48,7 @@ impl RouterDispatcher {
             core,
             rng,
             recorder,
-            progress,
-            unreported: 0,
-            next_expire: EXPIRE_EVERY,
+            pacer: Pacer::new(progress),
             error: None,
             gaps: 0,
             expired: 0,
@@ -63,60 +59,28 @@ impl RouterDispatcher {
     pub(crate) fn core(&self) -> &KvRouterCore {
         &self.core
     }
-
-    /// Reports progress not yet shown.
-    pub(crate) fn flush_progress(&mut self) {
-        self.progress.inc(std::mem::take(&mut self.unreported));
-    }
-
-    fn maybe_expire(&mut self, now: Duration) {
-        if now < self.next_expire {
-            return;
-        }
-        self.next_expire = now + EXPIRE_EVERY;
-        self.expired += self.core.expire(now).requests.len() as u64;
-    }
 }
 
 impl Dispatcher for RouterDispatcher {
     fn pick(&mut self, now: Duration, request: &Request, engines: &[Engine]) -> usize {
-        self.maybe_expire(now);
-        self.unreported += 1;
-        if self.unreported >= PROGRESS_STEP {
-            self.flush_progress();
+        if self.pacer.arrival(now) {
+            self.expired += self.core.expire(now).requests.len() as u64;
         }
         let route = RouteRequest::new(RequestId(request.id), &request.tokens);
-        match self.core.route(&route, now, &mut self.rng) {
-            Ok(routed) => {
-                let worker = routed.worker.worker_id as usize;
+        let picked = route_index(&mut self.core, &route, now, &mut self.rng, &mut self.error);
+        match picked {
+            Some(worker) => {
                 self.recorder.arrived(request.id, worker, now);
                 worker
             }
-            Err(e) => {
-                // An index past the last engine makes the simulation stop with an error; the
-                // caller reports this one instead.
-                self.error.get_or_insert(e);
-                engines.len()
-            }
+            // An index past the last engine makes the simulation stop with an error; the caller
+            // reports the routing error instead.
+            None => engines.len(),
         }
     }
 
     fn observe(&mut self, worker: usize, output: &StepOutput) {
-        self.gaps += apply_events(&mut self.core, worker, output);
-        for token in &output.tokens {
-            let id = RequestId(token.request_id);
-            // Unknown ids (expired requests) are fine to ignore: their load is already gone.
-            if token.index == 0 {
-                let _ = self.core.on_first_token(id);
-            }
-            let _ = self.core.on_output_tokens(id, 1);
-            self.recorder.token(token);
-        }
-        for finished in &output.finished {
-            // Replay opens no sessions, so there are no deferred session commands to run.
-            let _ = self.core.on_finished(RequestId(finished.request_id));
-            self.recorder.left(finished.request_id, finished.at, true);
-        }
+        self.gaps += feed(&mut self.core, worker, output, Some(&mut self.recorder));
     }
 
     fn rejected(&mut self, now: Duration, _worker: usize, id: u64, _error: &RequestError) {
@@ -125,8 +89,93 @@ impl Dispatcher for RouterDispatcher {
     }
 }
 
+/// Progress reporting and the periodic expiry that every dispatcher runs at each arrival.
+pub(crate) struct Pacer {
+    progress: ProgressBar,
+    unreported: u64,
+    next_expire: Duration,
+}
+
+impl Pacer {
+    pub(crate) fn new(progress: ProgressBar) -> Self {
+        Self {
+            progress,
+            unreported: 0,
+            next_expire: EXPIRE_EVERY,
+        }
+    }
+
+    /// Counts one arrival at `now`; true when the cores' expiry is due (every [`EXPIRE_EVERY`]
+    /// of virtual time, as the live router's background task runs it).
+    pub(crate) fn arrival(&mut self, now: Duration) -> bool {
+        self.unreported += 1;
+        if self.unreported >= PROGRESS_STEP {
+            self.flush();
+        }
+        if now < self.next_expire {
+            return false;
+        }
+        self.next_expire = now + EXPIRE_EVERY;
+        true
+    }
+
+    /// Reports progress not yet shown.
+    pub(crate) fn flush(&mut self) {
+        self.progress.inc(std::mem::take(&mut self.unreported));
+    }
+}
+
+/// Routes `route` with `core` and returns the chosen worker's index, or records the first
+/// routing error in `error` and returns `None`.
+pub(crate) fn route_index(
+    core: &mut KvRouterCore,
+    route: &RouteRequest<'_>,
+    now: Duration,
+    rng: &mut ChaCha8Rng,
+    error: &mut Option<RouteError>,
+) -> Option<usize> {
+    match core.route(route, now, rng) {
+        Ok(routed) => Some(routed.worker.worker_id as usize),
+        Err(e) => {
+            error.get_or_insert(e);
+            None
+        }
+    }
+}
+
+/// Feeds `core` what engine `worker` produced, as a live worker would report it: KV events,
+/// first tokens, output tokens and completions. With a `recorder`, the tokens and completions are
+/// also the client's (latency figures). Returns the event-id gaps the core detected.
+pub(crate) fn feed(
+    core: &mut KvRouterCore,
+    worker: usize,
+    output: &StepOutput,
+    mut recorder: Option<&mut Recorder>,
+) -> u64 {
+    let gaps = apply_events(core, worker, output);
+    for token in &output.tokens {
+        let id = RequestId(token.request_id);
+        // Unknown ids (expired requests) are fine to ignore: their load is already gone.
+        if token.index == 0 {
+            let _ = core.on_first_token(id);
+        }
+        let _ = core.on_output_tokens(id, 1);
+        if let Some(recorder) = recorder.as_deref_mut() {
+            recorder.token(token);
+        }
+    }
+    for finished in &output.finished {
+        // Replay opens no sessions, so there are no deferred session commands to run.
+        let _ = core.on_finished(RequestId(finished.request_id));
+        if let Some(recorder) = recorder.as_deref_mut() {
+            recorder.left(finished.request_id, finished.at, true);
+        }
+    }
+    gaps
+}
+
 /// Feeds one engine's KV events to `core` as worker `worker`; returns the gaps detected.
-pub(crate) fn apply_events(core: &mut KvRouterCore, worker: usize, output: &StepOutput) -> u64 {
+fn apply_events(core: &mut KvRouterCore, worker: usize, output: &StepOutput) -> u64 {
     let mut gaps = 0;
     for event in &output.events {
         let event = RouterEvent {
