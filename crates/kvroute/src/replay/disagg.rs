@@ -84,7 +84,13 @@ impl Dispatcher for DisaggRouterDispatcher {
             self.expired += self.decode.expire(now).requests.len() as u64;
         }
         let route = RouteRequest::new(RequestId(request.id), &request.tokens);
-        let picked = route_index(&mut self.prefill, &route, now, &mut self.rng, &mut self.error);
+        let picked = route_index(
+            &mut self.prefill,
+            &route,
+            now,
+            &mut self.rng,
+            &mut self.error,
+        );
         match picked {
             Some(worker) => {
                 self.recorder.arrived(request.id, worker, now);
@@ -110,7 +116,13 @@ impl DisaggDispatcher for DisaggRouterDispatcher {
     fn pick_decode(&mut self, now: Duration, request: &Request, decode: &[Engine]) -> usize {
         let route = RouteRequest::new(RequestId(request.id), &request.tokens)
             .with_overrides(&self.overrides);
-        let picked = route_index(&mut self.decode, &route, now, &mut self.rng, &mut self.error);
+        let picked = route_index(
+            &mut self.decode,
+            &route,
+            now,
+            &mut self.rng,
+            &mut self.error,
+        );
         match picked {
             Some(worker) => {
                 self.recorder
