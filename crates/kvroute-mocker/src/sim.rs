@@ -180,19 +180,25 @@ impl Simulation {
             let Some(now) = next_engine.into_iter().chain(arrivals.next_at()).min() else {
                 break;
             };
-            advance_due(&mut self.engines, now, &mut out, &mut report, |worker, out| {
-                for token in out.tokens.iter().filter(|t| t.index == 0) {
-                    if let Some(&arrived) = started.get(&token.request_id) {
-                        ttft.push(token.at.saturating_sub(arrived));
+            advance_due(
+                &mut self.engines,
+                now,
+                &mut out,
+                &mut report,
+                |worker, out| {
+                    for token in out.tokens.iter().filter(|t| t.index == 0) {
+                        if let Some(&arrived) = started.get(&token.request_id) {
+                            ttft.push(token.at.saturating_sub(arrived));
+                        }
                     }
-                }
-                for finished in &out.finished {
-                    if let Some(arrived) = started.remove(&finished.request_id) {
-                        e2e.push(finished.at.saturating_sub(arrived));
+                    for finished in &out.finished {
+                        if let Some(arrived) = started.remove(&finished.request_id) {
+                            e2e.push(finished.at.saturating_sub(arrived));
+                        }
                     }
-                }
-                dispatcher.observe(worker, out);
-            });
+                    dispatcher.observe(worker, out);
+                },
+            );
             while let Some(arrival) = arrivals.next_due(now)? {
                 report.arrived += 1;
                 let picked = dispatcher.pick(now, &arrival.request, &self.engines);
@@ -330,52 +336,69 @@ impl DisaggSimulation {
             let mut bad_pick = None;
             let decode = &self.decode;
             let transfer_config = &self.transfer;
-            advance_due(&mut self.prefill, now, &mut out, &mut report, |worker, out| {
-                dispatcher.observe(worker, out);
-                for finished in &out.finished {
-                    let Some((request, _)) = pending.get(&finished.request_id) else {
-                        continue;
-                    };
-                    if finished.reason != crate::request::FinishReason::Length {
-                        pending.remove(&finished.request_id);
-                        continue;
+            advance_due(
+                &mut self.prefill,
+                now,
+                &mut out,
+                &mut report,
+                |worker, out| {
+                    dispatcher.observe(worker, out);
+                    for finished in &out.finished {
+                        let Some((request, _)) = pending.get(&finished.request_id) else {
+                            continue;
+                        };
+                        if finished.reason != crate::request::FinishReason::Length {
+                            pending.remove(&finished.request_id);
+                            continue;
+                        }
+                        let picked = dispatcher.pick_decode(now, request, decode);
+                        let Some(engine) = decode.get(picked) else {
+                            bad_pick.get_or_insert(picked);
+                            continue;
+                        };
+                        let config = engine.config();
+                        let transfer = crate::disagg::transfer_time(
+                            transfer_config,
+                            request.tokens.len(),
+                            config.block_size,
+                            config.speedup,
+                        );
+                        let ready = finished.at.max(now) + transfer;
+                        transfers.push(Reverse((
+                            ready,
+                            next_transfer,
+                            picked,
+                            finished.request_id,
+                        )));
+                        next_transfer += 1;
                     }
-                    let picked = dispatcher.pick_decode(now, request, decode);
-                    let Some(engine) = decode.get(picked) else {
-                        bad_pick.get_or_insert(picked);
-                        continue;
-                    };
-                    let config = engine.config();
-                    let transfer = crate::disagg::transfer_time(
-                        transfer_config,
-                        request.tokens.len(),
-                        config.block_size,
-                        config.speedup,
-                    );
-                    let ready = finished.at.max(now) + transfer;
-                    transfers.push(Reverse((ready, next_transfer, picked, finished.request_id)));
-                    next_transfer += 1;
-                }
-            });
+                },
+            );
             if let Some(picked) = bad_pick {
                 return Err(SimError::NoSuchEngine {
                     picked,
                     engines: self.decode.len(),
                 });
             }
-            advance_due(&mut self.decode, now, &mut out, &mut report, |worker, out| {
-                for token in out.tokens.iter().filter(|t| t.index == 0) {
-                    if let Some((_, arrived)) = pending.get(&token.request_id) {
-                        ttft.push(token.at.saturating_sub(*arrived));
+            advance_due(
+                &mut self.decode,
+                now,
+                &mut out,
+                &mut report,
+                |worker, out| {
+                    for token in out.tokens.iter().filter(|t| t.index == 0) {
+                        if let Some((_, arrived)) = pending.get(&token.request_id) {
+                            ttft.push(token.at.saturating_sub(*arrived));
+                        }
                     }
-                }
-                for finished in &out.finished {
-                    if let Some((_, arrived)) = pending.remove(&finished.request_id) {
-                        e2e.push(finished.at.saturating_sub(arrived));
+                    for finished in &out.finished {
+                        if let Some((_, arrived)) = pending.remove(&finished.request_id) {
+                            e2e.push(finished.at.saturating_sub(arrived));
+                        }
                     }
-                }
-                dispatcher.observe_decode(worker, out);
-            });
+                    dispatcher.observe_decode(worker, out);
+                },
+            );
             while let Some(Reverse((_, _, worker, id))) = transfers
                 .peek()
                 .copied()
@@ -412,7 +435,12 @@ impl DisaggSimulation {
             }
         }
         report.completed = e2e.len() as u64;
-        add_stats(&mut report, &self.prefill, &before_prefill, Counted::Prompts);
+        add_stats(
+            &mut report,
+            &self.prefill,
+            &before_prefill,
+            Counted::Prompts,
+        );
         add_stats(&mut report, &self.decode, &before_decode, Counted::Outputs);
         report.ttft = LatencySummary::from_samples(ttft);
         report.e2e = LatencySummary::from_samples(e2e);
