@@ -67,6 +67,9 @@ struct Active {
     prompt_tokens: u32,
     /// Set on a prefill worker: the params its token carries and the room it fills.
     prefill: Option<PrefillTag>,
+    /// Set on a decode worker given a prefill result with prompt token details: the details it
+    /// reports instead of its own (see [`prefill_details`]).
+    prefill_details: Option<PromptTokensDetails>,
     /// Dropped when the request ends, which ends its cancellation watcher.
     _done: oneshot::Sender<()>,
 }
@@ -269,6 +272,7 @@ fn admit(shared: &Shared, admission: Admission) -> Result<(), EngineError> {
         .as_ref()
         .and_then(|r| r.session_control.clone());
     let prompt_tokens = request.token_ids.len() as u32;
+    let prefill_details = prefill_details(shared.role.as_ref(), &request);
     let mut state = shared.state.lock();
     let session = match control {
         Some(control) => apply_session_control(&mut state.engine, now, &control),
@@ -297,12 +301,28 @@ fn admit(shared: &Shared, admission: Admission) -> Result<(), EngineError> {
             context,
             prompt_tokens,
             prefill,
+            prefill_details,
             _done: done,
         },
     );
     drop(state);
     shared.wake.notify_one();
     Ok(())
+}
+
+/// The prompt token details a decode worker reports for `request`: those of the prefill
+/// result, when it carries any. Like Dynamo's decode handlers, which copy
+/// `prefill_result.prompt_tokens_details` into their usage: the prompt was computed, and its
+/// cache hits found, on the prefill worker, while the decode worker's own cache only received
+/// the transferred KV.
+fn prefill_details(
+    role: Option<&Role>,
+    request: &PreprocessedRequest,
+) -> Option<PromptTokensDetails> {
+    if !matches!(role, Some(Role::Decode(_))) {
+        return None;
+    }
+    request.prefill_result.as_ref()?.prompt_tokens_details
 }
 
 /// Fetches a decode request's prompt KV (bootstrap pull, then the modelled transfer) and admits
@@ -445,10 +465,12 @@ impl State {
                         prompt_tokens: active.prompt_tokens,
                         completion_tokens: finished.output_tokens,
                         total_tokens: active.prompt_tokens + finished.output_tokens,
-                        prompt_tokens_details: Some(PromptTokensDetails {
-                            audio_tokens: None,
-                            cached_tokens: Some(finished.cached_prompt_tokens),
-                        }),
+                        prompt_tokens_details: Some(active.prefill_details.unwrap_or(
+                            PromptTokensDetails {
+                                audio_tokens: None,
+                                cached_tokens: Some(finished.cached_prompt_tokens),
+                            },
+                        )),
                     }),
                     ..LLMEngineOutput::default()
                 },

@@ -49,6 +49,18 @@ pub enum PrefillError {
         /// What it reported.
         message: String,
     },
+    /// The worker of `phase` was lost: it could not be reached, or (prefill) its connection
+    /// dropped before the prefill ended, taking the prefilled KV with it. The request may be
+    /// continued on another worker ([`PrefillError::lost_worker`] names the one to avoid).
+    #[error("{phase} worker {worker_id} was lost: {message}")]
+    WorkerLost {
+        /// The phase that lost its worker.
+        phase: RequestPhase,
+        /// The lost worker.
+        worker_id: WorkerId,
+        /// What the transport said.
+        message: String,
+    },
     /// The prefill worker answered without `disaggregated_params`, so there is nothing to hand
     /// to the decode worker.
     #[error(
@@ -73,7 +85,25 @@ impl PrefillError {
             PhaseRouteError::ResourceExhausted { message, .. } => {
                 PrefillError::ResourceExhausted { phase, message }
             }
+            PhaseRouteError::WorkerLost {
+                worker_id, message, ..
+            } => PrefillError::WorkerLost {
+                phase,
+                worker_id,
+                message,
+            },
             source => PrefillError::Route { phase, source },
+        }
+    }
+
+    /// The phase and worker of a worker loss, the one failure that another worker may recover
+    /// from (the request's migration excludes that worker and routes it again).
+    pub fn lost_worker(&self) -> Option<(RequestPhase, WorkerId)> {
+        match self {
+            PrefillError::WorkerLost {
+                phase, worker_id, ..
+            } => Some((*phase, *worker_id)),
+            _ => None,
         }
     }
 
@@ -85,7 +115,9 @@ impl PrefillError {
             PrefillError::Route { source, .. } => {
                 !matches!(source, PhaseRouteError::UnknownWorker { .. })
             }
-            PrefillError::PrefillFailed { .. } | PrefillError::NoDisaggregatedParams { .. } => true,
+            PrefillError::PrefillFailed { .. }
+            | PrefillError::NoDisaggregatedParams { .. }
+            | PrefillError::WorkerLost { .. } => true,
             _ => false,
         }
     }

@@ -6,16 +6,10 @@
 
 use std::collections::BTreeMap;
 
-use kvroute_protocols::WorkerId;
+use kvroute_protocols::{BOOTSTRAP_HOST_KEY, BOOTSTRAP_PORT_KEY, WorkerId};
 use kvroute_runtime::{InstanceInfo, WorkerRole};
 
 use crate::config::TopologyAffinity;
-
-/// Discovery metadata key of a prefill worker's bootstrap (KV transfer rendezvous) host.
-pub const BOOTSTRAP_HOST_KEY: &str = "bootstrap_host";
-
-/// Discovery metadata key of a prefill worker's bootstrap port (decimal, 1..=65535).
-pub const BOOTSTRAP_PORT_KEY: &str = "bootstrap_port";
 
 /// Where a prefill worker's bootstrap server listens.
 #[derive(Debug, Clone, PartialEq, Eq)]

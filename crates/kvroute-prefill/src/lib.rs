@@ -23,10 +23,10 @@ mod stream;
 
 pub use config::{DisaggMode, PrefillRouterConfig, TopologyAffinity, TopologyMode};
 pub use error::PrefillError;
-pub use fleet::{BOOTSTRAP_HOST_KEY, BOOTSTRAP_PORT_KEY, BootstrapEndpoint, PrefillFleet};
+pub use fleet::{BootstrapEndpoint, PrefillFleet};
 pub use phase::{PhaseRouteError, PhaseRouter, PhaseStream, Routed};
 pub use router::{PrefillRouter, RouteQuery};
-pub use stream::{DisaggStream, Served};
+pub use stream::{DisaggStream, PREFILL_DETAILS_GRACE, Served};
 
 #[cfg(test)]
 mod tests;

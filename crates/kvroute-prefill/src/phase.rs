@@ -11,11 +11,15 @@ use futures::future::BoxFuture;
 use kvroute_protocols::{
     Annotated, LLMEngineOutput, PreprocessedRequest, RequestPhase, WorkerId, WorkerWithDpRank,
 };
+use kvroute_runtime::RequestError;
 
-/// The response items of one routed phase. Transport failures arrive in-band as error items
-/// ([`Annotated::from_error`]); dropping the stream cancels the request on its worker and frees
-/// whatever load the router recorded for it.
-pub type PhaseStream = Pin<Box<dyn Stream<Item = Annotated<LLMEngineOutput>> + Send + 'static>>;
+/// The response items of one routed phase. What the engine says (tokens, error items) arrives as
+/// `Ok` items; a transport failure ends the stream with a typed `Err`, so that a lost worker
+/// ([`RequestError::is_worker_unavailable`]) can be told from an engine that refused. Dropping
+/// the stream cancels the request on its worker and frees whatever load the router recorded for
+/// it.
+pub type PhaseStream =
+    Pin<Box<dyn Stream<Item = Result<Annotated<LLMEngineOutput>, RequestError>> + Send + 'static>>;
 
 /// A request that reached a worker: the worker chosen and its response stream.
 pub struct Routed {
@@ -50,6 +54,9 @@ impl std::fmt::Debug for Routed {
 /// - When the router refuses work because every eligible worker is saturated (admission queue
 ///   full, busy thresholds), it returns [`PhaseRouteError::ResourceExhausted`] so that the caller
 ///   can tell the client to retry.
+/// - When the chosen worker cannot be reached, it returns [`PhaseRouteError::WorkerLost`]; a
+///   stream whose worker goes away ends with the transport's [`RequestError`], not an error
+///   item, so that the request can be continued elsewhere.
 pub trait PhaseRouter: Send + Sync + 'static {
     /// Chooses a worker for `request` in `phase`, sends it there and returns the stream.
     fn route<'a>(
@@ -94,6 +101,17 @@ pub enum PhaseRouteError {
         /// The phase routed.
         phase: RequestPhase,
         /// The router's reason (queue full, busy threshold, ...).
+        message: String,
+    },
+    /// The chosen worker could not be reached (connection refused, timed out or dropped): it is
+    /// most likely gone, and another worker may take the request.
+    #[error("{phase} worker {worker_id} is unavailable: {message}")]
+    WorkerLost {
+        /// The phase routed.
+        phase: RequestPhase,
+        /// The worker that could not be reached.
+        worker_id: WorkerId,
+        /// What the transport said.
         message: String,
     },
     /// The request could not be sent, or the worker refused it.

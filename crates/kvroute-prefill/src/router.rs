@@ -1,10 +1,11 @@
 //! The prefill router: prefill on a prefill worker first, then decode on a decode worker.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use futures::StreamExt;
 use kvroute_protocols::{
-    BootstrapInfo, PreprocessedRequest, RequestPhase, WorkerId, WorkerWithDpRank,
+    Annotated, BootstrapInfo, PreprocessedRequest, PromptTokensDetails, RequestPhase, WorkerId,
+    WorkerWithDpRank,
 };
 use kvroute_runtime::{InstanceSet, WorkerRole};
 use parking_lot::Mutex;
@@ -17,7 +18,7 @@ use crate::error::PrefillError;
 use crate::fleet::PrefillFleet;
 use crate::phase::{PhaseRouter, PhaseStream, Routed};
 use crate::request::{Handoff, PrefillCollector, decode_request, prefill_request};
-use crate::stream::{DisaggStream, Served};
+use crate::stream::{DisaggStream, PrefillLink, Served};
 
 /// Routes requests through a prefill worker and then a decode worker while prefill workers are
 /// registered, and aggregated otherwise. Cheap to clone.
@@ -86,6 +87,11 @@ impl<R: PhaseRouter + ?Sized> PrefillRouter<R> {
         &self.inner.config
     }
 
+    /// The phase router that places each phase.
+    pub fn phases(&self) -> &Arc<R> {
+        &self.inner.phases
+    }
+
     /// The prefill workers of the current discovery snapshot.
     pub fn fleet(&self) -> Arc<PrefillFleet> {
         let snapshot = self.inner.instances.borrow().clone();
@@ -125,7 +131,9 @@ impl<R: PhaseRouter + ?Sized> PrefillRouter<R> {
     /// result or, when the prefill worker offers a bootstrap endpoint, decode at once with the
     /// bootstrap room while prefill runs in the background. Without prefill workers the request
     /// is served aggregated, or refused with [`PrefillError::NotActivated`] when disaggregation
-    /// is enforced.
+    /// is enforced. A worker that cannot be reached, or a prefill worker whose connection drops
+    /// before its prefill ends, is [`PrefillError::WorkerLost`] (when disaggregation is optional
+    /// a lost prefill falls back to aggregated serving, like any failed prefill).
     pub async fn generate(
         &self,
         request_id: &str,
@@ -268,8 +276,13 @@ impl<R: PhaseRouter + ?Sized> PrefillRouter<R> {
             .await
             .map_err(|e| PrefillError::from_route(RequestPhase::Prefill, e))?;
         let worker = routed.worker;
-        let request_id: Arc<str> = request_id.into();
-        let task = tokio::spawn(drain_background_prefill(request_id, worker, routed.stream));
+        let background = BackgroundPrefill {
+            request_id: request_id.into(),
+            worker,
+            details: Arc::default(),
+        };
+        let details = Arc::clone(&background.details);
+        let task = tokio::spawn(background.drain(routed.stream));
         Ok(Prefilled {
             worker,
             handoff: Handoff::Bootstrap(info.clone()),
@@ -277,7 +290,10 @@ impl<R: PhaseRouter + ?Sized> PrefillRouter<R> {
                 prefill: worker,
                 info,
             },
-            task: Some(task),
+            link: PrefillLink {
+                details,
+                task: Some(task),
+            },
         })
     }
 
@@ -297,14 +313,25 @@ impl<R: PhaseRouter + ?Sized> PrefillRouter<R> {
             .map_err(|e| PrefillError::from_route(RequestPhase::Prefill, e))?;
         let mut collector = PrefillCollector::new(worker.worker_id);
         while let Some(item) = stream.next().await {
-            collector.push(item);
+            match item {
+                Ok(item) => collector.push(item),
+                // The prefilled KV lives on the worker: once it is gone, so is the result.
+                Err(error) if error.is_worker_unavailable() => {
+                    return Err(PrefillError::WorkerLost {
+                        phase: RequestPhase::Prefill,
+                        worker_id: worker.worker_id,
+                        message: error.to_string(),
+                    });
+                }
+                Err(error) => collector.push(Annotated::from_error(error.to_string())),
+            }
         }
         let result = collector.finish()?;
         Ok(Prefilled {
             worker,
+            link: PrefillLink::finished(result.prompt_tokens_details),
             handoff: Handoff::Result(result),
             served: Served::PrefillResult { prefill: worker },
-            task: None,
         })
     }
 
@@ -319,7 +346,7 @@ impl<R: PhaseRouter + ?Sized> PrefillRouter<R> {
             worker,
             handoff,
             served,
-            task,
+            link,
         } = prefill;
         let taints = self.topology_taints(fleet, worker.worker_id);
         let decode = decode_request(request, Some(handoff), as_topology(&taints));
@@ -333,11 +360,11 @@ impl<R: PhaseRouter + ?Sized> PrefillRouter<R> {
                 served,
                 routed.worker,
                 routed.stream,
-                task,
+                link,
             )),
             Err(e) => {
                 // Nobody will fetch the KV of a background prefill now.
-                if let Some(task) = task {
+                if let Some(task) = link.task {
                     task.abort();
                 }
                 Err(PrefillError::from_route(RequestPhase::Decode, e))
@@ -356,7 +383,12 @@ impl<R: PhaseRouter + ?Sized> PrefillRouter<R> {
             .route(request_id, request, RequestPhase::Aggregated)
             .await
             .map_err(|e| PrefillError::from_route(RequestPhase::Aggregated, e))?;
-        Ok(DisaggStream::new(Served::Aggregated, worker, stream, None))
+        Ok(DisaggStream::new(
+            Served::Aggregated,
+            worker,
+            stream,
+            PrefillLink::default(),
+        ))
     }
 
     /// The topology taints of prefill worker `worker_id` with the configured mode.
@@ -376,26 +408,46 @@ struct Prefilled {
     worker: WorkerWithDpRank,
     handoff: Handoff,
     served: Served,
-    task: Option<tokio::task::JoinHandle<()>>,
+    link: PrefillLink,
 }
 
 fn as_topology(taints: &Option<(Vec<String>, TopologyMode)>) -> Option<(&[String], TopologyMode)> {
     taints.as_ref().map(|(t, m)| (t.as_slice(), *m))
 }
 
-/// Drains a background prefill; its failure reaches the client through the decode worker,
-/// which cannot fetch the KV, so here it is only logged.
-async fn drain_background_prefill(
+/// A prefill running in the background on the bootstrap path.
+struct BackgroundPrefill {
     request_id: Arc<str>,
     worker: WorkerWithDpRank,
-    mut stream: PhaseStream,
-) {
-    let mut collector = PrefillCollector::new(worker.worker_id);
-    while let Some(item) = stream.next().await {
-        collector.push(item);
-    }
-    match collector.finish() {
-        Ok(_) => tracing::debug!(%request_id, %worker, "background prefill finished"),
-        Err(error) => tracing::warn!(%request_id, %worker, %error, "background prefill failed"),
+    /// Where the prefill worker's prompt token details go, for the decode stream to read.
+    details: Arc<OnceLock<PromptTokensDetails>>,
+}
+
+impl BackgroundPrefill {
+    /// Drains the prefill and hands its prompt token details to the decode stream before the
+    /// task ends (the stream ends only after this task, so it never misses them). A failure
+    /// reaches the client through the decode worker, which cannot fetch the KV, so here it is
+    /// only logged.
+    async fn drain(self, mut stream: PhaseStream) {
+        let Self {
+            request_id,
+            worker,
+            details,
+        } = self;
+        let mut collector = PrefillCollector::new(worker.worker_id);
+        while let Some(item) = stream.next().await {
+            collector.push(item.unwrap_or_else(|e| Annotated::from_error(e.to_string())));
+        }
+        match collector.finish() {
+            Ok(result) => {
+                if let Some(reported) = result.prompt_tokens_details {
+                    let _ = details.set(reported);
+                }
+                tracing::debug!(%request_id, %worker, "background prefill finished");
+            }
+            Err(error) => {
+                tracing::warn!(%request_id, %worker, %error, "background prefill failed");
+            }
+        }
     }
 }

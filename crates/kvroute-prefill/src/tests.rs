@@ -230,10 +230,16 @@ fn bootstrap_endpoints_are_validated() {
     fn check(host: Option<&str>, port: Option<&str>, expect: Option<(&str, u16)>) {
         let mut meta = BTreeMap::new();
         if let Some(h) = host {
-            meta.insert(crate::BOOTSTRAP_HOST_KEY.to_owned(), h.to_owned());
+            meta.insert(
+                kvroute_protocols::BOOTSTRAP_HOST_KEY.to_owned(),
+                h.to_owned(),
+            );
         }
         if let Some(p) = port {
-            meta.insert(crate::BOOTSTRAP_PORT_KEY.to_owned(), p.to_owned());
+            meta.insert(
+                kvroute_protocols::BOOTSTRAP_PORT_KEY.to_owned(),
+                p.to_owned(),
+            );
         }
         let expect = expect.map(|(h, p)| BootstrapEndpoint {
             host: h.to_owned(),
@@ -257,10 +263,10 @@ fn fleet_keeps_prefill_workers_only_and_derives_topology() {
     prefill.metadata.insert("rack".into(), "r1".into());
     prefill
         .metadata
-        .insert(crate::BOOTSTRAP_HOST_KEY.into(), "a".into());
+        .insert(kvroute_protocols::BOOTSTRAP_HOST_KEY.into(), "a".into());
     prefill
         .metadata
-        .insert(crate::BOOTSTRAP_PORT_KEY.into(), "9".into());
+        .insert(kvroute_protocols::BOOTSTRAP_PORT_KEY.into(), "9".into());
     let plain = InstanceInfo::new(3, "b:1", 16).with_role(WorkerRole::Prefill);
     let decode = InstanceInfo::new(4, "c:1", 16).with_role(WorkerRole::Decode);
     let aggregated = InstanceInfo::new(5, "d:1", 16);
@@ -309,4 +315,46 @@ fn only_backpressure_is_retryable() {
     assert!(!unknown.allows_fallback());
     assert!(!PrefillError::NotActivated.is_retryable());
     assert!(PrefillError::NoDisaggregatedParams { worker_id: 1 }.allows_fallback());
+}
+
+#[test]
+fn a_lost_worker_is_named_and_only_worker_losses_are() {
+    use kvroute_protocols::RequestPhase;
+
+    use crate::phase::PhaseRouteError;
+    fn check(error: PrefillError, expect: Option<(RequestPhase, u64)>) {
+        assert_eq!(error.lost_worker(), expect, "{error}");
+    }
+    let lost = PrefillError::from_route(
+        RequestPhase::Decode,
+        PhaseRouteError::WorkerLost {
+            phase: RequestPhase::Decode,
+            worker_id: 7,
+            message: "connection refused".into(),
+        },
+    );
+    assert_eq!(
+        lost.to_string(),
+        "decode worker 7 was lost: connection refused"
+    );
+    assert!(!lost.is_retryable());
+    check(lost, Some((RequestPhase::Decode, 7)));
+    check(
+        PrefillError::from_route(
+            RequestPhase::Prefill,
+            PhaseRouteError::Failed {
+                phase: RequestPhase::Prefill,
+                worker_id: Some(3),
+                message: "the engine failed the request".into(),
+            },
+        ),
+        None,
+    );
+    check(
+        PrefillError::PrefillFailed {
+            worker_id: 3,
+            message: "out of memory".into(),
+        },
+        None,
+    );
 }

@@ -10,8 +10,9 @@
 //! [`RequestGuard`] frees the request however it ends. [`metrics`] names every Prometheus metric.
 //!
 //! [`Migrator`] wraps [`KvPushRouter::generate`] so that a request whose worker dies mid-stream
-//! continues on another worker ([`MigratingStream`]); [`KvPhaseRouter`] places each phase for
-//! kvroute-prefill's `PrefillRouter`. [`http`] is the OpenAI-compatible frontend (axum) over a
+//! continues on another worker ([`MigratingStream`]), and kvroute-prefill's `PrefillRouter` so
+//! that a disaggregated one does too, prefilled again and decoded elsewhere
+//! ([`MigratingDisaggStream`]); [`KvPhaseRouter`] places each phase for the `PrefillRouter`. [`http`] is the OpenAI-compatible frontend (axum) over a
 //! [`Migrator`], with [`tokenizer`] and the served models ([`ModelRegistry`]).
 //!
 //! The core ([`KvRouterCore`] and the types around it) must not use tokio, the transport or
@@ -67,7 +68,9 @@ pub use core::{CoreStats, Expired, KvRouterCore};
 pub use error::RouteError;
 pub use guard::{KvRoutedStream, RequestGuard};
 pub use metrics::RouterMetrics;
-pub use migration::{DEFAULT_MAX_MIGRATIONS, MigratingResponse, MigratingStream, Migrator};
+pub use migration::{
+    DEFAULT_MAX_MIGRATIONS, MigratingDisaggStream, MigratingResponse, MigratingStream, Migrator,
+};
 pub use model::{Model, ModelConfig, ModelRegistry};
 pub use phase::{KvPhaseRouter, role_filtered};
 pub use policy::{Policy, UnknownPolicy};

@@ -8,10 +8,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use futures::StreamExt;
 use futures::future::BoxFuture;
 use kvroute_prefill::{PhaseRouteError, PhaseRouter, Routed as PhaseRouted};
-use kvroute_protocols::{Annotated, PreprocessedRequest, RequestPhase, WorkerWithDpRank};
+use kvroute_protocols::{PreprocessedRequest, RequestPhase, WorkerWithDpRank};
 use kvroute_runtime::{InstanceSet, WorkerRole};
 use kvroute_scheduler::SelectError;
 use rand::SeedableRng;
@@ -92,6 +91,13 @@ fn phase_error(phase: RequestPhase, error: KvRouterError) -> PhaseRouteError {
             phase,
             message: e.to_string(),
         },
+        KvRouterError::Send { worker, source } if crate::migration::send_lost_worker(&source) => {
+            PhaseRouteError::WorkerLost {
+                phase,
+                worker_id: worker.worker_id,
+                message: source.to_string(),
+            }
+        }
         KvRouterError::Send { worker, source } => PhaseRouteError::Failed {
             phase,
             worker_id: Some(worker.worker_id),
@@ -118,15 +124,10 @@ impl PhaseRouter for KvPhaseRouter {
             .retain(|a| !a.starts_with(crate::push::QUERY_INSTANCE_ID));
         Box::pin(async move {
             match self.router(phase).generate_phase(request, phase).await {
-                Ok(KvResponse::Stream(stream)) => {
-                    let worker = stream.worker();
-                    let items = stream
-                        .map(|item| item.unwrap_or_else(|e| Annotated::from_error(e.to_string())));
-                    Ok(PhaseRouted {
-                        worker,
-                        stream: Box::pin(items),
-                    })
-                }
+                Ok(KvResponse::Stream(stream)) => Ok(PhaseRouted {
+                    worker: stream.worker(),
+                    stream: Box::pin(stream),
+                }),
                 Ok(KvResponse::Query(answer)) => Err(PhaseRouteError::Failed {
                     phase,
                     worker_id: Some(answer.worker.worker_id),

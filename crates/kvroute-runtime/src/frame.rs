@@ -19,7 +19,7 @@ use crate::error::RequestError;
 /// worker from builds that frame things differently fail at connect time with a message naming
 /// both versions instead of misreading each other's frames.
 ///
-/// History: 1, the first request plane; 2 added [`Kind::SubscribeKvEvents`] (workers stream KV
+/// History: 1, the first request plane; 2 added the `SubscribeKvEvents` frame (workers stream KV
 /// events over the request-plane connection), which a version-1 worker would answer with an
 /// unknown-kind error mid-session.
 pub const PROTOCOL_VERSION: u16 = 2;

@@ -7,10 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use kvroute_mocker::disagg::{DecodeConfig, Role, prefill_params};
 use kvroute_mocker::live::LiveMocker;
 use kvroute_mocker::{Engine, MockerConfig};
 use kvroute_protocols::{
-    FinishReason, PreprocessedRequest, RoutingHints, SessionAction, SessionControl,
+    FinishReason, PrefillResult, PreprocessedRequest, PromptTokensDetails, RoutingHints,
+    SessionAction, SessionControl,
 };
 use kvroute_runtime::{
     Engine as _, KvEventPublisher, LlmClient, RequestContext, WorkerServer, WorkerServerConfig,
@@ -165,6 +167,54 @@ async fn an_open_session_keeps_its_prefix_for_the_next_turn() {
     assert_eq!(
         cached(turn("t2", (0..64).collect(), Some(SessionAction::Close))).await,
         Some(48)
+    );
+}
+
+/// The cached tokens the last item of `stream` reports.
+async fn reported_cached_tokens(
+    mut stream: kvroute_runtime::ResponseStream<
+        kvroute_protocols::Annotated<kvroute_protocols::LLMEngineOutput>,
+    >,
+) -> Option<u32> {
+    let mut cached = None;
+    while let Some(item) = stream.next().await {
+        assert!(!item.is_error(), "{item:?}");
+        if let Some(usage) = item.data.and_then(|d| d.completion_usage) {
+            cached = usage.prompt_tokens_details.and_then(|d| d.cached_tokens);
+        }
+    }
+    cached
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_decode_worker_reports_the_cached_tokens_of_the_prefill_result() {
+    let config = MockerConfig::default();
+    let block_size = config.block_size;
+    let role = Role::Decode(DecodeConfig::default());
+    let mocker = LiveMocker::spawn_with_role(config, 0, KvEventPublisher::new(6, 1024), role)
+        .expect("valid");
+    let decode = |id: &str, details: Option<PromptTokensDetails>| {
+        let mut req = llm_request(2);
+        req.prefill_result = Some(PrefillResult {
+            disaggregated_params: prefill_params(5, 0, &prompt(), block_size),
+            prompt_tokens_details: details,
+        });
+        mocker
+            .generate(req, RequestContext::new(id))
+            .expect("accepted")
+    };
+    // Without details from the prefill the decode worker reports its own cache: empty at first,
+    // then holding the 2 full blocks of the prompt whose KV it received.
+    assert_eq!(reported_cached_tokens(decode("d1", None)).await, Some(0));
+    assert_eq!(reported_cached_tokens(decode("d2", None)).await, Some(32));
+    // With them it reports the prefill worker's count, where the prompt's cache hits happened.
+    let prefill = PromptTokensDetails {
+        audio_tokens: None,
+        cached_tokens: Some(17),
+    };
+    assert_eq!(
+        reported_cached_tokens(decode("d3", Some(prefill))).await,
+        Some(17)
     );
 }
 

@@ -13,7 +13,7 @@ use kvroute_prefill::{
 use kvroute_protocols::{PreprocessedRequest, RequestPhase, RoutingHints, WorkerWithDpRank};
 use kvroute_runtime::{Discovery as _, WorkerRole};
 
-use crate::support::{Behaviour, Fleet, PushPhases, bootstrap_meta, phase_name};
+use crate::support::{Behaviour, Fleet, PREFILL_DETAILS, PushPhases, bootstrap_meta, phase_name};
 
 /// Every test's bound: a hung path fails instead of stalling the suite.
 const BOUND: Duration = Duration::from_secs(20);
@@ -61,6 +61,7 @@ async fn activates_when_prefill_workers_appear_and_deactivates_when_they_leave()
         // Inactive: the decode worker serves the request whole.
         let stream = router.generate("r1", request(3)).await.expect("served");
         assert_eq!(stream.served(), &Served::Aggregated);
+        assert_eq!(stream.prefill_tokens_details(), None, "no prefill worker");
         assert_eq!(tokens(stream).await, vec![100, 101, 102]);
         let seen = decode.seen();
         assert_eq!(seen[0].prefill_result, None);
@@ -83,6 +84,8 @@ async fn activates_when_prefill_workers_appear_and_deactivates_when_they_leave()
             }
         );
         assert_eq!(stream.worker().worker_id, 20);
+        // The prefill worker's details are known once its result is: before decode streams.
+        assert_eq!(stream.prefill_tokens_details(), Some(PREFILL_DETAILS));
         assert_eq!(tokens(stream).await, vec![100, 101, 102]);
         let to_prefill = prefill.seen();
         assert_eq!(to_prefill.len(), 1);
@@ -95,6 +98,7 @@ async fn activates_when_prefill_workers_appear_and_deactivates_when_they_leave()
             10
         );
         assert_eq!(result.disaggregated_params["prompt_tokens"], 40);
+        assert_eq!(result.prompt_tokens_details, Some(PREFILL_DETAILS));
         let o = to_decode.router_config_override.expect("decode overrides");
         assert_eq!(
             (
@@ -161,7 +165,7 @@ async fn bootstrap_path_starts_decode_at_once_with_the_room() {
             .await;
         let (router, _) = router(&fleet, DisaggMode::Optional);
         for n in 0..3u32 {
-            let stream = router
+            let mut stream = router
                 .generate(&format!("r{n}"), request(4))
                 .await
                 .expect("served");
@@ -174,8 +178,15 @@ async fn bootstrap_path_starts_decode_at_once_with_the_room() {
                 ("127.0.0.1", 7001)
             );
             // Decode waits for the room the background prefill posts, so it only finishes if
-            // both halves met.
-            assert_eq!(tokens(stream).await, vec![100, 101, 102, 103]);
+            // both halves met; the stream ends after the background prefill, whose details
+            // it then has.
+            let mut generated = Vec::new();
+            while let Some(item) = stream.next().await {
+                assert!(!item.is_error(), "{item:?}");
+                generated.extend(item.data.map(|d| d.token_ids).unwrap_or_default());
+            }
+            assert_eq!(generated, vec![100, 101, 102, 103]);
+            assert_eq!(stream.prefill_tokens_details(), Some(PREFILL_DETAILS));
             let to_decode = decode.seen().pop().expect("decode request");
             assert_eq!(to_decode.bootstrap_info.as_ref(), Some(&info));
             assert_eq!(to_decode.prefill_result, None);
@@ -375,6 +386,109 @@ async fn the_prefill_workers_topology_is_merged_into_the_decode_constraints() {
             .expect("constraints");
         assert_eq!(constraints.required_taints, vec!["gpu=h100".to_owned()]);
         assert_eq!(constraints.preferred_taints.get("rack=r7"), Some(&1.5));
+    })
+    .await;
+}
+
+/// Waits (bounded by the test's bound) until `cond` holds.
+async fn until(mut cond: impl FnMut() -> bool) {
+    while !cond() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_prefill_worker_lost_mid_prefill_is_a_worker_loss_served_aggregated_unless_enforced() {
+    bounded(async {
+        let fleet = Fleet::new();
+        let decode = fleet
+            .spawn(20, WorkerRole::Decode, Behaviour::Decode, &[])
+            .await;
+        // The prefill answers its token and then holds the stream open until it dies.
+        let mut prefill = fleet
+            .spawn(10, WorkerRole::Prefill, Behaviour::Stall, &[])
+            .await;
+
+        let (enforced, _) = router(&fleet, DisaggMode::Enforced);
+        let pending = tokio::spawn(async move { enforced.generate("r1", request(2)).await });
+        until(|| prefill.seen().len() == 1).await;
+        prefill.kill();
+        let err = pending
+            .await
+            .expect("joined")
+            .expect_err("the prefill worker is gone");
+        assert!(
+            matches!(
+                &err,
+                PrefillError::WorkerLost {
+                    phase: RequestPhase::Prefill,
+                    worker_id: 10,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(err.lost_worker(), Some((RequestPhase::Prefill, 10)));
+        assert!(!err.is_retryable());
+        assert!(
+            decode.seen().is_empty(),
+            "no decode without the prefilled KV"
+        );
+
+        // Optional disaggregation falls back to aggregated serving, as for any failed prefill.
+        let mut prefill = fleet
+            .spawn(11, WorkerRole::Prefill, Behaviour::Stall, &[])
+            .await;
+        let (optional, _) = router(&fleet, DisaggMode::Optional);
+        let pending = tokio::spawn(async move { optional.generate("r2", request(2)).await });
+        until(|| prefill.seen().len() == 1).await;
+        prefill.kill();
+        let stream = pending.await.expect("joined").expect("fallback");
+        assert_eq!(stream.served(), &Served::Aggregated);
+        assert_eq!(tokens(stream).await.len(), 2);
+        let to_decode = decode.seen().pop().expect("aggregated request");
+        assert_eq!(to_decode.prefill_result, None);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_lost_decode_worker_ends_the_stream_with_a_typed_worker_loss() {
+    bounded(async {
+        let fleet = Fleet::new();
+        let _prefill = fleet
+            .spawn(10, WorkerRole::Prefill, Behaviour::Prefill, &[])
+            .await;
+        let mut typed = fleet
+            .spawn(20, WorkerRole::Decode, Behaviour::Stall, &[])
+            .await;
+        let mut in_band = fleet
+            .spawn(21, WorkerRole::Decode, Behaviour::Stall, &[])
+            .await;
+        let (router, _) = router(&fleet, DisaggMode::Enforced);
+        let pinned = |decode| {
+            let mut req = request(4);
+            req.routing_mut().decode_worker_id = Some(decode);
+            req
+        };
+        let mut first = router.generate("r1", pinned(20)).await.expect("served");
+        let mut second = router.generate("r2", pinned(21)).await.expect("served");
+
+        let item = futures::future::poll_fn(|cx| first.poll_result(cx)).await;
+        assert!(matches!(item, Some(Ok(ref i)) if !i.is_error()), "{item:?}");
+        typed.kill();
+        match futures::future::poll_fn(|cx| first.poll_result(cx)).await {
+            Some(Err(e)) => assert!(e.is_worker_unavailable(), "{e}"),
+            other => panic!("expected the worker loss, got {other:?}"),
+        }
+
+        // Read as a plain stream, the same loss is an error item.
+        let item = second.next().await.expect("the first token");
+        assert!(!item.is_error(), "{item:?}");
+        in_band.kill();
+        let item = second.next().await.expect("the loss");
+        assert!(item.is_error(), "{item:?}");
+        assert!(second.next().await.is_none());
     })
     .await;
 }

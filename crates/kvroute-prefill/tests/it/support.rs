@@ -6,12 +6,10 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use futures::future::BoxFuture;
-use kvroute_prefill::{
-    BOOTSTRAP_HOST_KEY, BOOTSTRAP_PORT_KEY, PhaseRouteError, PhaseRouter, Routed,
-};
+use kvroute_prefill::{PhaseRouteError, PhaseRouter, Routed};
 use kvroute_protocols::{
-    Annotated, CompletionUsage, LLMEngineOutput, PreprocessedRequest, RequestPhase, WorkerId,
-    WorkerWithDpRank,
+    Annotated, BOOTSTRAP_HOST_KEY, BOOTSTRAP_PORT_KEY, CompletionUsage, LLMEngineOutput,
+    PreprocessedRequest, PromptTokensDetails, RequestPhase, WorkerId, WorkerWithDpRank,
 };
 use kvroute_runtime::{
     Discovery, Engine, EngineError, InProcessDiscovery, InstanceInfo, Lease, LlmPushRouter,
@@ -50,15 +48,25 @@ impl Rooms {
     }
 }
 
+/// The prompt token details a fake prefill worker reports on its last item.
+pub(crate) const PREFILL_DETAILS: PromptTokensDetails = PromptTokensDetails {
+    audio_tokens: None,
+    cached_tokens: Some(24),
+};
+
 /// What a fake engine does.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Behaviour {
-    /// Prefill: one token with `disaggregated_params`; posts the bootstrap room.
+    /// Prefill: one token with `disaggregated_params`, then usage with [`PREFILL_DETAILS`];
+    /// posts the bootstrap room.
     Prefill,
     /// Prefill that answers with an error item.
     FailingPrefill,
     /// Decode: waits for the bootstrap room if given, then `max_tokens` tokens.
     Decode,
+    /// Prefill or decode that answers one token (with `disaggregated_params`) and then nothing
+    /// until its worker goes away.
+    Stall,
 }
 
 /// A fake engine that records every request it gets.
@@ -104,12 +112,23 @@ impl Engine for FakeEngine {
                     prompt_tokens: prompt,
                     completion_tokens: 1,
                     total_tokens: prompt + 1,
-                    prompt_tokens_details: None,
+                    prompt_tokens_details: Some(PREFILL_DETAILS),
                 });
                 Ok(Box::pin(futures::stream::iter([
                     Annotated::from_data(first),
                     Annotated::from_data(last),
                 ])))
+            }
+            Behaviour::Stall => {
+                let first = LLMEngineOutput {
+                    token_ids: vec![7],
+                    disaggregated_params: Some(json!({"prefill_worker_id": id})),
+                    ..LLMEngineOutput::default()
+                };
+                Ok(Box::pin(
+                    futures::stream::iter([Annotated::from_data(first)])
+                        .chain(futures::stream::pending()),
+                ))
             }
             Behaviour::Decode => {
                 let rooms = Arc::clone(&self.rooms);
@@ -226,6 +245,15 @@ impl PhaseRouter for PushPhases {
                             phase,
                             worker_id: id,
                         },
+                        RouteError::Request { worker_id, source }
+                            if source.is_worker_unavailable() =>
+                        {
+                            PhaseRouteError::WorkerLost {
+                                phase,
+                                worker_id,
+                                message: source.to_string(),
+                            }
+                        }
                         other => PhaseRouteError::Failed {
                             phase,
                             worker_id: None,
@@ -233,11 +261,9 @@ impl PhaseRouter for PushPhases {
                         },
                     })?;
             let worker = WorkerWithDpRank::new(routed.worker_id(), rank.unwrap_or(0));
-            let stream =
-                routed.map(|item| item.unwrap_or_else(|e| Annotated::from_error(e.to_string())));
             Ok(Routed {
                 worker,
-                stream: Box::pin(stream),
+                stream: Box::pin(routed),
             })
         })
     }
@@ -272,12 +298,18 @@ impl PhaseRouter for PushPhases {
 pub(crate) struct Worker {
     pub(crate) engine: Arc<FakeEngine>,
     pub(crate) lease: Option<Lease>,
-    _server: WorkerServer,
+    server: WorkerServer,
 }
 
 impl Worker {
     pub(crate) fn seen(&self) -> Vec<PreprocessedRequest> {
         self.engine.seen.lock().clone()
+    }
+
+    /// Kills the worker: its connections drop, then discovery forgets it.
+    pub(crate) fn kill(&mut self) {
+        self.server.abort();
+        self.lease.take();
     }
 }
 
@@ -325,7 +357,7 @@ impl Fleet {
         Worker {
             engine,
             lease: Some(lease),
-            _server: server,
+            server,
         }
     }
 }

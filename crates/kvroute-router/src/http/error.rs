@@ -118,9 +118,11 @@ impl ApiError {
     pub fn from_prefill(error: &PrefillError, retry_after: Duration) -> Self {
         let message = error.to_string();
         match error {
-            PrefillError::NotActivated | PrefillError::ResourceExhausted { .. } => {
-                Self::unavailable(message, retry_after)
-            }
+            // A lost worker after the migration budget is spent: as `from_stream` answers a lost
+            // aggregated worker, retryable (another worker may serve the retry).
+            PrefillError::NotActivated
+            | PrefillError::ResourceExhausted { .. }
+            | PrefillError::WorkerLost { .. } => Self::unavailable(message, retry_after),
             PrefillError::UnknownPrefillWorker { .. } => {
                 Self::invalid(message, Some("nvext.prefill_worker_id".to_owned()))
             }
@@ -223,5 +225,26 @@ impl IntoResponse for ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lost_worker_past_the_migration_budget_is_a_retryable_503() {
+        let lost = PrefillError::WorkerLost {
+            phase: kvroute_protocols::RequestPhase::Decode,
+            worker_id: 7,
+            message: "connection reset".to_owned(),
+        };
+        let error = ApiError::from_prefill(&lost, Duration::from_secs(2));
+        assert_eq!(error.status, StatusCode::SERVICE_UNAVAILABLE);
+        let response = error.into_response();
+        assert_eq!(
+            response.headers().get("retry-after").map(|v| v.as_bytes()),
+            Some(&b"2"[..])
+        );
     }
 }

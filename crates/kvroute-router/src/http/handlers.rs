@@ -12,7 +12,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
-use kvroute_prefill::{DisaggMode, DisaggStream};
+use kvroute_prefill::DisaggMode;
 use kvroute_protocols::{
     FinishReason, HeaderOverrides, LLMEngineOutput, NvExt, NvExtResponse, PreprocessedRequest,
     TimingInfo, WorkerIdInfo, WorkerWithDpRank, from_json,
@@ -27,7 +27,7 @@ use crate::http::openai::{
     ChatCompletionRequest, CompletionRequest, Content, Endpoint, Params, Prompt, ResponseMeta,
     finish_reason_str, usage,
 };
-use crate::migration::{MigratingResponse, MigratingStream};
+use crate::migration::{MigratingDisaggStream, MigratingResponse, MigratingStream};
 use crate::model::Model;
 use crate::push::{QueryAnswer, is_query};
 use crate::tokenizer::{IncrementalDetokenizer, TemplateMessage};
@@ -435,7 +435,12 @@ async fn run(state: AppState, p: Prepared) -> Response {
             && (d.router().config().mode == DisaggMode::Enforced || d.router().is_active())
     });
     let response = match disagg {
-        Some(d) => match d.router().generate(&p.meta.id, p.request.clone()).await {
+        Some(d) => match state
+            .inner
+            .migrator
+            .generate_disagg(d.router(), &p.meta.id, p.request.clone())
+            .await
+        {
             Ok(stream) => Output::Disagg(Box::new(stream)),
             Err(e) => return ApiError::from_prefill(&e, retry).into_response(),
         },
@@ -480,7 +485,7 @@ fn query_response(p: &Prepared, answer: QueryAnswer) -> Response {
         Sse::new(events).into_response()
     } else {
         let prompt = p.request.token_ids.len();
-        axum::Json(p.meta.response("", "stop", usage(prompt, 0), ext)).into_response()
+        axum::Json(p.meta.response("", "stop", usage(prompt, 0, None), ext)).into_response()
     }
 }
 
@@ -489,14 +494,14 @@ enum Output {
     /// Aggregated, through the migrator.
     Migrating(Box<MigratingStream>),
     /// Through the prefill router (disaggregated, or its aggregated fallback).
-    Disagg(Box<DisaggStream>),
+    Disagg(Box<MigratingDisaggStream>),
 }
 
 impl Output {
     async fn next(&mut self) -> Option<Result<LlmResponse, RequestError>> {
         match self {
             Output::Migrating(s) => s.next().await,
-            Output::Disagg(s) => s.next().await.map(Ok),
+            Output::Disagg(s) => s.next().await,
         }
     }
 
@@ -517,6 +522,15 @@ impl Output {
             }
         }
     }
+
+    /// The cached prompt tokens the prefill worker reported, when prefill ran on one (read once
+    /// the stream has ended, when they are known on every path).
+    fn prefill_cached_tokens(&self) -> Option<u32> {
+        match self {
+            Output::Migrating(_) => None,
+            Output::Disagg(s) => s.prefill_tokens_details().and_then(|d| d.cached_tokens),
+        }
+    }
 }
 
 fn worker_info(w: WorkerWithDpRank) -> WorkerIdInfo {
@@ -529,11 +543,17 @@ fn worker_info(w: WorkerWithDpRank) -> WorkerIdInfo {
 }
 
 /// What one request has produced so far, for text, usage, timing and the finish reason.
+///
+/// `prompt_tokens` and `completion_tokens` are the router's own counts (it tokenized the prompt
+/// and counts the tokens it relays); from the engines it takes only the cached prompt tokens
+/// (`completion_usage.prompt_tokens_details.cached_tokens`), which it cannot know itself.
 struct Tracker {
     model: Arc<Model>,
     detok: IncrementalDetokenizer,
     prompt_tokens: usize,
     completion_tokens: usize,
+    /// The first cached-token count an engine streaming the output reported, if any did.
+    cached_tokens: Option<u32>,
     finish: Option<FinishReason>,
     received: Instant,
     received_unix_ms: u64,
@@ -559,6 +579,7 @@ impl Tracker {
             detok: IncrementalDetokenizer::new(),
             prompt_tokens,
             completion_tokens: 0,
+            cached_tokens: None,
             finish: None,
             received: p.received,
             received_unix_ms: p.received_unix_ms,
@@ -593,6 +614,22 @@ impl Tracker {
         if data.finish_reason.is_some() {
             self.finish = data.finish_reason.clone();
         }
+        // The first report wins. Engines report usage on their last item, and across a migration
+        // the worker that took over reports over its continuation prompt (the client's prompt
+        // plus the tokens generated before the move), while `cached_tokens` means cached tokens
+        // of the client's prompt: a first worker that did report (on an earlier item) measured
+        // exactly that. A later worker's count is used when no earlier one reported (the usual
+        // case: a lost worker sends no last item) and is capped at the prompt's length in
+        // `usage`; since prefix caching hits a prefix, the cap leaves exactly the client's
+        // prompt tokens found cached. Disaggregated, the items are the decode worker's, whose
+        // count `usage` uses only when the prefill worker reported none: the prompt's cache
+        // hits happen on the prefill worker.
+        if self.cached_tokens.is_none() {
+            self.cached_tokens = data
+                .completion_usage
+                .and_then(|u| u.prompt_tokens_details)
+                .and_then(|d| d.cached_tokens);
+        }
         match &data.text {
             Some(text) => text.clone(),
             None => self
@@ -615,8 +652,18 @@ impl Tracker {
         }
     }
 
-    fn usage(&self) -> Value {
-        usage(self.prompt_tokens, self.completion_tokens)
+    /// The usage to report, given the cached tokens the prefill worker reported (`prefill`),
+    /// which win over the output's engine's: in disaggregated serving the prompt is computed,
+    /// and its cache hit, on the prefill worker (Dynamo's decode workers, too, report the
+    /// prefill's details). The first prefill's count wins across migrations, and either count
+    /// is capped at the prompt's length, for the reasons given in `on_output`.
+    fn usage(&self, prefill: Option<u32>) -> Value {
+        let cached = prefill.or(self.cached_tokens).map(|c| {
+            usize::try_from(c)
+                .unwrap_or(usize::MAX)
+                .min(self.prompt_tokens)
+        });
+        usage(self.prompt_tokens, self.completion_tokens, cached)
     }
 
     fn timing(&self) -> TimingInfo {
@@ -673,10 +720,12 @@ async fn whole_response(
         p.want_worker_id.then(|| stream.workers()),
         p.want_timing.then(|| track.timing()),
     );
-    axum::Json(
-        p.meta
-            .response(&text, track.finish_reason(), track.usage(), ext),
-    )
+    axum::Json(p.meta.response(
+        &text,
+        track.finish_reason(),
+        track.usage(stream.prefill_cached_tokens()),
+        ext,
+    ))
     .into_response()
 }
 
@@ -729,7 +778,7 @@ fn sse_response(
         );
         yield data(&p.meta.chunk(None, false, Some(track.finish_reason()), ext));
         if p.include_usage {
-            yield data(&p.meta.usage_chunk(track.usage()));
+            yield data(&p.meta.usage_chunk(track.usage(stream.prefill_cached_tokens())));
         }
         yield Ok(Event::default().data("[DONE]"));
     };

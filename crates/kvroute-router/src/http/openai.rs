@@ -339,11 +339,20 @@ impl ResponseMeta {
     }
 }
 
-/// OpenAI's `usage` object.
-pub(crate) fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
-    json!({
+/// OpenAI's `usage` object. `prompt_tokens_details.cached_tokens` is written only when a worker
+/// reported it (`cached_tokens` is `Some`): a missing report is not a zero.
+pub(crate) fn usage(
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    cached_tokens: Option<usize>,
+) -> Value {
+    let mut usage = json!({
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-    })
+    });
+    if let Some(cached) = cached_tokens {
+        usage["prompt_tokens_details"] = json!({"cached_tokens": cached});
+    }
+    usage
 }

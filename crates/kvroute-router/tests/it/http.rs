@@ -11,6 +11,8 @@ use tokio::sync::oneshot;
 
 use crate::support::{Fleet, eventually, idle, run};
 
+mod usage;
+
 struct Server {
     base: String,
     state: AppState,
@@ -20,7 +22,11 @@ struct Server {
 
 impl Server {
     async fn start(router: KvPushRouter, config: HttpConfig) -> Server {
-        let state = AppState::new(router, ModelRegistry::mock("mock"), config);
+        Server::serve(AppState::new(router, ModelRegistry::mock("mock"), config)).await
+    }
+
+    /// Serves `state` on an ephemeral loopback port until the server is dropped.
+    async fn serve(state: AppState) -> Server {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let (stop, stopped) = oneshot::channel::<()>();

@@ -1,8 +1,15 @@
-//! Migration without HTTP: a worker killed mid-stream, the request finishing elsewhere.
+//! Migration without HTTP: a worker killed mid-stream, the request finishing elsewhere; a
+//! worker that cannot be reached replaced before the request streams.
+
+use std::sync::atomic::Ordering;
 
 use futures::StreamExt;
 use kvroute_protocols::PreprocessedRequest;
-use kvroute_router::{MigratingResponse, MigratingStream, Migrator, Policy};
+use kvroute_router::{
+    KvPushRouter, KvResponse, KvRoutedStream, KvRouterError, MigratingResponse, MigratingStream,
+    Migrator, Policy,
+};
+use kvroute_runtime::{Lease, RouteError, WorkerRole};
 
 use crate::support::{Behaviour, Fleet, eventually, idle, output_token, request, run};
 
@@ -117,5 +124,110 @@ fn engine_errors_are_not_migrated() {
         assert_eq!(started, 1);
         drop(stream);
         assert!(idle(&router));
+    });
+}
+
+/// Worker 2 (a fake engine) and worker 1, registered but unreachable, which the KV router
+/// prefers: worker 2 carries a stalled request, whose decode load makes it the costlier choice.
+/// Returns the router, the stalled stream (dropping it frees worker 2) and worker 1's lease.
+async fn unreachable_worker_preferred(fleet: &mut Fleet) -> (KvPushRouter, KvRoutedStream, Lease) {
+    fleet.add(2, None).await;
+    let lease = fleet.register_unreachable(1, WorkerRole::Aggregated).await;
+    let router = fleet.router(Policy::Kv).await;
+    eventually("both workers are known", || {
+        router.with_core(|c| c.workers().count()) == 2
+    })
+    .await;
+    let mut stalled = request((100..108).collect(), Behaviour::Stall);
+    stalled.routing_mut().backend_instance_id = Some(2);
+    let KvResponse::Stream(mut stalled) = router.generate(stalled).await.unwrap() else {
+        panic!("expected a stream");
+    };
+    stalled
+        .next()
+        .await
+        .expect("the stalled request's token")
+        .unwrap();
+    (router, stalled, lease)
+}
+
+/// How many requests worker 2 has received.
+fn started_on_worker_2(fleet: &Fleet) -> usize {
+    fleet.worker(2).engine.started.load(Ordering::SeqCst)
+}
+
+#[test]
+fn an_unreachable_worker_chosen_first_is_replaced_before_the_request_streams() {
+    run(async {
+        let mut fleet = Fleet::start(0).await;
+        let (router, stalled, _lease) = unreachable_worker_preferred(&mut fleet).await;
+
+        // Without migrations the loss is the caller's, typed, and names the lost worker.
+        let err = Migrator::new(router.clone(), 0)
+            .generate(slow(4))
+            .await
+            .expect_err("no migration allowed");
+        let KvRouterError::Send { worker, source } = &err else {
+            panic!("expected a send failure, got {err:?}");
+        };
+        assert_eq!(worker.worker_id, 1, "{err}");
+        assert!(
+            matches!(source, RouteError::Request { source, .. } if source.is_worker_unavailable()),
+            "{err}"
+        );
+        assert_eq!(started_on_worker_2(&fleet), 1, "only the stalled request");
+
+        let mut stream = start(&Migrator::new(router.clone(), 3), slow(4)).await;
+        assert_eq!(stream.worker().worker_id, 2);
+        assert_eq!(stream.migrations(), 1);
+        assert_eq!(stream.first_decision().worker.worker_id, 2);
+        let mut tokens = Vec::new();
+        while let Some(item) = stream.next().await {
+            let item = item.expect("the client sees no error");
+            assert!(!item.is_error(), "{item:?}");
+            tokens.extend(item.data.map(|d| d.token_ids).unwrap_or_default());
+        }
+        assert_eq!(tokens, (0..4).map(output_token).collect::<Vec<_>>());
+        // Worker 2 got the request whole (nothing was generated before), kept off worker 1.
+        let sent = fleet
+            .worker(2)
+            .engine
+            .requests
+            .lock()
+            .last()
+            .cloned()
+            .unwrap();
+        assert_eq!(sent.token_ids, (0..16).collect::<Vec<u32>>());
+        assert_eq!(sent.stop_conditions.max_tokens, Some(4));
+        let allowed = sent.routing.and_then(|r| r.allowed_worker_ids);
+        assert_eq!(allowed, Some(vec![2]));
+        drop(stream);
+        drop(stalled);
+        eventually("all load is freed", || idle(&router)).await;
+    });
+}
+
+#[test]
+fn a_request_pinned_to_an_unreachable_worker_fails_typed_without_a_retry() {
+    run(async {
+        let mut fleet = Fleet::start(0).await;
+        let (router, stalled, _lease) = unreachable_worker_preferred(&mut fleet).await;
+        let mut req = slow(4);
+        req.routing_mut().backend_instance_id = Some(1);
+        let err = Migrator::new(router.clone(), 3)
+            .generate(req)
+            .await
+            .expect_err("the pin is honoured");
+        let KvRouterError::Send { worker, source } = &err else {
+            panic!("expected a send failure, got {err:?}");
+        };
+        assert_eq!(worker.worker_id, 1, "{err}");
+        assert!(
+            matches!(source, RouteError::Request { source, .. } if source.is_worker_unavailable()),
+            "{err}"
+        );
+        assert_eq!(started_on_worker_2(&fleet), 1, "never retried on worker 2");
+        drop(stalled);
+        eventually("all load is freed", || idle(&router)).await;
     });
 }

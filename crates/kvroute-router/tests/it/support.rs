@@ -13,7 +13,8 @@ use kvroute_protocols::kv_events::{
     KvCacheStoredBlockData, RouterEvent,
 };
 use kvroute_protocols::{
-    Annotated, LLMEngineOutput, PreprocessedRequest, SessionControl, WorkerWithDpRank,
+    Annotated, CompletionUsage, LLMEngineOutput, PreprocessedRequest, PromptTokensDetails,
+    SessionControl, WorkerWithDpRank,
 };
 use kvroute_router::tokenizer::MockTokenizer;
 use kvroute_router::{KvMode, KvPushRouter, KvPushRouterConfig, Policy};
@@ -91,7 +92,9 @@ pub(crate) fn request(tokens: Vec<u32>, behaviour: Behaviour) -> PreprocessedReq
 /// A fake engine; every served prompt's full blocks become one `Stored` event.
 pub(crate) struct FakeEngine {
     id: u64,
-    /// A prefill worker: its tokens carry `disaggregated_params` for the decode worker.
+    /// A prefill worker: its tokens carry `disaggregated_params` for the decode worker, and its
+    /// last item reports its whole prompt as cached (so that a continuation's prefill, over a
+    /// longer prompt, reports a different count).
     prefill: bool,
     publisher: KvEventPublisher,
     forward: mpsc::UnboundedSender<RouterEvent>,
@@ -159,10 +162,26 @@ impl Engine for FakeEngine {
                 ..LLMEngineOutput::default()
             })
         };
+        let prompt = request.token_ids.len() as u32;
+        let usage = self.prefill.then(|| CompletionUsage {
+            prompt_tokens: prompt,
+            completion_tokens: n,
+            total_tokens: prompt + n,
+            prompt_tokens_details: Some(PromptTokensDetails {
+                audio_tokens: None,
+                cached_tokens: Some(prompt),
+            }),
+        });
+        let last = move |end: LLMEngineOutput| {
+            Annotated::from_data(LLMEngineOutput {
+                completion_usage: usage,
+                ..end
+            })
+        };
         Ok(match behaviour {
             Behaviour::Complete => {
                 let mut items: Vec<LlmResponse> = (0..n).map(token).collect();
-                items.push(Annotated::from_data(LLMEngineOutput::stop()));
+                items.push(last(LLMEngineOutput::stop()));
                 Box::pin(futures::stream::iter(items))
             }
             Behaviour::Slow => {
@@ -173,9 +192,7 @@ impl Engine for FakeEngine {
                         item
                     }
                 });
-                Box::pin(items.chain(futures::stream::iter([Annotated::from_data(
-                    LLMEngineOutput::length(),
-                )])))
+                Box::pin(items.chain(futures::stream::iter([last(LLMEngineOutput::length())])))
             }
             Behaviour::Error => Box::pin(futures::stream::iter(vec![
                 token(0),
@@ -280,6 +297,17 @@ impl Fleet {
             server,
             lease: Some(lease),
         });
+    }
+
+    /// Registers worker `id` with `role` at an address where nothing listens (a port bound
+    /// and released): a worker discovery lists but nobody can reach. It stays registered while
+    /// the lease lives.
+    pub(crate) async fn register_unreachable(&self, id: u64, role: WorkerRole) -> Lease {
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap();
+        let info = InstanceInfo::new(id, addr.to_string(), BLOCK).with_role(role);
+        self.discovery.register(info).await.unwrap()
     }
 
     pub(crate) fn worker(&self, id: u64) -> &Worker {
