@@ -161,7 +161,10 @@ fn run_e2e(root: &Path) -> Result<()> {
         run_command(Command::new(&python).args(["-m", "pip", "install", "--quiet", "openai"]))
             .context("installing the `openai` package into the e2e venv")?;
     }
-    cargo_in(root, &["build", "-p", "kvroute", "--locked"])?;
+    // The same build the test step made (workspace test targets unify dependency features
+    // differently from `-p kvroute` alone, which would rebuild ~30 crates on a cold cache); it
+    // leaves the `kvroute` binary in target/debug.
+    cargo_in(root, &["build", "--workspace", "--tests", "--locked"])?;
     let binary = target.join("debug").join("kvroute");
     let mut cmd = Command::new(&python);
     cmd.arg(root.join("tests").join("openai_client.py"))

@@ -19,6 +19,10 @@
 //! | `worker_active_blocks` | gauge | `worker`, `dp_rank` | active decode blocks (cost model view) |
 //! | `worker_prefill_tokens` | gauge | `worker`, `dp_rank` | prompt tokens not yet prefilled |
 //! | `worker_active_requests` | gauge | `worker`, `dp_rank` | requests in flight |
+//!
+//! When serving disaggregated, `/metrics` shows both phases' routers, each sample labelled
+//! [`ROUTER_LABEL`] = [`ROUTER_PREFILL`] or [`ROUTER_DECODE`] (first label); otherwise no sample
+//! has that label.
 
 use std::time::Duration;
 
@@ -36,6 +40,15 @@ use std::sync::atomic::AtomicU64;
 
 /// The prefix of every metric name.
 pub const METRIC_PREFIX: &str = "kvroute_router";
+
+/// The label telling, when serving disaggregated, which phase's router a sample is from.
+pub const ROUTER_LABEL: &str = "router";
+
+/// [`ROUTER_LABEL`]'s value on the prefill phase's router's samples.
+pub const ROUTER_PREFILL: &str = "prefill";
+
+/// [`ROUTER_LABEL`]'s value on the decode phase's router's samples.
+pub const ROUTER_DECODE: &str = "decode";
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -115,73 +128,82 @@ impl RouterMetrics {
             worker_requests: Family::default(),
             registry: Registry::default(),
         };
+        m.register_all(&mut registry);
+        Self { registry, ..m }
+    }
+
+    /// Registers every metric (clones sharing their values) in `registry`.
+    fn register_all(&self, registry: &mut Registry) {
         registry.register(
             "requests",
             "Requests routed to a worker",
-            m.requests.clone(),
+            self.requests.clone(),
         );
-        registry.register("queries", "Query-only requests answered", m.queries.clone());
+        registry.register(
+            "queries",
+            "Query-only requests answered",
+            self.queries.clone(),
+        );
         registry.register(
             "route_errors",
             "Requests that could not be routed or sent",
-            m.route_errors.clone(),
+            self.route_errors.clone(),
         );
         registry.register(
             "requests_finished",
             "Requests ended, by outcome",
-            m.finished.clone(),
+            self.finished.clone(),
         );
         registry.register(
             "input_tokens",
             "Prompt tokens of routed requests",
-            m.input_tokens.clone(),
+            self.input_tokens.clone(),
         );
         registry.register(
             "output_tokens",
             "Output tokens streamed back",
-            m.output_tokens.clone(),
+            self.output_tokens.clone(),
         );
         registry.register(
             "predicted_cached_tokens",
             "Prompt tokens the KV index predicted cached on the chosen worker",
-            m.predicted_cached_tokens.clone(),
+            self.predicted_cached_tokens.clone(),
         );
         registry.register(
             "predicted_kv_hit_rate",
             "Per request, predicted cached tokens over prompt tokens",
-            m.predicted_hit_rate.clone(),
+            self.predicted_hit_rate.clone(),
         );
         registry.register(
             "time_to_first_token_seconds",
             "Time from sending a request to its first token",
-            m.ttft.clone(),
+            self.ttft.clone(),
         );
         registry.register(
             "inter_token_latency_seconds",
             "Time between output tokens",
-            m.itl.clone(),
+            self.itl.clone(),
         );
         registry.register(
             "routing_overhead_seconds",
             "Time spent routing, by phase",
-            m.overhead.clone(),
+            self.overhead.clone(),
         );
         registry.register(
             "worker_active_blocks",
             "Active KV blocks per worker rank, as the cost model sees them",
-            m.worker_blocks.clone(),
+            self.worker_blocks.clone(),
         );
         registry.register(
             "worker_prefill_tokens",
             "Prompt tokens not yet prefilled per worker rank",
-            m.worker_prefill.clone(),
+            self.worker_prefill.clone(),
         );
         registry.register(
             "worker_active_requests",
             "Requests in flight per worker rank",
-            m.worker_requests.clone(),
+            self.worker_requests.clone(),
         );
-        Self { registry, ..m }
     }
 
     /// A request was routed: its prompt, predicted cache hits and routing time.
@@ -269,6 +291,20 @@ impl RouterMetrics {
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
+        out
+    }
+
+    /// [`Self::encode_text`] with `router="<router>"` ([`ROUTER_LABEL`]) as the first label of
+    /// every sample: the same families, help and values, told apart from another router's.
+    pub fn encode_text_labelled(&self, router: &str) -> String {
+        let mut registry = Registry::with_prefix_and_labels(
+            METRIC_PREFIX,
+            std::iter::once((ROUTER_LABEL.into(), router.to_owned().into())),
+        );
+        self.register_all(&mut registry);
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &registry);
         out
     }
 }

@@ -288,6 +288,13 @@ impl KvPushRouter {
         self.inner.metrics.encode_text()
     }
 
+    /// [`Self::metrics_text`] with `router="<router>"` on every sample (serving disaggregated:
+    /// which phase's router this is; see [`RouterMetrics::encode_text_labelled`]).
+    pub fn metrics_text_labelled(&self, router: &str) -> String {
+        self.inner.refresh_worker_gauges();
+        self.inner.metrics.encode_text_labelled(router)
+    }
+
     /// The metrics registry (for counters read directly).
     pub fn metrics(&self) -> &RouterMetrics {
         &self.inner.metrics

@@ -27,6 +27,7 @@ use crate::http::openai::{
     ChatCompletionRequest, CompletionRequest, Content, Endpoint, Params, Prompt, ResponseMeta,
     finish_reason_str, usage,
 };
+use crate::metrics::{ROUTER_DECODE, ROUTER_PREFILL};
 use crate::migration::{MigratingDisaggStream, MigratingResponse, MigratingStream};
 use crate::model::Model;
 use crate::push::{QueryAnswer, is_query};
@@ -148,71 +149,87 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        match state.disagg() {
+        // Serving disaggregated (while a prefill worker is registered, or always when enforced,
+        // as `generate` decides): both routers, told apart by the `router` label. Otherwise the
+        // decode-phase router serves alone and its text is the aggregated one, unlabelled.
+        match state
+            .disagg()
+            .filter(|d| d.router().config().mode == DisaggMode::Enforced || d.router().is_active())
+        {
             None => state.router().metrics_text(),
-            Some(d) => merge_worker_series(
-                &state.router().metrics_text(),
-                &d.prefill_router().metrics_text(),
+            Some(d) => merge_families(
+                &state.router().metrics_text_labelled(ROUTER_DECODE),
+                &d.prefill_router().metrics_text_labelled(ROUTER_PREFILL),
             ),
         },
     )
         .into_response()
 }
 
-/// `main` (OpenMetrics text) with the per-worker series (samples labelled `worker=`) of `extra`
-/// added to their families. Both routers register the same families, and each family's samples
-/// must stay together, so `extra`'s are inserted after `main`'s; router-wide series (counters,
-/// histograms) are `main`'s alone.
-pub(crate) fn merge_worker_series(main: &str, extra: &str) -> String {
-    // The family a sample line belongs to: the name in the last `# TYPE` line before it.
-    let mut extra_by_family: Vec<(&str, Vec<&str>)> = Vec::new();
-    let mut family = "";
-    for line in extra.lines() {
-        if let Some(rest) = line.strip_prefix("# TYPE ") {
-            family = rest.split(' ').next().unwrap_or("");
-        } else if !line.starts_with('#') && line.contains("worker=\"") {
-            match extra_by_family.last_mut() {
-                Some((f, lines)) if *f == family => lines.push(line),
-                _ => extra_by_family.push((family, vec![line])),
-            }
+/// One metric family of an OpenMetrics text: its name (from `# HELP`, else `# TYPE`), its
+/// metadata lines and its samples.
+struct Family<'a> {
+    name: &'a str,
+    meta: Vec<&'a str>,
+    samples: Vec<&'a str>,
+}
+
+/// The families of an OpenMetrics text, in order (up to `# EOF`). A family starts at a `# HELP`
+/// or `# TYPE` line naming a family other than the current one.
+fn families(text: &str) -> Vec<Family<'_>> {
+    let mut out: Vec<Family<'_>> = Vec::new();
+    for line in text.lines() {
+        if line == "# EOF" {
+            break;
+        }
+        let named = ["# HELP ", "# TYPE ", "# UNIT "]
+            .iter()
+            .find_map(|p| line.strip_prefix(p))
+            .map(|rest| rest.split(' ').next().unwrap_or(""));
+        match (named, out.last_mut()) {
+            (Some(name), Some(f)) if f.name == name => f.meta.push(line),
+            (Some(name), _) => out.push(Family {
+                name,
+                meta: vec![line],
+                samples: Vec::new(),
+            }),
+            (None, Some(f)) => f.samples.push(line),
+            // Samples before any metadata: a family of their own, without a name.
+            (None, None) => out.push(Family {
+                name: "",
+                meta: Vec::new(),
+                samples: vec![line],
+            }),
         }
     }
-    let mut out = String::with_capacity(main.len() + extra.len());
-    let mut family = "";
-    let flush = |family: &str, out: &mut String| {
-        for (_, lines) in extra_by_family.iter().filter(|(f, _)| *f == family) {
-            for line in lines {
-                out.push_str(line);
-                out.push('\n');
-            }
-        }
-    };
-    for line in main.lines() {
-        let next_family = if let Some(rest) = line.strip_prefix("# TYPE ") {
-            Some(rest.split(' ').next().unwrap_or(""))
-        } else if line.starts_with("# HELP ") || line.starts_with("# UNIT ") || line == "# EOF" {
-            Some("")
-        } else {
-            None
-        };
-        if let Some(next) = next_family
-            && next != family
-            && !family.is_empty()
-        {
-            flush(family, &mut out);
-            family = "";
-        }
-        if let Some(next) = next_family
-            && !next.is_empty()
-        {
-            family = next;
-        }
+    out
+}
+
+/// Two OpenMetrics texts (both routers' when serving disaggregated, whose samples carry
+/// distinct `router` labels) as one: each family of `first` with its metadata once and
+/// `second`'s samples of the same family right after `first`'s, so that every family stays
+/// contiguous; families only `second` has follow, then a single `# EOF`.
+pub(crate) fn merge_families(first: &str, second: &str) -> String {
+    let first = families(first);
+    let second = families(second);
+    let mut out = String::new();
+    let mut push = |line: &str| {
         out.push_str(line);
         out.push('\n');
+    };
+    for f in &first {
+        f.meta.iter().chain(&f.samples).for_each(|l| push(l));
+        for s in second.iter().filter(|s| s.name == f.name) {
+            s.samples.iter().for_each(|l| push(l));
+        }
     }
-    if !family.is_empty() {
-        flush(family, &mut out);
+    for s in second
+        .iter()
+        .filter(|s| !first.iter().any(|f| f.name == s.name))
+    {
+        s.meta.iter().chain(&s.samples).for_each(|l| push(l));
     }
+    push("# EOF");
     out
 }
 

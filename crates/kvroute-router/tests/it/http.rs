@@ -11,6 +11,7 @@ use tokio::sync::oneshot;
 
 use crate::support::{Fleet, eventually, idle, run};
 
+mod metrics;
 mod usage;
 
 struct Server {

@@ -225,13 +225,20 @@ impl Fleet {
     }
 }
 
-/// A metric's value for `worker` (dp rank 0) in Prometheus text.
+/// A metric's value for `worker` (dp rank 0) in Prometheus text, whatever other labels the
+/// sample has (`router` when serving disaggregated).
 fn gauge(metrics: &str, name: &str, worker: u64) -> Option<f64> {
-    let prefix = format!("kvroute_router_{name}{{worker=\"{worker}\",dp_rank=\"0\"}} ");
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|v| v.trim().parse().ok())
+    let prefix = format!("kvroute_router_{name}{{");
+    let worker = format!("worker=\"{worker}\"");
+    metrics.lines().find_map(|l| {
+        let (labels, value) = l.strip_prefix(&prefix)?.split_once("} ")?;
+        let labels: Vec<&str> = labels.split(',').collect();
+        if labels.contains(&worker.as_str()) && labels.contains(&"dp_rank=\"0\"") {
+            value.trim().parse().ok()
+        } else {
+            None
+        }
+    })
 }
 
 fn active_requests(metrics: &str, worker: u64) -> Option<u64> {

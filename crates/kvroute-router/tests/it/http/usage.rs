@@ -33,15 +33,15 @@ const ENGINE_PROMPT_TOKENS: u32 = 999;
 /// A worker that streams `max_tokens` (default 5) tokens and reports usage like vLLM: on the
 /// last item, with `prompt_tokens_details.cached_tokens` when it has a count.
 #[derive(Debug, Clone, Copy, Default)]
-struct UsageEngine {
+pub(super) struct UsageEngine {
     /// Cached tokens reported on the first token's item (most engines report none there).
-    first: Option<u32>,
+    pub(super) first: Option<u32>,
     /// Cached tokens reported on the last item (its usage has no details when `None`).
-    last: Option<u32>,
+    pub(super) last: Option<u32>,
     /// Stream the first token, then nothing until the worker dies.
-    stall: bool,
+    pub(super) stall: bool,
     /// A prefill worker: its first item carries `disaggregated_params`.
-    prefill: bool,
+    pub(super) prefill: bool,
 }
 
 fn usage_item(details: Option<PromptTokensDetails>, completion_tokens: u32) -> CompletionUsage {
@@ -99,7 +99,7 @@ impl Engine for UsageEngine {
 }
 
 /// A running [`UsageEngine`] worker; dropping it kills it.
-struct UsageWorker {
+pub(super) struct UsageWorker {
     server: WorkerServer,
     _lease: Lease,
 }
@@ -306,7 +306,7 @@ fn across_a_migration_the_first_workers_cached_tokens_are_reported() {
 
 /// A disaggregated frontend over prefill worker 1 and decode worker 2 (registered with
 /// `prefill_meta` and no metadata); returns the server, both phases' routers and the workers.
-async fn disagg_server(
+pub(super) async fn disagg_server(
     fleet: &Fleet,
     prefill_engine: UsageEngine,
     prefill_meta: &[(&str, &str)],

@@ -1,0 +1,204 @@
+//! `/metrics`: one router's text when serving aggregated; both phases' routers, each sample
+//! labelled `router="prefill"` or `router="decode"`, when serving disaggregated; valid
+//! OpenMetrics either way.
+
+use std::collections::HashSet;
+
+use kvroute_prefill::PrefillRouterConfig;
+use kvroute_router::http::{AppState, Disagg};
+use kvroute_router::{KvPhaseRouter, KvPushRouter, ModelRegistry, Policy, role_filtered};
+use kvroute_runtime::{Discovery, WorkerRole};
+use serde_json::json;
+
+use super::usage::{UsageEngine, disagg_server};
+use super::{Server, chat, test_config};
+use crate::support::{Fleet, eventually, idle, run};
+
+/// The family a sample named `sample` belongs to, among the `declared` ones.
+fn family_of<'a>(sample: &str, declared: &HashSet<&'a str>) -> Option<&'a str> {
+    ["", "_total", "_bucket", "_sum", "_count", "_created"]
+        .iter()
+        .find_map(|suffix| {
+            let base = sample.strip_suffix(suffix)?;
+            declared.get(base).copied()
+        })
+}
+
+/// Checks what a Prometheus scraper needs of an OpenMetrics text: each family's `# HELP` and
+/// `# TYPE` once, every sample right in its own family's block (so each family is one
+/// contiguous block), no series twice, and one `# EOF`, last. Panics naming the offending line.
+fn assert_openmetrics(text: &str) {
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.last(), Some(&"# EOF"), "no final # EOF:\n{text}");
+    assert_eq!(
+        lines.iter().filter(|l| **l == "# EOF").count(),
+        1,
+        "# EOF more than once:\n{text}"
+    );
+    let declared: HashSet<&str> = lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|rest| rest.split(' ').next().unwrap())
+        .collect();
+    let mut seen_help = HashSet::new();
+    let mut seen_type = HashSet::new();
+    let mut series = HashSet::new();
+    let mut current = None;
+    for line in &lines[..lines.len() - 1] {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let name = rest.split(' ').next().unwrap();
+            assert!(seen_help.insert(name), "second # HELP of {name}:\n{text}");
+            current = Some(name);
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let name = rest.split(' ').next().unwrap();
+            assert!(seen_type.insert(name), "second # TYPE of {name}:\n{text}");
+            assert_eq!(current, Some(name), "# TYPE {name} not after its # HELP");
+        } else {
+            assert!(!line.starts_with('#'), "unexpected comment {line:?}");
+            let key = line.rsplit_once(' ').expect("a sample has a value").0;
+            let name = key.split('{').next().unwrap();
+            let family = family_of(name, &declared)
+                .unwrap_or_else(|| panic!("sample {line:?} of no declared family:\n{text}"));
+            assert_eq!(
+                current,
+                Some(family),
+                "sample {line:?} outside its family's block:\n{text}"
+            );
+            assert!(series.insert(key), "series {key} twice:\n{text}");
+        }
+    }
+    assert_eq!(
+        seen_help, seen_type,
+        "families without both # HELP and # TYPE"
+    );
+}
+
+#[test]
+fn the_checker_rejects_split_families_and_a_missing_eof() {
+    let ok = "# HELP a A.\n# TYPE a counter\na_total 1\n# HELP b B.\n# TYPE b gauge\nb 2\n# EOF\n";
+    assert_openmetrics(ok);
+    for bad in [
+        // `a`'s samples in two blocks.
+        "# HELP a A.\n# TYPE a counter\na_total 1\n# HELP b B.\n# TYPE b gauge\nb 2\na_total{x=\"1\"} 1\n# EOF\n",
+        // `a` declared twice.
+        "# HELP a A.\n# TYPE a counter\na_total 1\n# HELP a A.\n# TYPE a counter\n# EOF\n",
+        // The same series twice.
+        "# HELP a A.\n# TYPE a counter\na_total 1\na_total 2\n# EOF\n",
+        // No `# EOF`.
+        "# HELP a A.\n# TYPE a counter\na_total 1\n",
+    ] {
+        assert!(
+            std::panic::catch_unwind(|| assert_openmetrics(bad)).is_err(),
+            "accepted:\n{bad}"
+        );
+    }
+}
+
+/// Serves one request through `server` and checks that `/metrics` is then exactly
+/// `router`'s own text, without a `router` label.
+async fn assert_aggregated_metrics(server: &Server, router: &KvPushRouter) {
+    let (status, _) = server.json("/v1/chat/completions", &chat("count me")).await;
+    assert_eq!(status, 200);
+    // Settled: nothing changes the metrics between the scrape and the direct encoding.
+    eventually("the request has ended", || {
+        idle(router)
+            && router
+                .metrics_text()
+                .contains("kvroute_router_requests_finished_total{outcome=\"ok\"} 1\n")
+    })
+    .await;
+    let (status, metrics) = server.get("/metrics").await;
+    assert_eq!(status, 200);
+    assert_eq!(metrics, router.metrics_text());
+    assert!(!metrics.contains("router=\""), "{metrics}");
+    assert!(
+        metrics.contains("kvroute_router_requests_total 1\n"),
+        "{metrics}"
+    );
+    assert_openmetrics(&metrics);
+}
+
+#[test]
+fn aggregated_metrics_are_the_routers_own_text_without_a_router_label() {
+    run(async {
+        let fleet = Fleet::start(2).await;
+        let router = fleet.router(Policy::Kv).await;
+        let server = Server::start(router.clone(), test_config()).await;
+        assert_aggregated_metrics(&server, &router).await;
+    });
+}
+
+#[test]
+fn metrics_stay_aggregated_while_optional_disaggregation_has_no_prefill_worker() {
+    run(async {
+        // `kvroute serve`'s default: disaggregation configured, two aggregated workers only.
+        let fleet = Fleet::start(2).await;
+        let watch = fleet.discovery.watch();
+        let on = |roles: &'static [WorkerRole]| {
+            fleet.router_on(role_filtered(watch.clone(), roles), Policy::Kv)
+        };
+        let prefill = on(&[WorkerRole::Prefill]).await;
+        let decode = on(&[WorkerRole::Decode, WorkerRole::Aggregated]).await;
+        let disagg = Disagg::new(
+            KvPhaseRouter::new(prefill, decode.clone()),
+            watch.clone(),
+            PrefillRouterConfig::default(),
+        );
+        assert!(!disagg.router().is_active());
+        let state = AppState::new(decode.clone(), ModelRegistry::mock("mock"), test_config())
+            .with_disagg(disagg);
+        let server = Server::serve(state).await;
+        assert_aggregated_metrics(&server, &decode).await;
+    });
+}
+
+#[test]
+fn disaggregated_metrics_show_both_routers_series_labelled_by_router() {
+    run(async {
+        let fleet = Fleet::start(0).await;
+        let prefill_engine = UsageEngine {
+            prefill: true,
+            ..UsageEngine::default()
+        };
+        let (server, prefill, decode, _workers) =
+            disagg_server(&fleet, prefill_engine, &[], UsageEngine::default()).await;
+        let mut body = chat("hello there");
+        body["max_tokens"] = json!(4);
+        let (status, resp) = server.json("/v1/chat/completions", &body).await;
+        assert_eq!(status, 200, "{resp}");
+        eventually("both phases are freed", || idle(&prefill) && idle(&decode)).await;
+        let (status, metrics) = server.get("/metrics").await;
+        assert_eq!(status, 200);
+        assert_openmetrics(&metrics);
+        for router in ["prefill", "decode"] {
+            // Router-wide series: the request counter, the routing overhead per phase, the
+            // predicted KV hit rate.
+            for sample in [
+                format!("kvroute_router_requests_total{{router=\"{router}\"}} 1\n"),
+                format!(
+                    "kvroute_router_routing_overhead_seconds_count{{router=\"{router}\",phase=\"hashing\"}} 1\n"
+                ),
+                format!(
+                    "kvroute_router_routing_overhead_seconds_count{{router=\"{router}\",phase=\"scheduling\"}} 1\n"
+                ),
+                format!("kvroute_router_predicted_kv_hit_rate_count{{router=\"{router}\"}} 1\n"),
+            ] {
+                assert!(metrics.contains(&sample), "no {sample:?} in\n{metrics}");
+            }
+        }
+        // Per-worker series: each phase's router lists its own worker.
+        for sample in [
+            "kvroute_router_worker_active_requests{router=\"prefill\",worker=\"1\",dp_rank=\"0\"} 0\n",
+            "kvroute_router_worker_active_requests{router=\"decode\",worker=\"2\",dp_rank=\"0\"} 0\n",
+        ] {
+            assert!(metrics.contains(sample), "no {sample:?} in\n{metrics}");
+        }
+        // Every sample says which router it is from.
+        for line in metrics.lines().filter(|l| !l.starts_with('#')) {
+            assert!(
+                line.contains("{router=\"prefill\"") || line.contains("{router=\"decode\""),
+                "{line:?} has no router label"
+            );
+        }
+    });
+}
