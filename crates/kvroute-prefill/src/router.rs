@@ -425,7 +425,8 @@ struct BackgroundPrefill {
 
 impl BackgroundPrefill {
     /// Drains the prefill and hands its prompt token details to the decode stream before the
-    /// task ends (the stream ends only after this task, so it never misses them). A failure
+    /// task ends (the stream waits for this task, up to [`crate::PREFILL_DETAILS_GRACE`] past
+    /// the decode output, so it sees them unless the prefill outlives that). A failure
     /// reaches the client through the decode worker, which cannot fetch the KV, so here it is
     /// only logged.
     async fn drain(self, mut stream: PhaseStream) {
