@@ -31,7 +31,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use disagg::DisaggRouterDispatcher;
-use dispatch::RouterDispatcher;
+use dispatch::{RouterDispatcher, RunState};
 use metrics::Recorder;
 use oracle::{Oracle, ratio};
 use policy::ReplayPolicy;
@@ -342,20 +342,28 @@ fn run_policy(
     let core = new_core(plan, config, plan.workers)?;
     let recorder = Recorder::new(plan.workers, load_bucket(plan, records));
     let rng = ChaCha8Rng::seed_from_u64(plan.seed);
-    let mut dispatcher = RouterDispatcher::new(core, rng, recorder, progress);
+    let mut dispatcher = RouterDispatcher::new(core, RunState::new(rng, recorder, progress));
     let result = sim.run(workload::arrivals(records, plan.synthesis), &mut dispatcher);
-    dispatcher.pacer.flush();
-    if let Some(e) = dispatcher.error.take() {
+    let (cores, run) = dispatcher.into_parts();
+    finish_run(policy, result, &cores, run)
+}
+
+/// The end of every policy's run, whatever the serving mode: a routing error or a failed
+/// simulation fails the policy, then every core must be drained.
+fn finish_run(
+    policy: ReplayPolicy,
+    result: Result<SimReport, kvroute_mocker::sim::SimError>,
+    cores: &[(&str, KvRouterCore)],
+    mut run: RunState,
+) -> anyhow::Result<PolicyRun> {
+    run.pacer.flush();
+    if let Some(e) = run.error.take() {
         bail!("policy {policy}: the router could not route a request: {e}");
     }
     let sim_report = result.with_context(|| format!("policy {policy}: simulation failed"))?;
-    check_drained(
-        policy,
-        &[("", dispatcher.core())],
-        dispatcher.recorder.in_flight(),
-    )?;
-    warn_gaps(policy, dispatcher.gaps, dispatcher.expired);
-    let mut recorder = dispatcher.recorder;
+    check_drained(policy, cores, run.recorder.in_flight())?;
+    warn_gaps(policy, run.gaps, run.expired);
+    let mut recorder = run.recorder;
     recorder.load.finish(sim_report.simulated);
     Ok(PolicyRun {
         sim: sim_report,
@@ -408,29 +416,18 @@ fn run_disagg_policy(
     let decode_core = new_core(plan, config, plan.workers)?;
     let recorder = Recorder::new(prefill + plan.workers, load_bucket(plan, records));
     let rng = ChaCha8Rng::seed_from_u64(plan.seed);
-    let mut dispatcher =
-        DisaggRouterDispatcher::new(prefill_core, decode_core, prefill, rng, recorder, progress);
+    let run = RunState::new(rng, recorder, progress);
+    let mut dispatcher = DisaggRouterDispatcher::new(prefill_core, decode_core, prefill, run);
     let result = sim.run(workload::arrivals(records, plan.synthesis), &mut dispatcher);
-    dispatcher.pacer.flush();
-    if let Some(e) = dispatcher.error.take() {
-        bail!("policy {policy}: the router could not route a request: {e}");
-    }
-    let sim_report = result.with_context(|| format!("policy {policy}: simulation failed"))?;
-    check_drained(policy, &dispatcher.cores(), dispatcher.recorder.in_flight())?;
-    warn_gaps(policy, dispatcher.gaps, dispatcher.expired);
-    let mut recorder = dispatcher.recorder;
-    recorder.load.finish(sim_report.simulated);
-    Ok(PolicyRun {
-        sim: sim_report,
-        recorder,
-    })
+    let (cores, run) = dispatcher.into_parts();
+    finish_run(policy, result, &cores, run)
 }
 
 /// Every request that entered the router left it: no request, load or in-flight entry remains
 /// in any of `cores` (named by role, empty for the aggregated router).
 fn check_drained(
     policy: ReplayPolicy,
-    cores: &[(&str, &KvRouterCore)],
+    cores: &[(&str, KvRouterCore)],
     in_flight: usize,
 ) -> anyhow::Result<()> {
     for (role, core) in cores {

@@ -7,15 +7,12 @@
 
 use std::time::Duration;
 
-use indicatif::ProgressBar;
 use kvroute_mocker::sim::{DisaggDispatcher, Dispatcher};
 use kvroute_mocker::{Engine, Request, RequestError, StepOutput};
 use kvroute_protocols::RouterConfigOverride;
-use kvroute_router::{KvRouterCore, RequestId, RouteError, RouteRequest};
-use rand_chacha::ChaCha8Rng;
+use kvroute_router::{KvRouterCore, RequestId, RouteRequest};
 
-use crate::replay::dispatch::{Pacer, feed, route_index};
-use crate::replay::metrics::Recorder;
+use crate::replay::dispatch::{RunState, feed};
 
 /// The decode-phase overrides of `kvroute-prefill` (`request::decode_override(None)`): the
 /// prompt's KV arrives from the prefill worker, so cached overlap earns no credit, no reuse is
@@ -36,15 +33,7 @@ pub(crate) struct DisaggRouterDispatcher {
     decode: KvRouterCore,
     prefill_workers: usize,
     overrides: RouterConfigOverride,
-    rng: ChaCha8Rng,
-    pub(crate) recorder: Recorder,
-    pub(crate) pacer: Pacer,
-    /// The first routing failure; the run stops there.
-    pub(crate) error: Option<RouteError>,
-    /// Event-id gaps either core detected (none expected).
-    pub(crate) gaps: u64,
-    /// Requests either core expired before they finished.
-    pub(crate) expired: u64,
+    run: RunState,
 }
 
 impl DisaggRouterDispatcher {
@@ -53,47 +42,36 @@ impl DisaggRouterDispatcher {
         prefill: KvRouterCore,
         decode: KvRouterCore,
         prefill_workers: usize,
-        rng: ChaCha8Rng,
-        recorder: Recorder,
-        progress: ProgressBar,
+        run: RunState,
     ) -> Self {
         Self {
             prefill,
             decode,
             prefill_workers,
             overrides: decode_override(),
-            rng,
-            recorder,
-            pacer: Pacer::new(progress),
-            error: None,
-            gaps: 0,
-            expired: 0,
+            run,
         }
     }
 
-    /// Both cores, after the run (to check that all load was freed).
-    pub(crate) fn cores(&self) -> [(&'static str, &KvRouterCore); 2] {
-        [("prefill", &self.prefill), ("decode", &self.decode)]
+    /// Both cores, named by role for the drain check, and the run's state, after the run.
+    pub(crate) fn into_parts(self) -> (Vec<(&'static str, KvRouterCore)>, RunState) {
+        (
+            vec![("prefill", self.prefill), ("decode", self.decode)],
+            self.run,
+        )
     }
 }
 
 impl Dispatcher for DisaggRouterDispatcher {
     fn pick(&mut self, now: Duration, request: &Request, engines: &[Engine]) -> usize {
-        if self.pacer.arrival(now) {
-            self.expired += self.prefill.expire(now).requests.len() as u64;
-            self.expired += self.decode.expire(now).requests.len() as u64;
+        if self.run.pacer.arrival(now) {
+            self.run.expired += self.prefill.expire(now).requests.len() as u64;
+            self.run.expired += self.decode.expire(now).requests.len() as u64;
         }
         let route = RouteRequest::new(RequestId(request.id), &request.tokens);
-        let picked = route_index(
-            &mut self.prefill,
-            &route,
-            now,
-            &mut self.rng,
-            &mut self.error,
-        );
-        match picked {
+        match self.run.route(&mut self.prefill, &route, now) {
             Some(worker) => {
-                self.recorder.arrived(request.id, worker, now);
+                self.run.recorder.arrived(request.id, worker, now);
                 worker
             }
             // An index past the last engine stops the simulation; the caller reports the error.
@@ -103,12 +81,12 @@ impl Dispatcher for DisaggRouterDispatcher {
 
     fn observe(&mut self, worker: usize, output: &StepOutput) {
         // The prefill's single token is not the client's: only the core's load follows it.
-        self.gaps += feed(&mut self.prefill, worker, output, None);
+        self.run.gaps += feed(&mut self.prefill, worker, output, None);
     }
 
     fn rejected(&mut self, now: Duration, _worker: usize, id: u64, _error: &RequestError) {
         let _ = self.prefill.on_failed(RequestId(id));
-        self.recorder.left(id, now, false);
+        self.run.recorder.left(id, now, false);
     }
 }
 
@@ -116,16 +94,10 @@ impl DisaggDispatcher for DisaggRouterDispatcher {
     fn pick_decode(&mut self, now: Duration, request: &Request, decode: &[Engine]) -> usize {
         let route = RouteRequest::new(RequestId(request.id), &request.tokens)
             .with_overrides(&self.overrides);
-        let picked = route_index(
-            &mut self.decode,
-            &route,
-            now,
-            &mut self.rng,
-            &mut self.error,
-        );
-        match picked {
+        match self.run.route(&mut self.decode, &route, now) {
             Some(worker) => {
-                self.recorder
+                self.run
+                    .recorder
                     .moved(request.id, self.prefill_workers + worker, now);
                 worker
             }
@@ -134,12 +106,17 @@ impl DisaggDispatcher for DisaggRouterDispatcher {
     }
 
     fn observe_decode(&mut self, worker: usize, output: &StepOutput) {
-        self.gaps += feed(&mut self.decode, worker, output, Some(&mut self.recorder));
+        self.run.gaps += feed(
+            &mut self.decode,
+            worker,
+            output,
+            Some(&mut self.run.recorder),
+        );
     }
 
     fn rejected_decode(&mut self, now: Duration, _worker: usize, id: u64, _error: &RequestError) {
         let _ = self.decode.on_failed(RequestId(id));
-        self.recorder.left(id, now, false);
+        self.run.recorder.left(id, now, false);
     }
 }
 

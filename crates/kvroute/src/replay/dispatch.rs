@@ -25,52 +25,30 @@ const PROGRESS_STEP: u64 = 64;
 /// Drives one [`KvRouterCore`] from a simulation.
 pub(crate) struct RouterDispatcher {
     core: KvRouterCore,
-    rng: ChaCha8Rng,
-    pub(crate) recorder: Recorder,
-    pub(crate) pacer: Pacer,
-    /// The first routing failure; the run stops there.
-    pub(crate) error: Option<RouteError>,
-    /// Event-id gaps the core detected (none expected: the simulation loses no events).
-    pub(crate) gaps: u64,
-    /// Requests the core expired before they finished.
-    pub(crate) expired: u64,
+    run: RunState,
 }
 
 impl RouterDispatcher {
     /// Wraps `core`, whose workers `0..` must be the simulation's engines in order.
-    pub(crate) fn new(
-        core: KvRouterCore,
-        rng: ChaCha8Rng,
-        recorder: Recorder,
-        progress: ProgressBar,
-    ) -> Self {
-        Self {
-            core,
-            rng,
-            recorder,
-            pacer: Pacer::new(progress),
-            error: None,
-            gaps: 0,
-            expired: 0,
-        }
+    pub(crate) fn new(core: KvRouterCore, run: RunState) -> Self {
+        Self { core, run }
     }
 
-    /// The core, after the run (to check that all load was freed).
-    pub(crate) fn core(&self) -> &KvRouterCore {
-        &self.core
+    /// The core (named for the drain check) and the run's state, after the run.
+    pub(crate) fn into_parts(self) -> (Vec<(&'static str, KvRouterCore)>, RunState) {
+        (vec![("", self.core)], self.run)
     }
 }
 
 impl Dispatcher for RouterDispatcher {
     fn pick(&mut self, now: Duration, request: &Request, engines: &[Engine]) -> usize {
-        if self.pacer.arrival(now) {
-            self.expired += self.core.expire(now).requests.len() as u64;
+        if self.run.pacer.arrival(now) {
+            self.run.expired += self.core.expire(now).requests.len() as u64;
         }
         let route = RouteRequest::new(RequestId(request.id), &request.tokens);
-        let picked = route_index(&mut self.core, &route, now, &mut self.rng, &mut self.error);
-        match picked {
+        match self.run.route(&mut self.core, &route, now) {
             Some(worker) => {
-                self.recorder.arrived(request.id, worker, now);
+                self.run.recorder.arrived(request.id, worker, now);
                 worker
             }
             // An index past the last engine makes the simulation stop with an error; the caller
@@ -80,12 +58,56 @@ impl Dispatcher for RouterDispatcher {
     }
 
     fn observe(&mut self, worker: usize, output: &StepOutput) {
-        self.gaps += feed(&mut self.core, worker, output, Some(&mut self.recorder));
+        self.run.gaps += feed(&mut self.core, worker, output, Some(&mut self.run.recorder));
     }
 
     fn rejected(&mut self, now: Duration, _worker: usize, id: u64, _error: &RequestError) {
         let _ = self.core.on_failed(RequestId(id));
-        self.recorder.left(id, now, false);
+        self.run.recorder.left(id, now, false);
+    }
+}
+
+/// What every dispatcher keeps besides its router cores: the tie-break RNG, the client-side
+/// figures, progress and expiry pacing, and what went wrong.
+pub(crate) struct RunState {
+    rng: ChaCha8Rng,
+    pub(crate) recorder: Recorder,
+    pub(crate) pacer: Pacer,
+    /// The first routing failure; the run stops there.
+    pub(crate) error: Option<RouteError>,
+    /// Event-id gaps the cores detected (none expected: the simulation loses no events).
+    pub(crate) gaps: u64,
+    /// Requests the cores expired before they finished.
+    pub(crate) expired: u64,
+}
+
+impl RunState {
+    pub(crate) fn new(rng: ChaCha8Rng, recorder: Recorder, progress: ProgressBar) -> Self {
+        Self {
+            rng,
+            recorder,
+            pacer: Pacer::new(progress),
+            error: None,
+            gaps: 0,
+            expired: 0,
+        }
+    }
+
+    /// Routes `route` with `core` and returns the chosen worker's index, or records the first
+    /// routing error and returns `None`.
+    pub(crate) fn route(
+        &mut self,
+        core: &mut KvRouterCore,
+        route: &RouteRequest<'_>,
+        now: Duration,
+    ) -> Option<usize> {
+        match core.route(route, now, &mut self.rng) {
+            Ok(routed) => Some(routed.worker.worker_id as usize),
+            Err(e) => {
+                self.error.get_or_insert(e);
+                None
+            }
+        }
     }
 }
 
@@ -122,24 +144,6 @@ impl Pacer {
     /// Reports progress not yet shown.
     pub(crate) fn flush(&mut self) {
         self.progress.inc(std::mem::take(&mut self.unreported));
-    }
-}
-
-/// Routes `route` with `core` and returns the chosen worker's index, or records the first
-/// routing error in `error` and returns `None`.
-pub(crate) fn route_index(
-    core: &mut KvRouterCore,
-    route: &RouteRequest<'_>,
-    now: Duration,
-    rng: &mut ChaCha8Rng,
-    error: &mut Option<RouteError>,
-) -> Option<usize> {
-    match core.route(route, now, rng) {
-        Ok(routed) => Some(routed.worker.worker_id as usize),
-        Err(e) => {
-            error.get_or_insert(e);
-            None
-        }
     }
 }
 
