@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::{cargo, fuzz, tidy};
+use crate::{cargo, fuzz, python, tidy};
 
 /// Options of `cargo xtask ci`.
 #[derive(clap::Args)]
@@ -47,6 +47,12 @@ pub(crate) fn run(root: &Path, args: &CiArgs) -> Result<()> {
     };
 
     setup_nats_env();
+    let mut python = None;
+    step("python", &mut || {
+        python = Some(python::ensure(root, &venv_dir(root))?);
+        Ok(())
+    })?;
+    let python = python.context("the python step set no interpreter")?;
 
     step("fmt", &mut || {
         cargo_in(root, &["fmt", "--all", "--", "--check"])
@@ -67,8 +73,8 @@ pub(crate) fn run(root: &Path, args: &CiArgs) -> Result<()> {
         )
     })?;
     step("tidy", &mut || tidy::run_all(root))?;
-    step("test", &mut || run_tests(root))?;
-    step("e2e", &mut || run_e2e(root))?;
+    step("test", &mut || run_tests(root, &python))?;
+    step("e2e", &mut || run_e2e(root, &python))?;
     step("doc", &mut || {
         let mut cmd = cargo_cmd(root);
         cmd.args(["doc", "--workspace", "--no-deps", "--locked"])
@@ -101,8 +107,14 @@ fn print_timings(timings: &[(&str, Duration)]) {
 }
 
 /// Tests: cargo-nextest when it is installed (faster, one process per test), else `cargo test`.
-/// nextest does not run doctests, so those run separately.
-fn run_tests(root: &Path) -> Result<()> {
+/// nextest does not run doctests, so those run separately. Tests that run Python find the test
+/// venv's interpreter in [`python::PYTHON_ENV`].
+fn run_tests(root: &Path, python: &Path) -> Result<()> {
+    let cargo_in = |root: &Path, args: &[&str]| {
+        let mut cmd = cargo_cmd(root);
+        cmd.args(args).env(python::PYTHON_ENV, python);
+        run_command(&mut cmd)
+    };
     let has_nextest = Command::new(cargo())
         .args(["nextest", "--version"])
         .output()
@@ -131,42 +143,15 @@ fn run_tests(root: &Path) -> Result<()> {
 const E2E_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// The black-box tests of the binary in `tests/`: a stock OpenAI client (the `openai` package
-/// from PyPI, in a venv this step creates and reuses) against `kvroute serve` and mock workers.
-fn run_e2e(root: &Path) -> Result<()> {
-    let python_ok = Command::new("python3")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !python_ok {
-        bail!(
-            "the e2e step needs python3 with the venv module on PATH \
-             (e.g. `apt-get install python3 python3-venv`)"
-        );
-    }
+/// from PyPI, in the test venv) against `kvroute serve` and mock workers.
+fn run_e2e(root: &Path, python: &Path) -> Result<()> {
     let target = target_dir(root);
-    let venv = match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(_) => target.join("..").join("venv"),
-        None => home_cache().join("venv"),
-    };
-    let python = venv.join("bin").join("python");
-    if !python.exists() {
-        run_command(Command::new("python3").arg("-m").arg("venv").arg(&venv))
-            .context("creating the e2e venv (is the python3 venv module installed?)")?;
-    }
-    let has_openai = Command::new(&python)
-        .args(["-c", "import openai"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_openai {
-        run_command(Command::new(&python).args(["-m", "pip", "install", "--quiet", "openai"]))
-            .context("installing the `openai` package into the e2e venv")?;
-    }
     // The same build the test step made (workspace test targets unify dependency features
     // differently from `-p kvroute` alone, which would rebuild ~30 crates on a cold cache); it
     // leaves the `kvroute` binary in target/debug.
     cargo_in(root, &["build", "--workspace", "--tests", "--locked"])?;
     let binary = target.join("debug").join("kvroute");
-    let mut cmd = Command::new(&python);
+    let mut cmd = Command::new(python);
     cmd.arg(root.join("tests").join("openai_client.py"))
         .arg(&binary)
         .current_dir(root);
@@ -196,6 +181,15 @@ fn target_dir(root: &Path) -> std::path::PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR") {
         Some(dir) => root.join(dir),
         None => root.join("target"),
+    }
+}
+
+/// The test venv: beside the target directory when it is outside the clone (CI keeps both),
+/// else in `~/.cache/kvroute`.
+fn venv_dir(root: &Path) -> std::path::PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(_) => target_dir(root).join("..").join("venv"),
+        None => home_cache().join("venv"),
     }
 }
 

@@ -78,8 +78,8 @@ fn list_targets(root: &Path) -> Result<Vec<String>> {
     Ok(targets)
 }
 
-/// Fuzzing needs the nightly toolchain and the cargo-fuzz subcommand; say which is missing and
-/// how to get it instead of failing inside cargo.
+/// Fuzzing needs the nightly toolchain and the cargo-fuzz subcommand: installs cargo-fuzz when it
+/// is missing, and says how to get a nightly instead of failing inside cargo.
 fn check_prerequisites(root: &Path) -> Result<()> {
     if !root.join("fuzz").join("Cargo.toml").exists() {
         bail!("no fuzz/Cargo.toml: the fuzz workspace is missing");
@@ -94,14 +94,27 @@ fn check_prerequisites(root: &Path) -> Result<()> {
              `cargo xtask ci` to skip this step on a developer machine"
         );
     }
-    let fuzz = Command::new("cargo")
-        .args(["+nightly", "fuzz", "--version"])
-        .output();
-    if !fuzz.is_ok_and(|o| o.status.success()) {
-        bail!(
-            "fuzzing needs cargo-fuzz: install it with `cargo install cargo-fuzz --locked` \
-             (.ci/run does this on a fresh machine)"
-        );
+    let has_fuzz = || {
+        Command::new("cargo")
+            .args(["+nightly", "fuzz", "--version"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if !has_fuzz() {
+        // A fresh machine: build cargo-fuzz from crates.io with the pinned toolchain (it runs
+        // under any toolchain once installed), from `/` so that this workspace's
+        // rust-toolchain.toml and lockfile stay out of it.
+        eprintln!("cargo-fuzz is missing: installing it (`cargo install cargo-fuzz --locked`)");
+        let mut install = Command::new("cargo");
+        install
+            .current_dir("/")
+            .args(["+1.95.0", "install", "cargo-fuzz", "--locked", "--quiet"]);
+        run_command(&mut install).context(
+            "installing cargo-fuzz failed: install it by hand with              `cargo install cargo-fuzz --locked`, or pass `--no-fuzz` to skip fuzzing",
+        )?;
+        if !has_fuzz() {
+            bail!("cargo-fuzz was installed but `cargo +nightly fuzz --version` still fails");
+        }
     }
     Ok(())
 }

@@ -7,6 +7,7 @@
 
 mod ci;
 mod fuzz;
+mod python;
 mod tidy;
 
 use std::path::{Path, PathBuf};
@@ -33,13 +34,31 @@ enum Command {
     /// Run a benchmark binary with its own arguments, e.g. `bench indexer --trace FILE`.
     Bench {
         /// Which bench: `indexer` (trace replay through the KV index), `indexer-soak`, `mocker`
-        /// (simulation speed) or `request-plane` (TCP round trips).
+        /// (simulation speed), `request-plane` (TCP round trips), `router-overhead` or
+        /// `engine-adapter` (what kvroute adds in front of an engine's HTTP API).
         which: String,
         /// Arguments passed through to the bench binary.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Soak a real `kvroute serve` with three mock workers for N minutes: mixed streaming
+    /// traffic, sessions, client errors, cancellations, and a worker SIGKILLed and restarted every
+    /// few seconds; at the end it checks that every request is accounted for (ok, client error,
+    /// retryable, cancelled), the router holds no load, no worker holds a session and the
+    /// router's RSS stayed flat, and prints a one-line summary.
+    ///
+    /// Runs `cargo test --release -p kvroute --test it soak -- --nocapture` with
+    /// `KVROUTE_SOAK_SECONDS` = N * 60, e.g. `cargo xtask soak --minutes 30`. CI runs the same
+    /// test for 15 s in a debug build as part of the ordinary tests.
+    Soak {
+        /// How long the traffic runs, in minutes (1 to 240).
+        #[arg(long)]
+        minutes: u64,
+    },
 }
+
+/// The longest soak `cargo xtask soak` runs (4 hours).
+const MAX_SOAK_MINUTES: u64 = 240;
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
@@ -49,6 +68,7 @@ fn main() -> Result<()> {
         Command::Tidy => tidy::run_all(&root),
         Command::Fuzz(args) => fuzz::run(&root, &args),
         Command::Bench { which, args } => bench(&root, &which, &args),
+        Command::Soak { minutes } => soak(&root, minutes),
     }
 }
 
@@ -68,6 +88,7 @@ const BENCHES: &[(&str, &str, &str)] = &[
     ("mocker", "kvroute-mocker", "simulate"),
     ("request-plane", "kvroute-runtime", "request_plane"),
     ("router-overhead", "kvroute", "router_overhead"),
+    ("engine-adapter", "kvroute", "engine_adapter"),
 ];
 
 fn bench(root: &Path, which: &str, args: &[String]) -> Result<()> {
@@ -88,4 +109,27 @@ fn bench(root: &Path, which: &str, args: &[String]) -> Result<()> {
 /// The cargo that invoked us (so `cargo +toolchain xtask` stays on that toolchain).
 fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
+}
+
+/// Runs the soak test in release mode for `minutes` minutes (bounded by [`MAX_SOAK_MINUTES`]).
+fn soak(root: &Path, minutes: u64) -> Result<()> {
+    anyhow::ensure!(
+        (1..=MAX_SOAK_MINUTES).contains(&minutes),
+        "--minutes {minutes}: a soak runs 1 to {MAX_SOAK_MINUTES} minutes"
+    );
+    let mut cmd = std::process::Command::new(cargo());
+    cmd.current_dir(root)
+        .env("KVROUTE_SOAK_SECONDS", (minutes * 60).to_string())
+        .args([
+            "test",
+            "--release",
+            "-p",
+            "kvroute",
+            "--test",
+            "it",
+            "soak",
+            "--",
+            "--nocapture",
+        ]);
+    ci::run_command(&mut cmd)
 }

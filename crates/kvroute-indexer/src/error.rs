@@ -8,7 +8,8 @@ use kvroute_protocols::kv_events::{ExternalSequenceBlockHash, StorageTier};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum IndexError {
-    /// A `Stored` chain continues a parent block the worker does not hold (in that tier).
+    /// A `Stored` chain continues a parent block the worker does not hold (in that tier; a
+    /// slower tier's chain may also continue a parent held in any other tier).
     #[error(
         "stored event of {worker} ({tier:?}) continues parent block {parent:?}, which the worker \
          does not hold; expected a parent stored earlier or none"

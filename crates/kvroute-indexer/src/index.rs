@@ -5,7 +5,9 @@
 //! holding it, an inline `u64` bitset for slots 0..64 plus a spill table for larger fleets. Each
 //! worker lane (worker, dp rank, tier) maps the engine's opaque block ids to sequence hashes, which
 //! resolves parents of new chains and the blocks named by removals. A query computes the request's
-//! sequence-hash chain and walks it, intersecting worker sets until none is left.
+//! sequence-hash chain and walks it, intersecting worker sets until none is left; with blocks in
+//! slower tiers, a worker leaving the device tier's walk goes on in the host tier, then the disk
+//! and external ones, so each tier is credited the blocks that continue the faster tiers' prefix.
 //!
 //! Per indexed block this costs one 16-byte lane entry plus, shared by every worker holding the
 //! block, one 16-byte node entry: no per-node allocation, no pointers to chase.
@@ -246,9 +248,18 @@ impl KvIndex {
             return Ok(None);
         };
         let found = self.slot_of.get(&worker).and_then(|&slot| {
-            self.slots[slot as usize].lanes[tier.index()]
-                .blocks
-                .get(parent.0)
+            let lanes = &self.slots[slot as usize].lanes;
+            let own = lanes[tier.index()].blocks.get(parent.0);
+            if own.is_some() || tier == StorageTier::Device {
+                return own;
+            }
+            // A block offloaded to a slower tier continues a prefix whose earlier blocks may
+            // live in another tier (on the device, typically): the reference keys lower-tier
+            // chains by the parent's engine hash alone, wherever that parent is held.
+            StorageTier::ALL
+                .iter()
+                .filter(|&&t| t != tier)
+                .find_map(|t| lanes[t.index()].blocks.get(parent.0))
         });
         match found {
             Some(seq) => Ok(Some(SequenceHash(seq))),
@@ -382,7 +393,8 @@ impl KvIndex {
         self.free_slots.push(slot);
     }
 
-    /// For each worker, the number of leading blocks of `local` it holds (see [`OverlapScores`]).
+    /// For each worker, the prefix of `local` it holds: leading blocks on the device, then their
+    /// continuation in the slower tiers (see [`OverlapScores`]).
     pub fn find_matches(&self, local: &[LocalBlockHash]) -> OverlapScores {
         let mut chain = Vec::new();
         self.find_matches_with(local, &mut chain)
@@ -396,29 +408,109 @@ impl KvIndex {
     ) -> OverlapScores {
         chain.clear();
         let mut out = OverlapScores::default();
-        for tier in StorageTier::ALL {
-            let nodes = &self.tiers[tier.index()];
-            if nodes.lo.is_empty() {
-                continue;
+        if self.tiers[1..].iter().all(|nodes| nodes.lo.is_empty()) {
+            // Nothing offloaded anywhere: the device walk alone, as fast as it was before tiers.
+            let nodes = &self.tiers[StorageTier::Device.index()];
+            if !nodes.lo.is_empty() {
+                self.walk(nodes, local, chain, |slot, depth| {
+                    self.report(&mut out, StorageTier::Device, slot, depth);
+                });
             }
-            self.walk(nodes, local, chain, |slot, depth| {
-                let Some(worker) = self.slots[slot as usize].worker else {
-                    return;
-                };
-                if tier == StorageTier::Device {
-                    out.scores.insert(worker, depth);
-                    let size = self.slots[slot as usize].lanes[0].blocks.len();
-                    out.tree_sizes.insert(worker, size);
-                } else {
-                    out.lower_tiers.push(TierScore {
-                        worker,
-                        tier,
-                        blocks: depth,
-                    });
-                }
-            });
+        } else {
+            for word in 0..self.slots.len().div_ceil(64) {
+                self.walk_tiers(word, local, chain, &mut out);
+            }
         }
         out
+    }
+
+    /// Records that `slot` holds `blocks` of the request in `tier` (> 0 only).
+    #[inline]
+    fn report(&self, out: &mut OverlapScores, tier: StorageTier, slot: u32, blocks: u32) {
+        let state = &self.slots[slot as usize];
+        let Some(worker) = state.worker else {
+            return;
+        };
+        if tier == StorageTier::Device {
+            out.scores.insert(worker, blocks);
+            out.tree_sizes
+                .insert(worker, state.lanes[tier.index()].blocks.len());
+        } else {
+            out.lower_tiers.push(TierScore {
+                worker,
+                tier,
+                blocks,
+            });
+        }
+    }
+
+    /// Walks the request's chain through every tier at once for the slots of one 64-slot word,
+    /// as the reference extends a device match: a slot matches the device tier from the first
+    /// block; where its device match ends (at the first block, for a slot with none) it goes on
+    /// in the host tier, where that ends in the disk tier, then in the external one. Each tier is
+    /// credited the run of blocks it holds right after the faster tiers' runs, and a block a slot
+    /// holds in a tier it has already left does not count.
+    fn walk_tiers(
+        &self,
+        word: usize,
+        local: &[LocalBlockHash],
+        chain: &mut Vec<u64>,
+        out: &mut OverlapScores,
+    ) {
+        if local.is_empty() {
+            return;
+        }
+        let base = word as u32 * 64;
+        let in_word = (self.slots.len() - word * 64).min(64);
+        // Slots walking each tier, one bit per slot of the word.
+        let mut active = [0u64; TIERS];
+        active[0] = u64::MAX >> (64 - in_word);
+        // Where each slot's run in its current lower tier began (device runs begin at 0).
+        let mut begun = [0u32; 64];
+        let mut depth = 0;
+        while depth < local.len() {
+            let seq = chain_at(chain, local, depth);
+            // Slots whose run in the previous tier ended here; they try this tier from here.
+            let mut joining = 0u64;
+            for (t, tier) in StorageTier::ALL.into_iter().enumerate() {
+                let walking = active[t] | joining;
+                if walking == 0 {
+                    continue;
+                }
+                let bits = word_bits(&self.tiers[t], seq, word);
+                let kept = walking & bits;
+                let dropped = walking & !bits;
+                // A slot that joins and drops at once held nothing here; device runs start at 0.
+                let mut ended = if depth == 0 { 0 } else { dropped & !joining };
+                while ended != 0 {
+                    let bit = ended.trailing_zeros();
+                    ended &= ended - 1;
+                    let blocks = depth as u32 - begun[bit as usize];
+                    self.report(out, tier, base + bit, blocks);
+                }
+                let mut started = joining & kept;
+                while started != 0 {
+                    let bit = started.trailing_zeros();
+                    started &= started - 1;
+                    begun[bit as usize] = depth as u32;
+                }
+                active[t] = kept;
+                joining = dropped;
+            }
+            depth += 1;
+            if active.iter().all(|&a| a == 0) {
+                return;
+            }
+        }
+        // The chain ended with these runs still going.
+        for (t, tier) in StorageTier::ALL.into_iter().enumerate() {
+            let mut left = active[t];
+            while left != 0 {
+                let bit = left.trailing_zeros();
+                left &= left - 1;
+                self.report(out, tier, base + bit, depth as u32 - begun[bit as usize]);
+            }
+        }
     }
 
     /// Walks the request's chain through one tier, reporting each slot's match depth (> 0 only).
@@ -558,6 +650,39 @@ impl KvIndex {
         self.slot_of.insert(worker, slot);
         slot
     }
+}
+
+/// The request's sequence hash at `depth`, extending the memoised `chain` (which holds every
+/// depth below it) by one block when needed.
+#[inline]
+fn chain_at(chain: &mut Vec<u64>, local: &[LocalBlockHash], depth: usize) -> u64 {
+    if let Some(&s) = chain.get(depth) {
+        return s;
+    }
+    let prev = chain.last().map(|&s| SequenceHash(s));
+    let s = next_seq_hash(prev, local[depth]).0;
+    chain.push(s);
+    s
+}
+
+/// The bits of one 64-slot word of the node `seq` in `nodes` (0 when nobody there holds it).
+#[inline]
+fn word_bits(nodes: &TierNodes, seq: u64, word: usize) -> u64 {
+    if word == 0 {
+        if nodes.lo.is_empty() {
+            return 0;
+        }
+        return nodes.lo.get(seq).unwrap_or(0);
+    }
+    if nodes.hi.is_empty() {
+        return 0;
+    }
+    nodes
+        .hi
+        .get(&seq)
+        .and_then(|words| words.get(word - 1))
+        .copied()
+        .unwrap_or(0)
 }
 
 /// Bytes reserved by a hashbrown table of `map`'s capacity: buckets times (entry + control byte).

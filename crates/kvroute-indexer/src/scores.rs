@@ -5,29 +5,34 @@ use kvroute_protocols::kv_events::StorageTier;
 
 use crate::fasthash::FastMap;
 
-/// For each worker, how many leading blocks of a request it already holds.
+/// For each worker, how much of a request's prefix it already holds, tier by tier.
 ///
-/// Only workers that hold at least the first block appear. Device-tier (GPU) matches, the ones
-/// that save prefill, are in `scores`; matches in slower tiers are reported separately so a
-/// cost model can weigh them differently.
+/// Only workers that hold at least the first block (in some tier) appear. Device-tier (GPU)
+/// matches, the ones that save prefill outright, are in `scores`. As in the reference, a worker's
+/// match goes on in the slower tiers where its device match ends: the host tier holds the next
+/// run of blocks, the disk tier the run after that, then the external tier; each run is reported
+/// separately in `lower_tiers` so a cost model can weigh the tiers differently. A block held only
+/// in a tier the walk has already left (on the host after a disk run, say) does not count.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OverlapScores {
     /// Leading blocks held in device memory, per worker and rank.
     pub scores: FastMap<WorkerWithDpRank, u32>,
-    /// Leading blocks held in each slower tier (host, disk, external), per worker and rank.
+    /// Per worker and slower tier (host, disk, external), the run of blocks held there that
+    /// continues the worker's match in the faster tiers; only runs of at least one block.
     pub lower_tiers: Vec<TierScore>,
     /// Total device blocks held by each worker that appears in `scores`.
     pub tree_sizes: FastMap<WorkerWithDpRank, usize>,
 }
 
-/// A worker's leading-block match in one storage tier other than the device.
+/// A worker's run of blocks in one storage tier other than the device, continuing its match in
+/// the faster tiers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TierScore {
     /// The worker and rank.
     pub worker: WorkerWithDpRank,
     /// The tier.
     pub tier: StorageTier,
-    /// Leading blocks of the request held in that tier.
+    /// Blocks of the request held in that tier, right after the faster tiers' match.
     pub blocks: u32,
 }
 
@@ -37,7 +42,8 @@ impl OverlapScores {
         self.scores.get(&worker).copied().unwrap_or(0)
     }
 
-    /// Leading blocks held by `worker` in `tier` (0 when absent).
+    /// Blocks `worker` is credited in `tier` (0 when absent): its leading device blocks, or its
+    /// run in a slower tier continuing the faster tiers' match.
     pub fn tier_score(&self, worker: WorkerWithDpRank, tier: StorageTier) -> u32 {
         if tier == StorageTier::Device {
             return self.score(worker);

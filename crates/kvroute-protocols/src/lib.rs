@@ -35,9 +35,9 @@ pub use nvext::{
 };
 pub use output::{CompletionUsage, FinishReason, LLMEngineOutput, PromptTokensDetails};
 pub use request::{
-    BOOTSTRAP_HOST_KEY, BOOTSTRAP_PORT_KEY, BootstrapInfo, MmRoutingInfo, OutputOptions,
-    PrefillResult, PreprocessedRequest, PreprocessedRequestBuilder, RequestPhase, SamplingOptions,
-    StopConditions,
+    BOOTSTRAP_HOST_KEY, BOOTSTRAP_PORT_KEY, BootstrapInfo, CACHE_SALT_EXTRA_ARG, MmRoutingInfo,
+    OutputOptions, PrefillResult, PreprocessedRequest, PreprocessedRequestBuilder, RequestPhase,
+    SamplingOptions, StopConditions,
 };
 pub use routing::{RouterConfigOverride, RoutingConstraints, RoutingHints};
 pub use validate::{Limits, from_json, parse_nvext_json, parse_request_json};

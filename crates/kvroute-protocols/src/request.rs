@@ -7,6 +7,9 @@ use crate::output::PromptTokensDetails;
 use crate::routing::{RouterConfigOverride, RoutingHints};
 use crate::wire::{JsonBlob, WireStruct, blob};
 
+/// The `extra_args` key carrying a request's cache salt (see [`PreprocessedRequest::cache_salt`]).
+pub const CACHE_SALT_EXTRA_ARG: &str = "cache_salt";
+
 /// The internal form of an LLM request: tokenized prompt plus generation options and routing data.
 #[derive(Debug, Clone, PartialEq, Deserialize, Builder)]
 #[builder(setter(into))]
@@ -127,6 +130,33 @@ impl PreprocessedRequest {
     /// Mutable routing hints, created empty if absent.
     pub fn routing_mut(&mut self) -> &mut RoutingHints {
         self.routing.get_or_insert_with(RoutingHints::default)
+    }
+
+    /// The request's cache salt (vLLM's `cache_salt`): the `"cache_salt"` string of
+    /// `extra_args` ([`CACHE_SALT_EXTRA_ARG`]), if any. Engines never share cached blocks between
+    /// requests with different salts, so the router hashes the prompt under it too.
+    pub fn cache_salt(&self) -> Option<&str> {
+        self.extra_args
+            .as_ref()?
+            .get(CACHE_SALT_EXTRA_ARG)?
+            .as_str()
+            .filter(|s| !s.is_empty())
+    }
+
+    /// Sets the cache salt (see [`Self::cache_salt`]), keeping any other `extra_args`.
+    pub fn set_cache_salt(&mut self, salt: impl Into<String>) {
+        let args = self
+            .extra_args
+            .get_or_insert_with(|| serde_json::Value::Object(serde_json::Map::new()));
+        if !args.is_object() {
+            *args = serde_json::Value::Object(serde_json::Map::new());
+        }
+        if let Some(map) = args.as_object_mut() {
+            map.insert(
+                CACHE_SALT_EXTRA_ARG.to_owned(),
+                serde_json::Value::String(salt.into()),
+            );
+        }
     }
 
     /// The tokens to match against the KV index: the multimodal routing tokens when present,

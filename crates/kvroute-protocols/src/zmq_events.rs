@@ -3,14 +3,23 @@
 //! A ZMQ message has three frames: `[topic, seq, payload]`, where `seq` is an 8-byte big-endian
 //! sequence number and `payload` is `msgpack([ts, [events], dp_rank])` (`dp_rank` may be nil or
 //! absent). Engines encode each event with msgspec's `tag=True`, either as an array led by the
-//! class name (`["BlockStored", hashes, parent, tokens, block_size, lora_id, medium, lora_name,
-//! ...]`, older vLLM and SGLang) or as a map with a `"type"` key (newer vLLM). Trailing fields that
-//! were defaults may be omitted, and newer engines append fields we do not know: both are accepted.
-//! Block hashes are integers (signed or unsigned 64-bit) or bytes (e.g. sha256 digests, folded to
-//! their last 8 bytes, big-endian, as the reference does).
+//! class name (vLLM 0.10: `["BlockStored", hashes, parent, tokens, block_size, lora_id, medium]`,
+//! later fields in the declaration order of vLLM 0.33's struct: `lora_name, extra_keys,
+//! group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window, locality`) or as a map with a
+//! `"type"` key (vLLM 0.33, SGLang 0.5). Trailing fields that were defaults may be omitted, and
+//! newer engines add fields we do not know: both are accepted. Block hashes are integers (signed or
+//! unsigned 64-bit) or bytes (e.g. sha256 digests, folded to their last 8 bytes, big-endian, as the
+//! reference does).
+//!
+//! What changes a block's identity besides its tokens is decoded too: vLLM's per-block
+//! `extra_keys` (the LoRA name, multimodal `(identifier, offset)` pairs, the request's cache salt
+//! on the request's first block only, prompt-embedding digests; published untagged, in that
+//! order) into [`BlockExtraKeys`], and SGLang's `cache_salt` (on every event of a salted request).
 //!
 //! Decoding walks an [`rmpv::Value`] read with a depth limit; it never panics, and its memory use
-//! is bounded by a small multiple of the payload size.
+//! is bounded by a small multiple of the payload size. An event that does not decode is reported
+//! in [`EngineEventBatch::errors`] and the batch's other events are kept, so one unknown or
+//! malformed event does not cost the router the rest of the batch.
 
 use rmpv::Value;
 
@@ -18,7 +27,7 @@ use crate::DpRank;
 use crate::ProtocolError;
 use crate::kv_events::ExternalSequenceBlockHash;
 
-/// Maximum msgpack nesting accepted in a payload (real payloads nest four levels deep).
+/// Maximum msgpack nesting accepted in a payload (real payloads nest six levels deep).
 pub const MAX_DEPTH: usize = 32;
 
 /// One decoded ZMQ message.
@@ -37,10 +46,13 @@ pub struct ZmqKvMessage {
 pub struct EngineEventBatch {
     /// Engine timestamp (seconds since the epoch, as a float).
     pub ts: f64,
-    /// The events, in order.
+    /// The events that decoded, in order.
     pub events: Vec<EngineKvEvent>,
     /// The data-parallel rank that emitted the batch, if the engine says.
     pub dp_rank: Option<DpRank>,
+    /// One error per event that did not decode (each names the event's index); those events
+    /// are left out of `events`.
+    pub errors: Vec<ProtocolError>,
 }
 
 /// One event as the engine describes it.
@@ -55,39 +67,93 @@ pub enum EngineKvEvent {
 }
 
 /// A chain of newly cached blocks.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BlockStored {
     /// The engine's hashes of the stored blocks, in sequence order.
     pub block_hashes: Vec<ExternalSequenceBlockHash>,
     /// The block this chain continues, if any.
     pub parent_block_hash: Option<ExternalSequenceBlockHash>,
-    /// The tokens of all stored blocks, concatenated.
+    /// The tokens of all stored blocks, concatenated. Empty for vLLM's offloading placeholders
+    /// (a lower-tier copy of a block whose tokens the connector did not record).
     pub token_ids: Vec<u32>,
-    /// Tokens per block.
+    /// Tokens per block; 0 only when `token_ids` is empty.
     pub block_size: u32,
     /// Deprecated numeric LoRA id (older vLLM).
     pub lora_id: Option<u64>,
-    /// Storage medium (`"GPU"`, `"CPU_PINNED"`, ...), if the engine says.
+    /// Storage medium (vLLM: `GPU`, `CPU`, `STORAGE`; SGLang: `GPU`, `CPU_PINNED`, `DISK`,
+    /// `EXTERNAL`), if the engine says.
     pub medium: Option<String>,
     /// LoRA adapter name, part of the block's identity when set.
     pub lora_name: Option<String>,
+    /// vLLM's extra hash keys, one entry per block hash; empty when the engine sent none.
+    pub extra_keys: Vec<BlockExtraKeys>,
+    /// SGLang's cache salt of the request that stored these blocks (on every event).
+    pub cache_salt: Option<String>,
+    /// vLLM's KV cache group (hybrid models have several: full attention, sliding window,
+    /// mamba...); `None` when the engine does not say (one group).
+    pub group_idx: Option<u32>,
+    /// vLLM's kind of that group (`full_attention`, `sliding_window`, `mamba`, ...).
+    pub kv_cache_spec_kind: Option<String>,
+    /// vLLM's sliding window of that group, in tokens.
+    pub kv_cache_spec_sliding_window: Option<u64>,
+    /// vLLM's `LOCAL` or `REMOTE`, relative to the publisher, for offloading tiers.
+    pub locality: Option<String>,
 }
 
 impl BlockStored {
     /// The tokens of each full block, in order (a partial trailing chunk is not a block).
     pub fn token_blocks(&self) -> std::slice::ChunksExact<'_, u32> {
-        // `block_size` is validated to be at least 1 at decode time.
+        // `block_size` is validated to be at least 1 whenever there are tokens.
         self.token_ids.chunks_exact(self.block_size.max(1) as usize)
     }
 }
 
-/// Evicted blocks.
+/// What vLLM folds into one block's hash besides its tokens (and its parent's hash), decoded from
+/// the untagged `extra_keys` entry it publishes: the LoRA name first when the event names a LoRA
+/// (not repeated here: it is [`BlockStored::lora_name`]), then multimodal `(identifier, offset)`
+/// pairs, then the cache salt (a string, on the first block of a request only), then
+/// prompt-embedding digests (bytes).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BlockExtraKeys {
+    /// The request's cache salt.
+    pub cache_salt: Option<String>,
+    /// Multimodal items overlapping the block.
+    pub mm: Vec<MmExtraKey>,
+    /// Digests of the block's prompt embeddings.
+    pub prompt_embeds: Vec<Vec<u8>>,
+    /// Entries of no shape listed above (a newer engine's keys, a second string).
+    pub unknown: u32,
+}
+
+impl BlockExtraKeys {
+    /// Whether the block's identity depends on more than its tokens, LoRA name and cache salt
+    /// (media, prompt embeddings or keys this decoder does not know).
+    pub fn has_content_keys(&self) -> bool {
+        !self.mm.is_empty() || !self.prompt_embeds.is_empty() || self.unknown > 0
+    }
+}
+
+/// A multimodal item in a block's extra keys.
 #[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MmExtraKey {
+    /// The item's identifier (its content hash, as the engine computed it).
+    pub identifier: String,
+    /// Where the item starts, in tokens from the block's first token (negative when it started
+    /// in an earlier block).
+    pub offset: i64,
+}
+
+/// Evicted blocks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BlockRemoved {
     /// The engine's hashes of the evicted blocks.
     pub block_hashes: Vec<ExternalSequenceBlockHash>,
     /// Storage medium, if the engine says.
     pub medium: Option<String>,
+    /// vLLM's KV cache group the blocks left.
+    pub group_idx: Option<u32>,
+    /// vLLM's `LOCAL` or `REMOTE`.
+    pub locality: Option<String>,
 }
 
 /// The event tags we understand, as listed in errors.
@@ -160,19 +226,23 @@ fn batch_from_value(value: &Value) -> Result<EngineEventBatch, ProtocolError> {
             kind(&items[1])
         )));
     };
-    let events = raw_events
-        .iter()
-        .enumerate()
-        .map(|(i, e)| event_from_value(i, e))
-        .collect::<Result<Vec<_>, _>>()?;
     let dp_rank = match items.get(2) {
         None | Some(Value::Nil) => None,
         Some(v) => Some(uint::<DpRank>(v, "batch dp_rank")?),
     };
+    let mut events = Vec::with_capacity(raw_events.len());
+    let mut errors = Vec::new();
+    for (i, raw) in raw_events.iter().enumerate() {
+        match event_from_value(i, raw) {
+            Ok(event) => events.push(event),
+            Err(error) => errors.push(error),
+        }
+    }
     Ok(EngineEventBatch {
         ts,
         events,
         dp_rank,
+        errors,
     })
 }
 
@@ -186,53 +256,91 @@ struct Fields<'a> {
     lora_id: Option<&'a Value>,
     medium: Option<&'a Value>,
     lora_name: Option<&'a Value>,
+    extra_keys: Option<&'a Value>,
+    cache_salt: Option<&'a Value>,
+    group_idx: Option<&'a Value>,
+    kv_cache_spec_kind: Option<&'a Value>,
+    kv_cache_spec_sliding_window: Option<&'a Value>,
+    locality: Option<&'a Value>,
+}
+
+impl<'a> Fields<'a> {
+    /// Positional fields: the declaration order of the engines' msgspec structs.
+    fn from_array(tag: &str, items: &'a [Value]) -> Self {
+        let slot = |i: usize| items.get(i);
+        let mut f = Fields::default();
+        match tag {
+            "BlockStored" => {
+                f.block_hashes = slot(1);
+                f.parent_block_hash = slot(2);
+                f.token_ids = slot(3);
+                f.block_size = slot(4);
+                f.lora_id = slot(5);
+                f.medium = slot(6);
+                f.lora_name = slot(7);
+                f.extra_keys = slot(8);
+                f.group_idx = slot(9);
+                f.kv_cache_spec_kind = slot(10);
+                f.kv_cache_spec_sliding_window = slot(11);
+                f.locality = slot(12);
+            }
+            "BlockRemoved" => {
+                f.block_hashes = slot(1);
+                f.medium = slot(2);
+                f.group_idx = slot(3);
+                f.locality = slot(4);
+            }
+            _ => {}
+        }
+        f
+    }
+
+    /// Named fields; returns the `"type"` tag too.
+    fn from_map(entries: &'a [(Value, Value)]) -> (Option<&'a str>, Self) {
+        let mut f = Fields::default();
+        let mut tag = None;
+        for (k, v) in entries {
+            match k.as_str() {
+                Some("type") => tag = v.as_str(),
+                Some("block_hashes") => f.block_hashes = Some(v),
+                Some("parent_block_hash") => f.parent_block_hash = Some(v),
+                Some("token_ids") => f.token_ids = Some(v),
+                Some("block_size") => f.block_size = Some(v),
+                Some("lora_id") => f.lora_id = Some(v),
+                Some("medium") => f.medium = Some(v),
+                Some("lora_name") => f.lora_name = Some(v),
+                Some("extra_keys") => f.extra_keys = Some(v),
+                Some("cache_salt") => f.cache_salt = Some(v),
+                Some("group_idx") => f.group_idx = Some(v),
+                Some("kv_cache_spec_kind") => f.kv_cache_spec_kind = Some(v),
+                Some("kv_cache_spec_sliding_window") => {
+                    f.kv_cache_spec_sliding_window = Some(v);
+                }
+                Some("locality") => f.locality = Some(v),
+                // Unknown keys (session_id, ownership, lookahead_token_ids, whatever a newer
+                // engine adds) are ignored: forward compatible.
+                _ => {}
+            }
+        }
+        (tag, f)
+    }
 }
 
 fn event_from_value(index: usize, value: &Value) -> Result<EngineKvEvent, ProtocolError> {
-    let mut f = Fields::default();
-    let tag = match value {
+    let (tag, f) = match value {
         Value::Array(items) => {
             let tag = items.first().and_then(Value::as_str).ok_or_else(|| {
                 err(format!(
                     "events[{index}] must start with its type name ({TAGS})"
                 ))
             })?;
-            let slot = |i: usize| items.get(i);
-            match tag {
-                "BlockStored" => {
-                    f.block_hashes = slot(1);
-                    f.parent_block_hash = slot(2);
-                    f.token_ids = slot(3);
-                    f.block_size = slot(4);
-                    f.lora_id = slot(5);
-                    f.medium = slot(6);
-                    f.lora_name = slot(7);
-                }
-                "BlockRemoved" => {
-                    f.block_hashes = slot(1);
-                    f.medium = slot(2);
-                }
-                _ => {}
-            }
-            tag
+            (tag, Fields::from_array(tag, items))
         }
         Value::Map(entries) => {
-            let mut tag = None;
-            for (k, v) in entries {
-                match k.as_str() {
-                    Some("type") => tag = v.as_str(),
-                    Some("block_hashes") => f.block_hashes = Some(v),
-                    Some("parent_block_hash") => f.parent_block_hash = Some(v),
-                    Some("token_ids") => f.token_ids = Some(v),
-                    Some("block_size") => f.block_size = Some(v),
-                    Some("lora_id") => f.lora_id = Some(v),
-                    Some("medium") => f.medium = Some(v),
-                    Some("lora_name") => f.lora_name = Some(v),
-                    // Unknown keys come from newer engines; ignoring them is forward compatible.
-                    _ => {}
-                }
-            }
-            tag.ok_or_else(|| err(format!("events[{index}] has no string \"type\" ({TAGS})")))?
+            let (tag, f) = Fields::from_map(entries);
+            let tag =
+                tag.ok_or_else(|| err(format!("events[{index}] has no string \"type\" ({TAGS})")))?;
+            (tag, f)
         }
         other => {
             return Err(err(format!(
@@ -242,39 +350,7 @@ fn event_from_value(index: usize, value: &Value) -> Result<EngineKvEvent, Protoc
         }
     };
     match tag {
-        "BlockStored" => {
-            let ctx = |field: &str| format!("events[{index}] BlockStored.{field}");
-            let block_size: u32 = uint(
-                required(f.block_size, &ctx("block_size"))?,
-                &ctx("block_size"),
-            )?;
-            if block_size == 0 {
-                return Err(err(format!(
-                    "{} must be at least 1, got 0",
-                    ctx("block_size")
-                )));
-            }
-            Ok(EngineKvEvent::BlockStored(BlockStored {
-                block_hashes: hashes(
-                    required(f.block_hashes, &ctx("block_hashes"))?,
-                    &ctx("block_hashes"),
-                )?,
-                parent_block_hash: optional(f.parent_block_hash)
-                    .map(|v| hash(v, &ctx("parent_block_hash")))
-                    .transpose()?,
-                token_ids: tokens(required(f.token_ids, &ctx("token_ids"))?, &ctx("token_ids"))?,
-                block_size,
-                lora_id: optional(f.lora_id)
-                    .map(|v| uint(v, &ctx("lora_id")))
-                    .transpose()?,
-                medium: optional(f.medium)
-                    .map(|v| string(v, &ctx("medium")))
-                    .transpose()?,
-                lora_name: optional(f.lora_name)
-                    .map(|v| string(v, &ctx("lora_name")))
-                    .transpose()?,
-            }))
-        }
+        "BlockStored" => block_stored(index, &f).map(EngineKvEvent::BlockStored),
         "BlockRemoved" => {
             let ctx = |field: &str| format!("events[{index}] BlockRemoved.{field}");
             Ok(EngineKvEvent::BlockRemoved(BlockRemoved {
@@ -282,9 +358,9 @@ fn event_from_value(index: usize, value: &Value) -> Result<EngineKvEvent, Protoc
                     required(f.block_hashes, &ctx("block_hashes"))?,
                     &ctx("block_hashes"),
                 )?,
-                medium: optional(f.medium)
-                    .map(|v| string(v, &ctx("medium")))
-                    .transpose()?,
+                medium: opt_string(f.medium, &ctx("medium"))?,
+                group_idx: opt_uint(f.group_idx, &ctx("group_idx"))?,
+                locality: opt_string(f.locality, &ctx("locality"))?,
             }))
         }
         "AllBlocksCleared" => Ok(EngineKvEvent::AllBlocksCleared),
@@ -292,6 +368,125 @@ fn event_from_value(index: usize, value: &Value) -> Result<EngineKvEvent, Protoc
             "events[{index}] has unknown type {other:?}, expected one of {TAGS}"
         ))),
     }
+}
+
+fn block_stored(index: usize, f: &Fields<'_>) -> Result<BlockStored, ProtocolError> {
+    let ctx = |field: &str| format!("events[{index}] BlockStored.{field}");
+    let block_size: u32 = uint(
+        required(f.block_size, &ctx("block_size"))?,
+        &ctx("block_size"),
+    )?;
+    let block_hashes = hashes(
+        required(f.block_hashes, &ctx("block_hashes"))?,
+        &ctx("block_hashes"),
+    )?;
+    let token_ids = tokens(required(f.token_ids, &ctx("token_ids"))?, &ctx("token_ids"))?;
+    if block_size == 0 && !token_ids.is_empty() {
+        return Err(err(format!(
+            "{} must be at least 1 when token_ids are given, got 0",
+            ctx("block_size")
+        )));
+    }
+    let lora_name = opt_string(f.lora_name, &ctx("lora_name"))?;
+    let extra_keys = match optional(f.extra_keys) {
+        None => Vec::new(),
+        Some(v) => {
+            let keys = extra_keys(v, lora_name.as_deref(), &ctx("extra_keys"))?;
+            if keys.len() != block_hashes.len() {
+                return Err(err(format!(
+                    "{} must have one entry per block hash ({}), got {}",
+                    ctx("extra_keys"),
+                    block_hashes.len(),
+                    keys.len()
+                )));
+            }
+            keys
+        }
+    };
+    Ok(BlockStored {
+        block_hashes,
+        parent_block_hash: optional(f.parent_block_hash)
+            .map(|v| hash(v, &ctx("parent_block_hash")))
+            .transpose()?,
+        token_ids,
+        block_size,
+        lora_id: opt_uint(f.lora_id, &ctx("lora_id"))?,
+        medium: opt_string(f.medium, &ctx("medium"))?,
+        lora_name,
+        extra_keys,
+        cache_salt: opt_string(f.cache_salt, &ctx("cache_salt"))?,
+        group_idx: opt_uint(f.group_idx, &ctx("group_idx"))?,
+        kv_cache_spec_kind: opt_string(f.kv_cache_spec_kind, &ctx("kv_cache_spec_kind"))?,
+        kv_cache_spec_sliding_window: opt_uint(
+            f.kv_cache_spec_sliding_window,
+            &ctx("kv_cache_spec_sliding_window"),
+        )?,
+        locality: opt_string(f.locality, &ctx("locality"))?,
+    })
+}
+
+/// vLLM's `extra_keys`: one entry per block, nil or an array of untagged keys.
+fn extra_keys(
+    v: &Value,
+    lora_name: Option<&str>,
+    what: &str,
+) -> Result<Vec<BlockExtraKeys>, ProtocolError> {
+    let Value::Array(entries) = v else {
+        return Err(err(format!("{what} must be an array, got {}", kind(v))));
+    };
+    entries
+        .iter()
+        .enumerate()
+        .map(|(i, entry)| match entry {
+            Value::Nil => Ok(BlockExtraKeys::default()),
+            Value::Array(keys) => Ok(block_extra_keys(keys, lora_name)),
+            other => Err(err(format!(
+                "{what}[{i}] must be nil or an array, got {}",
+                kind(other)
+            ))),
+        })
+        .collect()
+}
+
+/// Interprets one block's untagged keys in vLLM's order: the LoRA name (when the event names a
+/// LoRA), `(identifier, offset)` pairs, the cache salt, prompt-embedding digests. Anything else
+/// is counted as unknown rather than rejected, so that the block is known to carry an identity
+/// this decoder cannot reproduce.
+fn block_extra_keys(keys: &[Value], lora_name: Option<&str>) -> BlockExtraKeys {
+    let mut out = BlockExtraKeys::default();
+    let mut rest = keys;
+    if let Some(lora) = lora_name
+        && let Some((first, tail)) = rest.split_first()
+        && matches!(first, Value::String(_))
+    {
+        if first.as_str() != Some(lora) {
+            out.unknown += 1;
+        }
+        rest = tail;
+    }
+    for key in rest {
+        match key {
+            Value::String(_) => match (key.as_str(), &out.cache_salt) {
+                (Some(salt), None) => out.cache_salt = Some(salt.to_owned()),
+                _ => out.unknown += 1,
+            },
+            Value::Array(pair) => match &pair[..] {
+                [Value::String(id), Value::Integer(offset)] => {
+                    match (id.as_str(), offset.as_i64()) {
+                        (Some(identifier), Some(offset)) => out.mm.push(MmExtraKey {
+                            identifier: identifier.to_owned(),
+                            offset,
+                        }),
+                        _ => out.unknown += 1,
+                    }
+                }
+                _ => out.unknown += 1,
+            },
+            Value::Binary(digest) => out.prompt_embeds.push(digest.clone()),
+            _ => out.unknown += 1,
+        }
+    }
+    out
 }
 
 /// A present, non-nil field.
@@ -329,6 +524,14 @@ fn uint<T: TryFrom<u64>>(v: &Value, what: &str) -> Result<T, ProtocolError> {
             "{what} must be an unsigned integer in range, got {i}"
         ))
     })
+}
+
+fn opt_uint<T: TryFrom<u64>>(v: Option<&Value>, what: &str) -> Result<Option<T>, ProtocolError> {
+    optional(v).map(|v| uint(v, what)).transpose()
+}
+
+fn opt_string(v: Option<&Value>, what: &str) -> Result<Option<String>, ProtocolError> {
+    optional(v).map(|v| string(v, what)).transpose()
 }
 
 fn string(v: &Value, what: &str) -> Result<String, ProtocolError> {
@@ -375,36 +578,30 @@ fn hashes(v: &Value, what: &str) -> Result<Vec<ExternalSequenceBlockHash>, Proto
         .collect()
 }
 
-/// Token ids: a flat array of integers, or (EAGLE speculative decoding) an array of
-/// `[token, next_token]` pairs, flattened to the first of each pair plus the last second.
+/// Token ids: a flat array of integers, or (SGLang with EAGLE speculative decoding) an array of
+/// `[token, next_token]` bigrams, one per token, read as their first tokens: SGLang sends one
+/// bigram per token of the page (`(raw[j], raw[j + 1])`), so the pages' tokens are the firsts.
 fn tokens(v: &Value, what: &str) -> Result<Vec<u32>, ProtocolError> {
     let Value::Array(items) = v else {
         return Err(err(format!("{what} must be an array, got {}", kind(v))));
     };
-    if let Some(Value::Array(_)) = items.first() {
-        let mut out = Vec::with_capacity(items.len() + 1);
-        let mut last: Option<u32> = None;
-        for (i, pair) in items.iter().enumerate() {
-            let at = format!("{what}[{i}]");
-            match pair {
-                Value::Array(p) if p.len() == 2 => {
-                    out.push(uint(&p[0], &at)?);
-                    last = Some(uint(&p[1], &at)?);
-                }
-                other => {
-                    return Err(err(format!(
-                        "{at} must be a [token, token] pair, got {}",
-                        kind(other)
-                    )));
-                }
-            }
-        }
-        out.extend(last);
-        return Ok(out);
-    }
+    let bigrams = matches!(items.first(), Some(Value::Array(_)));
     items
         .iter()
         .enumerate()
-        .map(|(i, t)| uint(t, &format!("{what}[{i}]")))
+        .map(|(i, item)| {
+            let at = format!("{what}[{i}]");
+            match item {
+                Value::Array(pair) if bigrams && pair.len() == 2 => {
+                    uint::<u32>(&pair[1], &at)?;
+                    uint(&pair[0], &at)
+                }
+                other if bigrams => Err(err(format!(
+                    "{at} must be a [token, token] pair, got {}",
+                    kind(other)
+                ))),
+                other => uint(other, &at),
+            }
+        })
         .collect()
 }

@@ -1,7 +1,7 @@
 //! The router core's configuration and the per-worker KV mode.
 
 use kvroute_indexer::ApproxConfig;
-use kvroute_scheduler::SchedulerConfig;
+use kvroute_scheduler::{CacheHitWeights, SchedulerConfig};
 use kvroute_sessions::{DEFAULT_MAX_SESSIONS, WorkerLossMode};
 
 use crate::policy::Policy;
@@ -10,7 +10,9 @@ use crate::policy::Policy;
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouterConfig {
     /// Load tracking and the cost model; its `block_size` is the router's block size (every
-    /// worker of one model shares the engine's page size).
+    /// worker of one model shares the engine's page size), and its `cache_hit_weights` the
+    /// reference's `host_cache_hit_weight` / `disk_cache_hit_weight` (0.75 / 0.25 by default),
+    /// which every policy's cost uses.
     pub scheduler: SchedulerConfig,
     /// How a worker is chosen among the eligible ones.
     pub policy: Policy,
@@ -39,6 +41,13 @@ impl RouterConfig {
     /// The same configuration with `policy`.
     pub fn with_policy(mut self, policy: Policy) -> Self {
         self.policy = policy;
+        self
+    }
+
+    /// The same configuration with these weights for blocks cached in slower tiers (checked,
+    /// 0..=1 each, when the core is built).
+    pub fn with_cache_hit_weights(mut self, weights: CacheHitWeights) -> Self {
+        self.scheduler.cache_hit_weights = weights;
         self
     }
 

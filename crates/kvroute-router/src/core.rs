@@ -7,8 +7,8 @@ use kvroute_indexer::{ApproxIndex, EventGap, EventOrder, FastMap, GapTracker, Kv
 use kvroute_protocols::kv_events::{LocalBlockHash, RouterEvent};
 use kvroute_protocols::{WorkerId, WorkerWithDpRank};
 use kvroute_scheduler::{
-    ConfigError, LoadError, NewRequest, RequestId, Scheduler, SelectRequest, WorkerError,
-    WorkerLoad, WorkerSpec,
+    ConfigError, LoadError, NewRequest, RequestId, Scheduler, SelectRequest, TierOverlap,
+    WorkerError, WorkerLoad, WorkerSpec,
 };
 use kvroute_sessions::{
     AffinityStore, InMemoryAffinityStore, Rollback, SessionCommand, SessionCoordinator,
@@ -87,6 +87,8 @@ struct Scratch {
     local: Vec<LocalBlockHash>,
     seq: Vec<u64>,
     overlaps: Vec<(WorkerWithDpRank, u32)>,
+    /// Runs of prompt blocks in slower tiers continuing each worker's device prefix.
+    lower: Vec<TierOverlap>,
 }
 
 /// A decision before it is committed.
@@ -278,7 +280,9 @@ impl<S: AffinityStore> KvRouterCore<S> {
         let plan = self
             .sessions
             .on_routed(control, sticky, routed.worker, now)?;
-        let added = self.scheduler.add_request(
+        // Slower tiers' blocks count at their weights, as the reference estimates cached tokens.
+        let cached_tokens = routed.cost.cached_tokens(self.config.block_size());
+        let added = self.scheduler.add_request_with_cached_tokens(
             &NewRequest {
                 id: req.id,
                 worker: routed.worker,
@@ -287,6 +291,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
                 overlap_blocks: routed.overlap_blocks,
                 expected_output_tokens: req.expected_output_tokens,
             },
+            cached_tokens,
             now,
         );
         if let Err(e) = added {
@@ -361,6 +366,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
         let t = Instant::now();
         let isl_tokens = req.tokens.len() as u64;
         let mut select = SelectRequest::new(isl_tokens, &self.scratch.seq, &self.scratch.overlaps);
+        select.lower_tiers = &self.scratch.lower;
         select.request_id = Some(req.id);
         if let Some(h) = req.hints {
             select = select.with_hints(h, req.phase);
@@ -420,9 +426,11 @@ impl<S: AffinityStore> KvRouterCore<S> {
         }
     }
 
-    /// Overlaps from the exact index for event workers and from predictions for the others.
+    /// Overlaps from the exact index for event workers (device prefixes, and their runs in
+    /// slower tiers) and from predictions for the others.
     fn find_matches(&mut self) {
         self.scratch.overlaps.clear();
+        self.scratch.lower.clear();
         if self.scratch.local.is_empty() {
             return;
         }
@@ -434,6 +442,17 @@ impl<S: AffinityStore> KvRouterCore<S> {
                 .iter()
                 .filter(|(w, _)| modes.get(&w.worker_id) != Some(&KvMode::Approximate))
                 .map(|(&w, &s)| (w, s)),
+        );
+        self.scratch.lower.extend(
+            exact
+                .lower_tiers
+                .iter()
+                .filter(|t| modes.get(&t.worker.worker_id) != Some(&KvMode::Approximate))
+                .map(|t| TierOverlap {
+                    worker: t.worker,
+                    tier: t.tier,
+                    blocks: t.blocks,
+                }),
         );
         if self.approx.live_blocks() > 0 {
             let predicted = self.approx.find_matches(&self.scratch.local);

@@ -65,6 +65,15 @@ impl RequestGuard {
         self.output_tokens
     }
 
+    /// The engine reported `reported` of the prompt's tokens served from its cache, where the
+    /// router predicted `predicted` (its index's overlap on this worker, in tokens): recorded
+    /// per worker, so an operator sees whether KV routing works on their fleet.
+    fn on_cache_report(&self, isl_tokens: u64, predicted: u64, reported: u64) {
+        self.inner
+            .metrics
+            .on_cache_report(self.worker, isl_tokens, predicted, reported);
+    }
+
     /// Records `tokens` new output tokens (the first call, even with zero tokens, marks the
     /// prefill complete).
     pub fn on_tokens(&mut self, tokens: u64) {
@@ -126,13 +135,18 @@ impl Drop for RequestGuard {
 }
 
 /// A routed response stream: the worker's items, with the guard updated on each and settled when
-/// the stream ends (an error item or a transport error counts as a failure). Dropping it early
-/// cancels the request on the worker and frees it.
+/// the stream ends, or at once on a failure (an error item or a transport error), which counts
+/// as `outcome="error"` however the stream is dropped afterwards. Dropping it early, before any
+/// failure or end, cancels the request on the worker and frees it (`outcome="cancelled"`: the
+/// client went away).
 #[derive(Debug)]
 pub struct KvRoutedStream {
     inner: LlmRoutedStream,
     guard: Option<RequestGuard>,
     failed: bool,
+    /// Whether the engine's cached-token report has been compared with the prediction (only the
+    /// first report of a stream counts).
+    cache_reported: bool,
     decision: Routed,
 }
 
@@ -142,8 +156,35 @@ impl KvRoutedStream {
             inner,
             guard: Some(guard),
             failed: false,
+            cache_reported: false,
             decision,
         }
+    }
+
+    /// Leaves the engine's cached-token reports out of the prediction metrics.
+    pub(crate) fn skip_cache_report(&mut self) {
+        self.cache_reported = true;
+    }
+
+    /// Compares the engine's first report of cached prompt tokens with the prediction.
+    fn check_cache_report(&mut self, data: &kvroute_protocols::LLMEngineOutput) {
+        if self.cache_reported {
+            return;
+        }
+        let Some(reported) = data
+            .completion_usage
+            .and_then(|u| u.prompt_tokens_details)
+            .and_then(|d| d.cached_tokens)
+        else {
+            return;
+        };
+        self.cache_reported = true;
+        let Some(guard) = &self.guard else { return };
+        let isl = self.decision.isl_tokens;
+        let predicted = self
+            .decision
+            .predicted_cached_tokens(guard.inner.config.core.block_size());
+        guard.on_cache_report(isl, predicted, u64::from(reported).min(isl));
     }
 
     /// The routing decision (worker, overlap, cost breakdown, timings).
@@ -179,17 +220,33 @@ impl Stream for KvRoutedStream {
         let polled = Pin::new(&mut self.inner).poll_next(cx);
         match &polled {
             Poll::Ready(Some(Ok(item))) => {
-                if item.error.is_some() || item.event.as_deref() == Some(ERROR_EVENT) {
-                    self.failed = true;
-                }
                 if let Some(data) = &item.data {
                     let tokens = data.token_ids.len() as u64;
                     if let Some(guard) = self.guard.as_mut() {
                         guard.on_tokens(tokens);
                     }
+                    self.check_cache_report(data);
+                }
+                let engine_failed = item.data.as_ref().is_some_and(|d| {
+                    matches!(
+                        d.finish_reason,
+                        Some(kvroute_protocols::FinishReason::Error(_))
+                    )
+                });
+                if engine_failed
+                    || item.error.is_some()
+                    || item.event.as_deref() == Some(ERROR_EVENT)
+                {
+                    self.failed = true;
+                    // Settled now: a consumer stops at a failure and drops the stream, which
+                    // must not count as the client cancelling.
+                    self.settle();
                 }
             }
-            Poll::Ready(Some(Err(_))) => self.failed = true,
+            Poll::Ready(Some(Err(_))) => {
+                self.failed = true;
+                self.settle();
+            }
             Poll::Ready(None) => self.settle(),
             Poll::Pending => {}
         }

@@ -8,7 +8,7 @@
 //! | `requests_total` | counter | | requests routed to a worker |
 //! | `queries_total` | counter | | query-only requests answered (no routing) |
 //! | `route_errors_total` | counter | | requests that could not be routed or sent |
-//! | `requests_finished_total` | counter | `outcome` = ok, error, cancelled | requests ended |
+//! | `requests_finished_total` | counter | `outcome` = ok, error (engine or transport failure), cancelled (client left) | requests ended |
 //! | `input_tokens_total` | counter | | prompt tokens of routed requests |
 //! | `output_tokens_total` | counter | | tokens streamed back |
 //! | `predicted_cached_tokens_total` | counter | | prompt tokens the index predicted cached |
@@ -19,6 +19,14 @@
 //! | `worker_active_blocks` | gauge | `worker`, `dp_rank` | active decode blocks (cost model view) |
 //! | `worker_prefill_tokens` | gauge | `worker`, `dp_rank` | prompt tokens not yet prefilled |
 //! | `worker_active_requests` | gauge | `worker`, `dp_rank` | requests in flight |
+//! | `prediction_error_tokens` | histogram | `worker` | per request whose engine reported its cached prompt tokens: reported minus predicted (negative: the router over-predicted) |
+//! | `cache_report_prompt_tokens_total` | counter | `worker` | prompt tokens of those requests |
+//! | `cache_report_predicted_tokens_total` | counter | `worker` | tokens the router predicted cached for them |
+//! | `cache_report_reported_tokens_total` | counter | `worker` | tokens the engines reported cached for them |
+//!
+//! The last three give, per worker, the predicted and the reported hit rate over the same
+//! requests (`predicted / prompt` against `reported / prompt`): where the two part, the index does
+//! not see the engine's cache as it is (wrong block size, salt, tokenizer, or lost events).
 //!
 //! When serving disaggregated, `/metrics` shows both phases' routers, each sample labelled
 //! [`ROUTER_LABEL`] = [`ROUTER_PREFILL`] or [`ROUTER_DECODE`] (first label); otherwise no sample
@@ -30,7 +38,7 @@ use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets, linear_buckets};
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::request::PhaseTimings;
@@ -57,9 +65,12 @@ type Labels = Vec<(&'static str, String)>;
 pub enum Outcome {
     /// The stream ended without an error.
     Ok,
-    /// The worker or the transport failed it.
+    /// The worker or the transport failed it: an error item from the engine (an engine refusal,
+    /// an error finish reason) or a transport error (a lost worker, pinned or not), counted when
+    /// the failure is seen, whatever drops the stream afterwards. A request migrated off a lost
+    /// worker counts one `error` for that attempt and its continuation's own outcome.
     Error,
-    /// The caller dropped it before the end.
+    /// The caller dropped it before the end and before any failure: the client went away.
     Cancelled,
 }
 
@@ -92,12 +103,25 @@ pub struct RouterMetrics {
     worker_blocks: Family<Labels, Gauge<f64, AtomicU64>>,
     worker_prefill: Family<Labels, Gauge>,
     worker_requests: Family<Labels, Gauge>,
+    prediction_error: Family<Labels, Histogram, fn() -> Histogram>,
+    report_prompt: Family<Labels, Counter>,
+    report_predicted: Family<Labels, Counter>,
+    report_reported: Family<Labels, Counter>,
 }
 
 impl Default for RouterMetrics {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// Signed token differences, symmetric around zero: 0, ±1, ±4, ... ±65,536.
+fn prediction_error_histogram() -> Histogram {
+    let positive = (0..9).map(|i| 4f64.powi(i));
+    let mut bounds: Vec<f64> = positive.clone().rev().map(|b| -b).collect();
+    bounds.push(0.0);
+    bounds.extend(positive);
+    Histogram::new(bounds)
 }
 
 fn overhead_histogram() -> Histogram {
@@ -117,7 +141,9 @@ impl RouterMetrics {
             input_tokens: Counter::default(),
             output_tokens: Counter::default(),
             predicted_cached_tokens: Counter::default(),
-            predicted_hit_rate: Histogram::new(linear_buckets(0.1, 0.1, 10)),
+            // k / 10 rather than repeated additions of 0.1, so that bounds print as written
+            // (`le="0.3"`, not `le="0.30000000000000004"`).
+            predicted_hit_rate: Histogram::new((1..=10).map(|k| f64::from(k) / 10.0)),
             // 1 ms .. ~65 s.
             ttft: Histogram::new(exponential_buckets(1e-3, 2.0, 17)),
             // 100 µs .. ~6.5 s.
@@ -126,6 +152,10 @@ impl RouterMetrics {
             worker_blocks: Family::default(),
             worker_prefill: Family::default(),
             worker_requests: Family::default(),
+            prediction_error: Family::new_with_constructor(prediction_error_histogram),
+            report_prompt: Family::default(),
+            report_predicted: Family::default(),
+            report_reported: Family::default(),
             registry: Registry::default(),
         };
         m.register_all(&mut registry);
@@ -204,6 +234,26 @@ impl RouterMetrics {
             "Requests in flight per worker rank",
             self.worker_requests.clone(),
         );
+        registry.register(
+            "prediction_error_tokens",
+            "Per request, cached prompt tokens the engine reported minus those the router predicted",
+            self.prediction_error.clone(),
+        );
+        registry.register(
+            "cache_report_prompt_tokens",
+            "Prompt tokens of requests whose engine reported its cached tokens",
+            self.report_prompt.clone(),
+        );
+        registry.register(
+            "cache_report_predicted_tokens",
+            "Cached tokens the router predicted for requests whose engine reported its own",
+            self.report_predicted.clone(),
+        );
+        registry.register(
+            "cache_report_reported_tokens",
+            "Cached prompt tokens the engines reported",
+            self.report_reported.clone(),
+        );
     }
 
     /// A request was routed: its prompt, predicted cache hits and routing time.
@@ -252,6 +302,26 @@ impl RouterMetrics {
                 self.itl.observe(per_token);
             }
         }
+    }
+
+    /// `worker`'s engine reported `reported` of a request's `isl_tokens` prompt tokens cached,
+    /// where the router predicted `predicted`.
+    pub fn on_cache_report(
+        &self,
+        worker: WorkerWithDpRank,
+        isl_tokens: u64,
+        predicted: u64,
+        reported: u64,
+    ) {
+        let labels = vec![("worker", worker.worker_id.to_string())];
+        self.prediction_error
+            .get_or_create(&labels)
+            .observe(reported as f64 - predicted as f64);
+        self.report_prompt.get_or_create(&labels).inc_by(isl_tokens);
+        self.report_predicted
+            .get_or_create(&labels)
+            .inc_by(predicted);
+        self.report_reported.get_or_create(&labels).inc_by(reported);
     }
 
     /// A request ended.

@@ -201,6 +201,13 @@ impl MigratingStream {
     pub fn generated(&self) -> &[u32] {
         &self.inner.generated
     }
+
+    /// Asks the worker to finish the request gracefully (a stop string was found in its text):
+    /// its last items, usage included, still arrive, and a worker lost from now on ends the
+    /// stream instead of moving it.
+    pub fn stop_generating(&mut self) {
+        self.inner.stop_generating();
+    }
 }
 
 impl Stream for MigratingStream {
@@ -288,6 +295,10 @@ trait Reroute: Send + Sync + 'static {
         None
     }
 
+    /// Asks the worker streaming `stream` to finish gracefully (the default asks nothing: the
+    /// stream runs to its end).
+    fn stop_generating(_stream: &mut Self::Stream) {}
+
     /// The worker streaming the output of an attempt, and the phase whose pin would name it.
     fn output(placement: &Self::Placement) -> (WorkerWithDpRank, RequestPhase);
 
@@ -322,6 +333,10 @@ impl Reroute for KvPushRouter {
 
     fn output(placement: &WorkerWithDpRank) -> (WorkerWithDpRank, RequestPhase) {
         (*placement, RequestPhase::Aggregated)
+    }
+
+    fn stop_generating(stream: &mut KvRoutedStream) {
+        stream.runtime_stream().stream_mut().stop();
     }
 
     fn live_workers(&self) -> Vec<WorkerId> {
@@ -557,6 +572,8 @@ struct Migration<R: Reroute> {
     /// The prompt token details of the first prefill that reported any, taken from each
     /// attempt's stream before it is dropped.
     prefill_details: Option<PromptTokensDetails>,
+    /// The caller asked the worker to stop: a lost worker ends the stream rather than moving it.
+    stopping: bool,
 }
 
 impl<R: Reroute> Migration<R> {
@@ -573,6 +590,15 @@ impl<R: Reroute> Migration<R> {
             state: State::Streaming(Box::new(stream)),
             error: None,
             prefill_details: None,
+            stopping: false,
+        }
+    }
+
+    /// Asks the current worker to finish gracefully; no migration happens after this.
+    fn stop_generating(&mut self) {
+        self.stopping = true;
+        if let State::Streaming(stream) = &mut self.state {
+            R::stop_generating(stream);
         }
     }
 
@@ -633,6 +659,7 @@ impl<R: Reroute> Migration<R> {
                         self.keep_prefill_details();
                         let (worker, phase) = R::output(&self.placement);
                         if error.is_worker_unavailable()
+                            && !self.stopping
                             && self.budget.may_move(&self.request, phase, worker.worker_id)
                         {
                             self.error = Some(error);

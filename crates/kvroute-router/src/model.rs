@@ -19,6 +19,11 @@ pub struct ModelConfig {
     /// A Jinja chat template, or a `tokenizer_config.json` holding one; `None` uses the mock
     /// template ([`crate::tokenizer::MOCK_CHAT_TEMPLATE`]).
     pub chat_template: Option<PathBuf>,
+    /// LoRA adapters the workers serve on top of this model, by the name clients put in
+    /// `model` (as vLLM serves them with `--lora-modules NAME=PATH`). A request naming one is
+    /// tokenized as the base model, routed under the adapter's hash salt (an adapter's blocks
+    /// are its own) and sent with `model` set to the adapter's name.
+    pub lora_adapters: Vec<String>,
 }
 
 impl ModelConfig {
@@ -28,6 +33,7 @@ impl ModelConfig {
             name: name.into(),
             tokenizer: None,
             chat_template: None,
+            lora_adapters: Vec::new(),
         }
     }
 }
@@ -39,9 +45,11 @@ pub struct Model {
     /// Its tokenizer.
     pub tokenizer: Arc<dyn Tokenizer>,
     /// Its chat template.
-    pub template: ChatTemplate,
+    pub template: Arc<ChatTemplate>,
     /// Its end-of-sequence token ids, sent to workers with every request.
     pub eos_token_ids: Vec<u32>,
+    /// The LoRA adapter this name serves (`None` for the base model).
+    pub lora_name: Option<String>,
 }
 
 impl std::fmt::Debug for Model {
@@ -49,6 +57,7 @@ impl std::fmt::Debug for Model {
         f.debug_struct("Model")
             .field("name", &self.name)
             .field("eos_token_ids", &self.eos_token_ids)
+            .field("lora_name", &self.lora_name)
             .finish_non_exhaustive()
     }
 }
@@ -59,8 +68,22 @@ impl Model {
         Self {
             name: name.into(),
             tokenizer: Arc::new(MockTokenizer),
-            template: ChatTemplate::mock(),
+            template: Arc::new(ChatTemplate::mock()),
             eos_token_ids: vec![MOCK_EOS_TOKEN_ID],
+            lora_name: None,
+        }
+    }
+
+    /// The LoRA adapter `adapter` over this model: the same tokenizer, template and
+    /// end-of-sequence tokens under the adapter's name.
+    pub fn adapter(&self, adapter: impl Into<String>) -> Self {
+        let adapter = adapter.into();
+        Self {
+            name: adapter.clone(),
+            tokenizer: self.tokenizer.clone(),
+            template: self.template.clone(),
+            eos_token_ids: self.eos_token_ids.clone(),
+            lora_name: Some(adapter),
         }
     }
 
@@ -69,7 +92,7 @@ impl Model {
         let Some(path) = &config.tokenizer else {
             let mut model = Self::mock(config.name.clone());
             if let Some(template) = &config.chat_template {
-                model.template = ChatTemplate::from_file(template)?;
+                model.template = Arc::new(ChatTemplate::from_file(template)?);
             }
             return Ok(model);
         };
@@ -85,8 +108,9 @@ impl Model {
         Ok(Self {
             name: config.name.clone(),
             tokenizer: Arc::new(tokenizer),
-            template,
+            template: Arc::new(template),
             eos_token_ids,
+            lora_name: None,
         })
     }
 }
@@ -110,11 +134,15 @@ impl ModelRegistry {
         registry
     }
 
-    /// Loads every model of `configs`.
+    /// Loads every model of `configs`, and each one's LoRA adapters under their own names.
     pub fn load(configs: &[ModelConfig]) -> Result<Self, TokenizerError> {
         let mut registry = Self::new();
         for config in configs {
-            registry.insert(Model::load(config)?);
+            let model = Model::load(config)?;
+            for adapter in &config.lora_adapters {
+                registry.insert(model.adapter(adapter.clone()));
+            }
+            registry.insert(model);
         }
         Ok(registry)
     }

@@ -18,7 +18,8 @@ pub enum Policy {
     /// The reference's default cost,
     /// `prefill_load_scale * max(prefill_blocks - overlap_credit * overlap_blocks, 0) + decode_blocks`,
     /// with the configured weights (the reference's, [`CostWeights::reference`], unless changed)
-    /// and temperature.
+    /// and temperature; blocks continuing the prefix in host or disk tiers add their
+    /// `cache_hit_weights` to the credit (every policy that scores does).
     Kv,
     /// The load-adaptive cost (the default): the reference's terms, with a prefill weight that
     /// rises from 1 with no prefill backlog to 8 decode blocks once the eligible workers'

@@ -134,7 +134,7 @@ pub(crate) struct Inner {
     pub(crate) metrics: RouterMetrics,
     epoch: Instant,
     next_id: AtomicU64,
-    config: KvPushRouterConfig,
+    pub(crate) config: KvPushRouterConfig,
 }
 
 pub(crate) struct State {
@@ -242,10 +242,9 @@ impl KvPushRouter {
             core.route(&route_req, now, rng)
         }
         .inspect_err(|_| inner.metrics.on_route_error())?;
-        let block_size = u64::from(inner.config.core.block_size());
         inner.metrics.on_routed(
             routed.isl_tokens,
-            (u64::from(routed.overlap_blocks) * block_size).min(routed.isl_tokens),
+            routed.predicted_cached_tokens(inner.config.core.block_size()),
             &routed.timings,
         );
         // From here on the guard frees the request on every path, including early returns.
@@ -271,9 +270,13 @@ impl KvPushRouter {
                 inner.metrics.on_route_error();
                 KvRouterError::Send { worker, source }
             })?;
-        Ok(KvResponse::Stream(KvRoutedStream::new(
-            stream, guard, routed,
-        )))
+        let mut stream = KvRoutedStream::new(stream, guard, routed);
+        if phase == RequestPhase::Decode {
+            // Decode routing predicts no reuse by design (the prompt's cache is the prefill
+            // worker's), and decode workers repeat the prefill's report: nothing to compare.
+            stream.skip_cache_report();
+        }
+        Ok(KvResponse::Stream(stream))
     }
 
     /// Runs `f` on the routing core under its lock (inspection, tests, the replay of live

@@ -44,7 +44,8 @@ impl<'a> RouteRequest<'a> {
     }
 
     /// Everything a [`PreprocessedRequest`] says about routing: its routing tokens, hints
-    /// (the LoRA adapter becomes the hash salt), overrides and expected output length.
+    /// (the LoRA adapter and the cache salt, as the cache namespace, become the hash salt, as in
+    /// the engines), overrides and expected output length.
     pub fn from_preprocessed(id: RequestId, req: &'a PreprocessedRequest) -> Self {
         let hints = req.routing.as_ref();
         Self {
@@ -53,9 +54,7 @@ impl<'a> RouteRequest<'a> {
             phase: RequestPhase::Aggregated,
             hints,
             overrides: req.router_config_override.as_ref(),
-            salt: hints
-                .and_then(|h| h.lora_name.as_deref())
-                .map_or_else(HashSalt::default, HashSalt::lora),
+            salt: HashSalt::new(hints.and_then(|h| h.lora_name.as_deref()), req.cache_salt()),
             expected_output_tokens: hints.and_then(|h| h.expected_output_tokens),
         }
     }
@@ -152,12 +151,23 @@ pub struct Routed {
 }
 
 impl Routed {
+    /// The prompt tokens predicted to be served from cache on the chosen worker: its device-tier
+    /// overlap plus its lower-tier continuation, weighted by the cache-hit weights (as the
+    /// reference estimates them), capped at the prompt's length.
+    pub fn predicted_cached_tokens(&self, block_size: u32) -> u64 {
+        let device = u64::from(self.overlap_blocks) * u64::from(block_size);
+        self.cost
+            .cached_tokens(block_size)
+            .max(device)
+            .min(self.isl_tokens)
+    }
+
     /// The fraction of the prompt's tokens predicted to be served from cache (0 for an empty
     /// prompt).
     pub fn predicted_hit_rate(&self, block_size: u32) -> f64 {
         if self.isl_tokens == 0 {
             return 0.0;
         }
-        (u64::from(self.overlap_blocks) * u64::from(block_size)) as f64 / self.isl_tokens as f64
+        self.predicted_cached_tokens(block_size) as f64 / self.isl_tokens as f64
     }
 }

@@ -467,7 +467,10 @@ async fn read_loop(
             Kind::Reply => Incoming::Reply(f.body),
             Kind::End => Incoming::End,
             Kind::Error => Incoming::Failed(match frame::decode::<WireError>(&f.body, max) {
-                Ok(e) => remote_error(e),
+                Ok(e) => match conn.upgrade() {
+                    Some(conn) => remote_error(e, &conn.addr),
+                    None => remote_error(e, ""),
+                },
                 Err(message) => RequestError::Decode { message },
             }),
             Kind::GoAway => {
@@ -496,9 +499,13 @@ async fn read_loop(
     }
 }
 
-fn remote_error(e: WireError) -> RequestError {
+fn remote_error(e: WireError, addr: &str) -> RequestError {
     let message = e.message;
     match e.code {
+        WireErrorCode::EngineUnavailable => RequestError::WorkerUnavailable {
+            addr: addr.to_owned(),
+            reason: message,
+        },
         WireErrorCode::Engine => RequestError::Engine { message },
         WireErrorCode::BadRequest => RequestError::BadRequest { message },
         WireErrorCode::TooLarge => RequestError::Engine { message },

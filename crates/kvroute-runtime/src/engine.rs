@@ -6,6 +6,7 @@ use std::sync::Arc;
 use futures::Stream;
 use kvroute_protocols::SessionControl;
 use kvroute_protocols::kv_events::KvCacheEvent;
+use parking_lot::Mutex;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
@@ -66,6 +67,14 @@ pub enum EngineError {
         /// The operation's name.
         operation: &'static str,
     },
+    /// The engine behind this worker cannot serve (it is down, restarting or overloaded). Unlike
+    /// [`EngineError::Rejected`], another worker may well serve the request: callers see
+    /// [`crate::RequestError::WorkerUnavailable`] and may migrate it.
+    #[error("engine unavailable: {message}")]
+    Unavailable {
+        /// What happened (connection refused, reset mid-stream, 503, ...).
+        message: String,
+    },
 }
 
 /// The id and cancellation state of one request, shared by the caller's side of the transport
@@ -79,6 +88,7 @@ pub struct RequestContext {
     id: Arc<str>,
     stop: CancellationToken,
     kill: CancellationToken,
+    failure: Arc<Mutex<Option<EngineError>>>,
 }
 
 impl RequestContext {
@@ -88,7 +98,21 @@ impl RequestContext {
             id: id.into(),
             stop: CancellationToken::new(),
             kill: CancellationToken::new(),
+            failure: Arc::default(),
         }
+    }
+
+    /// Ends the request with a typed failure instead of a normal end: an engine whose stream has
+    /// already started calls this, then ends its stream, and the worker sends the caller this
+    /// error (an [`EngineError::Unavailable`] becomes a worker loss the caller may migrate) in
+    /// place of the end of stream. The first failure recorded wins.
+    pub fn fail(&self, error: EngineError) {
+        self.failure.lock().get_or_insert(error);
+    }
+
+    /// The failure recorded with [`RequestContext::fail`], if any.
+    pub fn failure(&self) -> Option<EngineError> {
+        self.failure.lock().clone()
     }
 
     /// The request id.

@@ -21,8 +21,9 @@ use crate::error::RequestError;
 ///
 /// History: 1, the first request plane; 2 added the `SubscribeKvEvents` frame (workers stream KV
 /// events over the request-plane connection), which a version-1 worker would answer with an
-/// unknown-kind error mid-session.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// unknown-kind error mid-session; 3 added the `EngineUnavailable` error code (an engine adapter
+/// whose HTTP engine went away), which a version-2 client could not decode.
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// The magic bytes that open a client's hello frame.
 pub(crate) const MAGIC: [u8; 4] = *b"KVRT";
@@ -127,6 +128,9 @@ pub(crate) enum WireErrorCode {
     EventsUnavailable,
     /// The connection already carries the maximum number of concurrent streams.
     TooManyStreams,
+    /// The engine behind the worker cannot serve (down, restarting, overloaded); the caller may
+    /// migrate the request.
+    EngineUnavailable,
 }
 
 /// An error frame's body.

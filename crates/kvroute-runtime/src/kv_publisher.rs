@@ -13,6 +13,10 @@ use tokio::sync::{broadcast, mpsc};
 
 use crate::event_plane::{EventPlane, encode_router_event};
 
+mod blocks;
+
+use blocks::BlockState;
+
 /// How many recent events a worker keeps for gap recovery unless told otherwise.
 pub const DEFAULT_RING_CAPACITY: usize = 1024;
 
@@ -37,6 +41,9 @@ struct Ring {
     next_id: u64,
     capacity: usize,
     events: VecDeque<RouterEvent>,
+    /// The held blocks, for publishers that answer dumps themselves
+    /// ([`KvEventPublisher::tracking_blocks`]).
+    blocks: Option<BlockState>,
 }
 
 /// The requested range of events is not held.
@@ -84,10 +91,27 @@ impl KvEventPublisher {
                 next_id: 0,
                 capacity: capacity.max(1),
                 events: VecDeque::with_capacity(capacity.clamp(1, 4096)),
+                blocks: None,
             })),
             sink: None,
             live: broadcast::channel(capacity.clamp(1, 65_536)).0,
         }
+    }
+
+    /// A publisher that also keeps the blocks its events say are held, so that it answers dumps
+    /// itself ([`KvEventPublisher::dump_with`] then ignores the engine): for an engine that only
+    /// streams events (vLLM, SGLang behind an adapter), a router that joins later still learns
+    /// every block cached since this publisher started. Memory follows the engine's live set.
+    pub fn tracking_blocks(worker_id: WorkerId, capacity: usize) -> Self {
+        let publisher = Self::new(worker_id, capacity);
+        publisher.state.lock().blocks = Some(BlockState::default());
+        publisher
+    }
+
+    /// How many blocks a [`KvEventPublisher::tracking_blocks`] publisher holds (`None` for one
+    /// that does not track them).
+    pub fn tracked_blocks(&self) -> Option<usize> {
+        self.state.lock().blocks.as_ref().map(BlockState::len)
     }
 
     /// A publisher that also forwards every event, in id order, to `plane` on
@@ -140,6 +164,9 @@ impl KvEventPublisher {
             },
         };
         ring.next_id += 1;
+        if let Some(blocks) = &mut ring.blocks {
+            blocks.apply(storage_tier, &event.event);
+        }
         if ring.events.len() == ring.capacity {
             ring.events.pop_front();
         }
@@ -217,8 +244,32 @@ impl KvEventPublisher {
     }
 
     /// Builds a dump from the engine's current blocks: the last event id is read *before* the
-    /// engine is asked, so every event up to it is reflected in the blocks.
+    /// engine is asked, so every event up to it is reflected in the blocks. A
+    /// [`KvEventPublisher::tracking_blocks`] publisher dumps its own blocks instead, read under
+    /// the same lock as the last event id (an exact cut).
     pub fn dump_with(&self, engine_dump: impl FnOnce() -> Vec<KvCacheEvent>) -> KvDump {
+        {
+            let ring = self.state.lock();
+            if let Some(blocks) = &ring.blocks {
+                let last_event_id = ring.next_id.checked_sub(1);
+                let events = blocks
+                    .dump()
+                    .into_iter()
+                    .map(|(storage_tier, mut event)| {
+                        event.event_id = last_event_id.unwrap_or(0);
+                        RouterEvent {
+                            worker_id: self.worker_id,
+                            storage_tier,
+                            event,
+                        }
+                    })
+                    .collect();
+                return KvDump {
+                    last_event_id,
+                    events,
+                };
+            }
+        }
         let last_event_id = self.last_event_id();
         let events = engine_dump()
             .into_iter()

@@ -94,5 +94,6 @@ pub use llm::{LlmClient, LlmClientStream, LlmEngine, LlmPushRouter, LlmResponse,
 pub use push_router::{PushRouter, PushRouterConfig, RouteError, RouteMode, RoutedStream};
 pub use server::{WorkerServer, WorkerServerConfig};
 pub use zmq_listener::{
-    BlockHasher, ZmqKvListener, ZmqKvListenerConfig, ZmqListenerError, ZmqListenerStats,
+    BlockHasher, BlockSalt, DEFAULT_MAX_TRACKED_BLOCKS, ZmqKvListener, ZmqKvListenerConfig,
+    ZmqListenerError, ZmqListenerStats,
 };

@@ -375,7 +375,7 @@ async fn run_stream<E: Engine>(
     // However this task ends early (a kill, the connection dropping, the server aborting), the
     // engine is told through the context as well as by its stream being dropped.
     let guard = KillOnDrop(Some(context.clone()));
-    let mut responses = match shared.engine.generate(request, context) {
+    let mut responses = match shared.engine.generate(request, context.clone()) {
         Ok(responses) => responses,
         Err(e) => {
             let e = engine_error(e);
@@ -395,7 +395,15 @@ async fn run_stream<E: Engine>(
             return stream;
         }
     }
-    let _ = tx.send(frame::encode_raw(Kind::End, stream, &[])).await;
+    match context.failure() {
+        Some(e) => {
+            let e = engine_error(e);
+            send_error(&tx, stream, e.code, e.message, max).await;
+        }
+        None => {
+            let _ = tx.send(frame::encode_raw(Kind::End, stream, &[])).await;
+        }
+    }
     guard.disarm();
     stream
 }
@@ -471,6 +479,7 @@ impl Drop for KillOnDrop {
 fn engine_error(e: EngineError) -> WireError {
     let code = match e {
         EngineError::Unsupported { .. } => WireErrorCode::Unsupported,
+        EngineError::Unavailable { .. } => WireErrorCode::EngineUnavailable,
         _ => WireErrorCode::Engine,
     };
     WireError {

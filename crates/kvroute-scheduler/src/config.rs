@@ -28,6 +28,10 @@ pub struct SchedulerConfig {
     pub busy: LoadThresholds,
     /// Above these a worker is "full": when every eligible worker is full, requests wait.
     pub queue_threshold: LoadThresholds,
+    /// Prefill credit per block a worker holds in a slower tier (host, disk), continuing its
+    /// device prefix. Not part of [`CostWeights`], so every policy's weights use them, and not
+    /// overridable per request (the reference has no such override).
+    pub cache_hit_weights: CacheHitWeights,
 }
 
 impl SchedulerConfig {
@@ -41,6 +45,7 @@ impl SchedulerConfig {
             request_expiry: DEFAULT_REQUEST_EXPIRY,
             busy: LoadThresholds::default(),
             queue_threshold: LoadThresholds::default(),
+            cache_hit_weights: CacheHitWeights::reference(),
         }
     }
 
@@ -60,7 +65,57 @@ impl SchedulerConfig {
         }
         self.busy.validate("busy")?;
         self.queue_threshold.validate("queue_threshold")?;
-        Ok(())
+        self.cache_hit_weights.validate()
+    }
+}
+
+/// What a block cached in a slower tier is worth, in blocks of prefill credit, against a block
+/// in device memory (worth one): the reference's `host_cache_hit_weight` and
+/// `disk_cache_hit_weight`.
+///
+/// A worker's credit is `device_blocks + host * host_blocks + disk * disk_blocks`, where, as in
+/// the reference, `host_blocks` is the run of blocks the worker holds in host memory right after
+/// its device prefix ends, and `disk_blocks` the run after that on disk (external storage counts
+/// as disk). Loading a block from host memory costs less than recomputing it, from disk more, so
+/// the defaults credit them 0.75 and 0.25. `overlap_score_credit` multiplies the device blocks
+/// only, as in the reference.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CacheHitWeights {
+    /// Credit per block in host (CPU, pinned) memory (`host_cache_hit_weight`, 0..=1, default
+    /// 0.75).
+    pub host: f64,
+    /// Credit per block on disk or external storage (`disk_cache_hit_weight`, 0..=1, default
+    /// 0.25).
+    pub disk: f64,
+}
+
+impl Default for CacheHitWeights {
+    fn default() -> Self {
+        Self::reference()
+    }
+}
+
+impl CacheHitWeights {
+    /// The reference's defaults: 0.75 per host block, 0.25 per disk block.
+    pub const fn reference() -> Self {
+        Self {
+            host: 0.75,
+            disk: 0.25,
+        }
+    }
+
+    /// No credit for slower tiers: only device blocks count, as before kvroute read them.
+    pub const fn device_only() -> Self {
+        Self {
+            host: 0.0,
+            disk: 0.0,
+        }
+    }
+
+    /// Checks that both weights are in 0..=1, naming the configuration key of one that is not.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        check_unit("host_cache_hit_weight", self.host)?;
+        check_unit("disk_cache_hit_weight", self.disk)
     }
 }
 
@@ -73,7 +128,8 @@ impl SchedulerConfig {
 ///
 /// Two presets: [`CostWeights::reference`] (the default) is the reference's cost (a fixed scale
 /// of 1 and a credit of 1 per cached block); [`CostWeights::load_adaptive`] raises the prefill
-/// scale from 1 to 8 as the fleet's prefill backlog builds.
+/// scale from 1 to 8 as the fleet's prefill backlog builds. Blocks continuing the prefix in slower
+/// tiers add [`SchedulerConfig::cache_hit_weights`] to the credit under either preset.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostWeights {
     /// Multiplies the prefill term when no eligible worker has prefill outstanding (the
@@ -268,6 +324,14 @@ fn check_weight(field: &'static str, v: f64) -> Result<(), ConfigError> {
         Ok(())
     } else {
         Err(ConfigError::invalid(field, "a finite number >= 0", v))
+    }
+}
+
+fn check_unit(field: &'static str, v: f64) -> Result<(), ConfigError> {
+    if (0.0..=1.0).contains(&v) {
+        Ok(())
+    } else {
+        Err(ConfigError::invalid(field, "a number in 0..=1", v))
     }
 }
 

@@ -11,7 +11,8 @@
 //! It is a synchronous, deterministic core: time (`now` as a [`std::time::Duration`] since any
 //! fixed epoch) and randomness (any [`rand::Rng`]) come in as arguments. It must not depend on
 //! tokio, the network, or the indexer: overlap scores arrive as a plain slice of
-//! `(WorkerWithDpRank, blocks)` that the router fills from the indexer.
+//! `(WorkerWithDpRank, blocks)` that the router fills from the indexer, and blocks in slower
+//! storage tiers (host, disk) as [`TierOverlap`]s, credited by the [`CacheHitWeights`].
 
 mod config;
 mod fxhash;
@@ -22,13 +23,13 @@ mod select;
 mod workers;
 
 pub use config::{
-    ConfigError, CostWeights, DEFAULT_BATCH_BUDGET_TOKENS, DEFAULT_REQUEST_EXPIRY, LoadThresholds,
-    PrefillThreshold, SchedulerConfig,
+    CacheHitWeights, ConfigError, CostWeights, DEFAULT_BATCH_BUDGET_TOKENS, DEFAULT_REQUEST_EXPIRY,
+    LoadThresholds, PrefillThreshold, SchedulerConfig,
 };
 pub use load::{LoadError, NewRequest, RequestId, WorkerLoad};
 pub use queue::{AdmissionQueue, QueueMeta, QueuePolicy, TryPushError};
 pub use scheduler::{MetricsSnapshot, Scheduler, SchedulerMetrics};
-pub use select::{CandidateCost, Decision, FilterStage, SelectError, SelectRequest};
+pub use select::{CandidateCost, Decision, FilterStage, SelectError, SelectRequest, TierOverlap};
 pub use workers::{MAX_TAINTS, WorkerError, WorkerSpec};
 
 #[cfg(test)]

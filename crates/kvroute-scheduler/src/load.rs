@@ -43,7 +43,8 @@ pub struct NewRequest<'a> {
     pub isl_tokens: u64,
     /// Sequence hashes of the prompt's full blocks, in order.
     pub block_hashes: &'a [u64],
-    /// Prompt blocks already cached on `worker` (they need no prefill).
+    /// Prompt blocks already cached on `worker`'s device (they need no prefill; see
+    /// [`crate::Scheduler::add_request_with_cached_tokens`] to count slower tiers' blocks too).
     pub overlap_blocks: u32,
     /// Expected output length, which makes the request's exclusive blocks decay as it generates.
     pub expected_output_tokens: Option<u32>,
@@ -145,8 +146,8 @@ impl Requests {
     pub(crate) fn add(
         &mut self,
         workers: &mut Workers,
-        block_size: u32,
         req: &NewRequest<'_>,
+        cached_tokens: u64,
         now: Duration,
     ) -> Result<(), LoadError> {
         let Some(&slot_idx) = workers.slot_of.get(&req.worker) else {
@@ -165,7 +166,6 @@ impl Requests {
                 (self.slab.len() - 1) as u32
             }
         };
-        let cached_tokens = u64::from(req.overlap_blocks) * u64::from(block_size);
         let mut state = RequestState {
             id: req.id,
             slot: slot_idx,

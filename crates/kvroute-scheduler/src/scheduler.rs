@@ -76,10 +76,27 @@ impl Scheduler {
             .map(|s| s.key)
     }
 
-    /// Records a routed request's load on its worker.
+    /// Records a routed request's load on its worker; its outstanding prefill is the prompt
+    /// less its `overlap_blocks` of device-cached tokens.
     pub fn add_request(&mut self, req: &NewRequest<'_>, now: Duration) -> Result<(), LoadError> {
+        let cached_tokens = u64::from(req.overlap_blocks) * u64::from(self.config.block_size);
+        self.add_request_with_cached_tokens(req, cached_tokens, now)
+    }
+
+    /// [`Scheduler::add_request`] with the prompt tokens expected cached given directly (capped
+    /// at the prompt length): the chosen candidate's [`CandidateCost::cached_tokens`], whose
+    /// slower-tier blocks count at their weights, as the reference tracks prefill load. The
+    /// request keeps this integer, so freeing it returns the load exactly.
+    ///
+    /// [`CandidateCost::cached_tokens`]: crate::CandidateCost::cached_tokens
+    pub fn add_request_with_cached_tokens(
+        &mut self,
+        req: &NewRequest<'_>,
+        cached_tokens: u64,
+        now: Duration,
+    ) -> Result<(), LoadError> {
         self.requests
-            .add(&mut self.workers, self.config.block_size, req, now)?;
+            .add(&mut self.workers, req, cached_tokens, now)?;
         self.metrics.requests_added.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

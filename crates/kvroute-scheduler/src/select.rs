@@ -3,18 +3,22 @@
 //! Filters run in a fixed order, each with its own error when it leaves nobody:
 //! `allowed_worker_ids`, the exact pin (worker, optional dp rank), dp rank ranges, required
 //! taints, then the busy thresholds. Every survivor gets the cost
-//! `scale * max(prefill_blocks - credit * overlap_blocks, 0) + decode_blocks`
+//! `scale * max(prefill_blocks - (credit * overlap_blocks + host * host_blocks + disk *
+//! disk_blocks), 0) + decode_blocks`
 //! times its preferred-taint multiplier, where, as in the reference, `prefill_blocks` counts the
 //! worker's outstanding prefill (requests not yet past their first token) plus this whole prompt,
 //! and `decode_blocks` counts the worker's active blocks plus this prompt's blocks not already
 //! active there. `scale` is `prefill_load_scale` for the reference's cost and rises with the
 //! eligible workers' prefill backlog for the load-adaptive one ([`CostWeights::prefill_scale_at`]);
 //! `credit` is `overlap_credit`, optionally falling with the share of the prompt that is cached
-//! ([`CostWeights::credit`]).
+//! ([`CostWeights::credit`]); `host_blocks` and `disk_blocks` are the worker's runs of prompt
+//! blocks in slower tiers continuing its device prefix, credited by the
+//! [`CacheHitWeights`](crate::CacheHitWeights) (0.75 and 0.25 by default).
 
 use std::fmt;
 use std::sync::atomic::Ordering;
 
+use kvroute_protocols::kv_events::StorageTier;
 use kvroute_protocols::{
     DpRank, RequestPhase, RouterConfigOverride, RoutingConstraints, RoutingHints, WorkerId,
     WorkerWithDpRank,
@@ -41,6 +45,10 @@ pub struct SelectRequest<'a> {
     pub block_hashes: &'a [u64],
     /// Cached prefix length per worker, in blocks, from the indexer; absent workers have none.
     pub overlaps: &'a [(WorkerWithDpRank, u32)],
+    /// Per worker and slower tier, the run of prompt blocks held there that continues the
+    /// worker's device prefix (the indexer's lower-tier scores); credited by the configured
+    /// [`CacheHitWeights`](crate::CacheHitWeights). Empty by default.
+    pub lower_tiers: &'a [TierOverlap],
     /// When set, only these workers are considered.
     pub allowed_worker_ids: Option<&'a [WorkerId]>,
     /// Exact pin to one worker.
@@ -82,19 +90,42 @@ impl<'a> SelectRequest<'a> {
     }
 }
 
+/// A worker's run of prompt blocks in one slower storage tier, continuing its device prefix (or
+/// the previous slower tier's run).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierOverlap {
+    /// The worker.
+    pub worker: WorkerWithDpRank,
+    /// The tier: host, disk or external (external counts as disk; device entries are ignored,
+    /// device blocks come in [`SelectRequest::overlaps`]).
+    pub tier: StorageTier,
+    /// Blocks in the run.
+    pub blocks: u32,
+}
+
 /// One candidate's cost and how it was computed.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CandidateCost {
     /// The candidate.
     pub worker: WorkerWithDpRank,
-    /// Prompt blocks cached there.
+    /// Prompt blocks cached there in device memory.
     pub overlap_blocks: u32,
-    /// Prefill blocks credited per cached block: `overlap_credit * share ^
+    /// Prompt blocks cached in host memory right after the device prefix.
+    pub host_blocks: u32,
+    /// Prompt blocks cached on disk or external storage right after the host run.
+    pub disk_blocks: u32,
+    /// The cache hit in blocks, slower tiers weighted: `overlap_blocks + host_weight *
+    /// host_blocks + disk_weight * disk_blocks` (the reference's effective overlap); equal to
+    /// `overlap_blocks` without lower-tier blocks.
+    pub weighted_overlap_blocks: f64,
+    /// Prefill blocks credited per device-cached block: `overlap_credit * share ^
     /// cached_share_exponent` (see [`CostWeights::credit`]).
     pub credit: f64,
     /// Outstanding prefill plus this prompt, in blocks (0 when prefill is not tracked).
     pub prefill_blocks: f64,
-    /// `max(prefill_blocks - credit * overlap_blocks, 0)`.
+    /// `max(prefill_blocks - (credit * overlap_blocks + weighted_overlap_blocks -
+    /// overlap_blocks), 0)`: the device blocks credited at `credit`, the slower tiers' at their
+    /// weights.
     pub credited_prefill_blocks: f64,
     /// Active decode blocks plus this prompt's blocks not already active there.
     pub decode_blocks: f64,
@@ -105,19 +136,39 @@ pub struct CandidateCost {
     pub cost: f64,
 }
 
+impl CandidateCost {
+    /// The prompt tokens this worker is expected to find cached, slower tiers weighted:
+    /// `round(weighted_overlap_blocks * block_size)`, as the reference estimates cached tokens
+    /// (the caller caps it at the prompt length).
+    pub fn cached_tokens(&self, block_size: u32) -> u64 {
+        // Non-negative and finite: a sum of validated weights times block counts.
+        (self.weighted_overlap_blocks * f64::from(block_size)).round() as u64
+    }
+}
+
 impl fmt::Display for CandidateCost {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} cost={:.3} prefill={:.3}->{:.3} (overlap {} x credit {:.3}) decode={:.3} x{:.3}",
+            "{} cost={:.3} prefill={:.3}->{:.3} (overlap {} x credit {:.3}",
             self.worker,
             self.cost,
             self.prefill_blocks,
             self.credited_prefill_blocks,
             self.overlap_blocks,
             self.credit,
-            self.decode_blocks,
-            self.taint_multiplier
+        )?;
+        if self.host_blocks > 0 || self.disk_blocks > 0 {
+            write!(
+                f,
+                " + host {} + disk {}, weighted {:.3}",
+                self.host_blocks, self.disk_blocks, self.weighted_overlap_blocks
+            )?;
+        }
+        write!(
+            f,
+            ") decode={:.3} x{:.3}",
+            self.decode_blocks, self.taint_multiplier
         )
     }
 }
@@ -235,6 +286,8 @@ pub(crate) struct Scratch {
 struct Mark {
     generation: u32,
     overlap: u32,
+    host: u32,
+    disk: u32,
     active: u32,
 }
 
@@ -244,8 +297,7 @@ impl Mark {
         if self.generation != generation {
             *self = Mark {
                 generation,
-                overlap: 0,
-                active: 0,
+                ..Mark::default()
             };
         }
         self
@@ -441,7 +493,7 @@ impl Scheduler {
                     candidates = %CandidateList(candidates),
                     temperature,
                     prefill_load_scale = self.scratch.prefill_load_scale,
-                    "selected worker: cost = prefill_load_scale * max(prefill - credit * overlap, 0) + decode, credit = overlap_credit * share^exponent"
+                    "selected worker: cost = prefill_load_scale * max(prefill - (credit * overlap + host_weight * host + disk_weight * disk), 0) + decode, credit = overlap_credit * share^exponent"
                 );
                 Ok(Decision {
                     chosen,
@@ -504,6 +556,18 @@ impl Scheduler {
                 marks[idx as usize].current(generation).overlap = *blocks;
             }
         }
+        for t in req.lower_tiers {
+            if let Some(&idx) = workers.slot_of.get(&t.worker) {
+                let mark = marks[idx as usize].current(generation);
+                match t.tier {
+                    StorageTier::HostPinned => mark.host = mark.host.saturating_add(t.blocks),
+                    StorageTier::Disk | StorageTier::External => {
+                        mark.disk = mark.disk.saturating_add(t.blocks);
+                    }
+                    StorageTier::Device => {}
+                }
+            }
+        }
         if w.assume_kv_reuse {
             for h in req.block_hashes {
                 if let Some(holders) = self.requests.holders.get(h) {
@@ -527,6 +591,7 @@ impl Scheduler {
         }
 
         let block_size = f64::from(self.config.block_size);
+        let tiers = self.config.cache_hit_weights;
         let prompt_blocks = req.block_hashes.len() as f64;
         // The fleet's prefill backlog, only when the scale depends on it.
         let scale = if w.loaded_prefill_load_scale == w.prefill_load_scale {
@@ -550,19 +615,24 @@ impl Scheduler {
                 continue;
             };
             let mark = s.marks[idx as usize];
-            let (overlap_blocks, active) = if mark.generation == generation {
-                (mark.overlap, mark.active)
+            let mark = if mark.generation == generation {
+                mark
             } else {
-                (0, 0)
+                Mark::default()
             };
+            let (overlap_blocks, active) = (mark.overlap, mark.active);
             let prefill_blocks = if w.track_prefill_tokens {
                 (slot.load.prefill_tokens + req.isl_tokens) as f64 / block_size
             } else {
                 0.0
             };
             let credit = w.credit(overlap_blocks, req.block_hashes.len());
+            // Exactly 0.0 without lower-tier blocks (or with zero weights), so the cost is then
+            // bit for bit the device-only one.
+            let lower_credit =
+                tiers.host * f64::from(mark.host) + tiers.disk * f64::from(mark.disk);
             let credited_prefill_blocks =
-                (prefill_blocks - credit * f64::from(overlap_blocks)).max(0.0);
+                (prefill_blocks - (credit * f64::from(overlap_blocks) + lower_credit)).max(0.0);
             let already_active = f64::from(active).min(prompt_blocks);
             let decode_blocks = slot.load.decode_blocks() + (prompt_blocks - already_active);
             let taint_multiplier = if has_preferences {
@@ -580,6 +650,9 @@ impl Scheduler {
             s.candidates.push(CandidateCost {
                 worker: slot.key,
                 overlap_blocks,
+                host_blocks: mark.host,
+                disk_blocks: mark.disk,
+                weighted_overlap_blocks: f64::from(overlap_blocks) + lower_credit,
                 credit,
                 prefill_blocks,
                 credited_prefill_blocks,

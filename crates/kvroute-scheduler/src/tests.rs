@@ -7,7 +7,9 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::select::{pick_min, pick_softmax};
-use crate::{AdmissionQueue, CandidateCost, QueueMeta, QueuePolicy, SchedulerConfig};
+use crate::{
+    AdmissionQueue, CacheHitWeights, CandidateCost, QueueMeta, QueuePolicy, SchedulerConfig,
+};
 
 /// Pushes `(name, arrival secs, priority, work tokens)` and checks the release order.
 fn check(policy: QueuePolicy, input: &[(&'static str, u64, f64, u64)], expect: &[&str]) {
@@ -82,6 +84,9 @@ fn costs(values: &[f64]) -> Vec<CandidateCost> {
         .map(|(i, &cost)| CandidateCost {
             worker: WorkerWithDpRank::from_worker_id(i as u64),
             overlap_blocks: 0,
+            host_blocks: 0,
+            disk_blocks: 0,
+            weighted_overlap_blocks: 0.0,
             credit: 1.0,
             prefill_blocks: 0.0,
             credited_prefill_blocks: 0.0,
@@ -137,4 +142,67 @@ fn config_validation_names_the_field() {
         c.validate().map_err(|e| e.to_string()),
         Err("overlap_score_credit must be a finite number >= 0, got NaN".into())
     );
+}
+
+/// Sets the cache-hit weights and returns the validation error, if any.
+fn check_cache_hit_weights(host: f64, disk: f64, expect: Result<(), &str>) {
+    let mut c = SchedulerConfig::new(16);
+    c.cache_hit_weights = CacheHitWeights { host, disk };
+    assert_eq!(
+        c.validate().map_err(|e| e.to_string()),
+        expect.map_err(str::to_owned),
+        "host {host}, disk {disk}"
+    );
+}
+
+#[test]
+fn cache_hit_weight_validation_names_the_key_and_the_range() {
+    assert_eq!(
+        SchedulerConfig::new(16).cache_hit_weights,
+        CacheHitWeights {
+            host: 0.75,
+            disk: 0.25
+        }
+    );
+    check_cache_hit_weights(0.0, 0.0, Ok(()));
+    check_cache_hit_weights(1.0, 1.0, Ok(()));
+    check_cache_hit_weights(
+        1.5,
+        0.25,
+        Err("host_cache_hit_weight must be a number in 0..=1, got 1.5"),
+    );
+    check_cache_hit_weights(
+        0.75,
+        -0.1,
+        Err("disk_cache_hit_weight must be a number in 0..=1, got -0.1"),
+    );
+    check_cache_hit_weights(
+        f64::NAN,
+        0.25,
+        Err("host_cache_hit_weight must be a number in 0..=1, got NaN"),
+    );
+    check_cache_hit_weights(
+        0.75,
+        f64::INFINITY,
+        Err("disk_cache_hit_weight must be a number in 0..=1, got inf"),
+    );
+}
+
+#[test]
+fn candidate_display_shows_the_weighted_overlap_only_with_lower_tiers() {
+    let mut c = costs(&[2.0])[0];
+    c.overlap_blocks = 2;
+    assert_eq!(
+        c.to_string(),
+        "0/dp0 cost=2.000 prefill=0.000->0.000 (overlap 2 x credit 1.000) decode=2.000 x1.000"
+    );
+    c.host_blocks = 1;
+    c.disk_blocks = 2;
+    c.weighted_overlap_blocks = 3.25;
+    assert_eq!(
+        c.to_string(),
+        "0/dp0 cost=2.000 prefill=0.000->0.000 (overlap 2 x credit 1.000 + host 1 + disk 2, \
+         weighted 3.250) decode=2.000 x1.000"
+    );
+    assert_eq!(c.cached_tokens(16), 52);
 }

@@ -180,7 +180,19 @@ impl<S: AffinityStore> SessionCoordinator<S> {
                 ..RoutedPlan::default()
             }),
             Some(SessionAction::Bind) => {
-                let token = self.bind(session_id, worker, AffinityKind::RouterOnly, ttl, now)?;
+                // Binding a session the worker already holds open keeps it engine-backed, so
+                // that its close still reaches the engine; only a new binding (or one moved to
+                // another worker, whose engine never opened it) is router-only.
+                let kind = match self.store.peek(session_id, now) {
+                    Some(t)
+                        if t.binding.worker == worker
+                            && t.binding.kind == AffinityKind::EngineBacked =>
+                    {
+                        AffinityKind::EngineBacked
+                    }
+                    _ => AffinityKind::RouterOnly,
+                };
+                let token = self.bind(session_id, worker, kind, ttl, now)?;
                 Ok(RoutedPlan {
                     rollback: Some(Rollback {
                         session_id: session_id.clone(),

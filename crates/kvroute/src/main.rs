@@ -8,6 +8,7 @@
 //! This crate is the only place that parses command lines, prints tables and writes report
 //! files; the cores it drives stay free of I/O. anyhow is used here and nowhere below.
 
+mod adapter;
 mod demo;
 mod replay;
 mod serve;
@@ -41,7 +42,8 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Serve the OpenAI-compatible API and route requests over a fleet of workers.
     Serve(Box<serve::ServeArgs>),
-    /// Run a simulated worker (`--mock`) that registers with a router and publishes KV events.
+    /// Run a worker that registers with a router and publishes KV events: a simulated engine
+    /// (`--mock`) or a real one behind its HTTP API (`--engine KIND --engine-url URL`).
     Worker(worker::WorkerArgs),
 }
 

@@ -9,6 +9,7 @@
 //! accepting, lets in-flight requests finish (up to the drain timeout), then exits.
 
 mod config;
+mod fleet;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -20,11 +21,11 @@ use kvroute_router::{
 };
 use kvroute_runtime::{
     Discovery as _, InProcessDiscovery, InProcessEventPlane, KvEventBridge, KvEventBridgeConfig,
-    RegistryServer, StaticDiscovery, WorkerRole,
+    RegistryServer, WorkerRole,
 };
 
-pub(crate) use config::ServeOptions;
-use config::{Discovery, ServeConfig};
+use config::{Discovery, FleetSource, ServeConfig};
+pub(crate) use config::{HumanDuration, ServeOptions};
 
 use crate::signal;
 
@@ -61,18 +62,26 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
 async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     let models = ModelRegistry::load(&config.models).context("loading the served models")?;
     // The registry (kept alive for the whole run) or the static fleet; both give a watch.
-    let mut fleet_file = None;
+    let mut static_fleet = None;
     let (instances, registry) = match &config.discovery {
         Discovery::Static { fleet } => {
-            let discovery = StaticDiscovery::from_file(fleet)?;
-            let watch = discovery.watch();
-            fleet_file = Some(discovery);
+            let workers = match fleet {
+                FleetSource::File(path) => fleet::read_file(path)?,
+                FleetSource::Inline(workers) => workers.clone(),
+            };
+            let fleet = fleet::Fleet::start(workers).await?;
+            let watch = fleet.discovery.watch();
+            static_fleet = Some(fleet);
             (watch, None)
         }
         Discovery::Registration { listen, lease_ttl } => {
-            let registry = RegistryServer::bind(listen, InProcessDiscovery::new(*lease_ttl))
-                .await
-                .with_context(|| format!("binding the worker registry on {listen}"))?;
+            let registry = RegistryServer::bind_with_block_size(
+                listen,
+                InProcessDiscovery::new(*lease_ttl),
+                config.router.core.block_size(),
+            )
+            .await
+            .with_context(|| format!("binding the worker registry on {listen}"))?;
             (registry.discovery().watch(), Some(registry))
         }
     };
@@ -126,12 +135,26 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     let server = tokio::spawn(http::serve(listener, state.clone(), async move {
         let _ = stop_rx.await;
     }));
-    let signal_name = signal::shutdown().await;
-    tracing::info!(
-        signal = signal_name,
-        in_flight = state.in_flight(),
-        "draining"
-    );
+    let engine_failure = async {
+        match &static_fleet {
+            Some(fleet) => fleet.failed().await,
+            None => std::future::pending().await,
+        }
+    };
+    let failure = tokio::select! {
+        signal_name = signal::shutdown() => {
+            tracing::info!(
+                signal = signal_name,
+                in_flight = state.in_flight(),
+                "draining"
+            );
+            None
+        }
+        error = engine_failure => {
+            tracing::error!(error = %format!("{error:#}"), "an engine's KV event feed is unusable; stopping");
+            Some(error)
+        }
+    };
     let _ = stop_tx.send(());
     match tokio::time::timeout(config.drain_timeout, server).await {
         Ok(result) => result.context("the HTTP server task")??,
@@ -141,7 +164,7 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             "drain timeout: exiting with requests in flight"
         ),
     }
-    drop(fleet_file);
+    drop(static_fleet);
     tracing::info!("stopped");
-    Ok(())
+    failure.map_or(Ok(()), Err)
 }

@@ -1,5 +1,9 @@
-//! `kvroute worker --mock`: a simulated engine (kvroute-mocker) served over the TCP request
-//! plane, registered with a router and publishing its KV events.
+//! `kvroute worker`: an engine served over the TCP request plane, registered with a router and
+//! publishing its KV events. The engine is the simulator (`--mock`, kvroute-mocker) or a real
+//! one behind its HTTP API (`--engine vllm|sglang|trtllm|llamacpp|openai --engine-url URL`, the
+//! sidecar shape of [`crate::adapter`]); a sidecar waits for its engine to be healthy before it
+//! registers, leaves the fleet while the engine fails its health checks, and comes back when it
+//! recovers.
 //!
 //! The worker registers with the router's registry (`--router`) under a heartbeat lease, so a
 //! crashed worker disappears (at once when its process dies, after the lease's time to live when
@@ -9,7 +13,7 @@
 //! SIGTERM it deregisters first (no new requests arrive), then lets in-flight requests finish,
 //! up to the drain timeout.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,6 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
+use kvroute_engines::EngineKind;
 use kvroute_mocker::MockerConfig;
 use kvroute_mocker::disagg::{DecodeConfig, Role};
 use kvroute_mocker::live::LiveMocker;
@@ -24,19 +29,53 @@ use kvroute_protocols::kv_events::KvCacheEvent;
 use kvroute_protocols::{PreprocessedRequest, SessionAction, SessionControl};
 use kvroute_runtime::{
     DEFAULT_RING_CAPACITY, Discovery as _, Engine, EngineError, InstanceInfo, KvEventPublisher,
-    LlmResponse, RemoteDiscovery, RemoteDiscoveryConfig, RequestContext, ResponseStream,
+    LlmEngine, LlmResponse, RemoteDiscovery, RemoteDiscoveryConfig, RequestContext, ResponseStream,
     WorkerRole, WorkerServer, WorkerServerConfig,
 };
 use parking_lot::Mutex;
 
+use crate::adapter::{Adapter, EngineSpec};
+use crate::serve::HumanDuration;
 use crate::signal;
 
 /// `kvroute worker` arguments.
 #[derive(Debug, clap::Args)]
+#[command(group = clap::ArgGroup::new("backend").required(true).args(["mock", "engine"]))]
 pub(crate) struct WorkerArgs {
-    /// Serve the simulated engine (the only engine this binary embeds).
+    /// Serve the simulated engine (kvroute-mocker).
     #[arg(long)]
     mock: bool,
+    /// Serve a real engine through its HTTP API, prompts sent as token ids: vllm, trtllm and
+    /// openai through `/v1/completions`, sglang through `/generate`, llamacpp through
+    /// `/completion`.
+    #[arg(
+        long,
+        value_name = "vllm|sglang|trtllm|llamacpp|openai",
+        requires = "engine_url"
+    )]
+    engine: Option<EngineKind>,
+    /// The engine's HTTP address, e.g. http://127.0.0.1:8000.
+    #[arg(long, value_name = "URL", requires = "engine")]
+    engine_url: Option<String>,
+    /// The engine's ZMQ KV event publisher, e.g. tcp://127.0.0.1:5557 (vLLM
+    /// `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+    /// "endpoint": "tcp://*:5557"}'`). Without it the router predicts this worker's cache from its
+    /// own decisions (approximate mode).
+    #[arg(long, value_name = "tcp://HOST:PORT", requires = "engine")]
+    kv_events: Option<String>,
+    /// The engine's ZMQ replay socket (vLLM `"replay_endpoint"`), to recover missed event batches.
+    #[arg(long, value_name = "tcp://HOST:PORT", requires = "kv_events")]
+    kv_events_replay: Option<String>,
+    /// Tokens per KV block of the engine (vLLM `--block-size`, SGLang `--page-size`); must
+    /// equal the router's `[router] block_size` (default 16).
+    #[arg(long, value_name = "TOKENS", conflicts_with = "mock")]
+    kv_block_size: Option<u32>,
+    /// The `model` sent to the engine instead of each request's own.
+    #[arg(long, value_name = "NAME", requires = "engine")]
+    served_model_name: Option<String>,
+    /// How long to wait at start for the engine to answer its health check (250ms, 5s, 2m, ...).
+    #[arg(long, default_value = "120s", value_name = "DURATION")]
+    engine_wait: HumanDuration,
     /// What the worker serves.
     #[arg(long, value_enum, default_value = "aggregated")]
     role: RoleArg,
@@ -63,9 +102,10 @@ pub(crate) struct WorkerArgs {
     /// Serve `/metrics` (Prometheus text) and `/health` over HTTP on this address.
     #[arg(long, value_name = "IP:PORT")]
     metrics_listen: Option<SocketAddr>,
-    /// On SIGINT/SIGTERM, how long in-flight requests may take to finish, in seconds.
-    #[arg(long, default_value_t = 30)]
-    drain_timeout_secs: u64,
+    /// On SIGINT/SIGTERM, how long in-flight requests may take to finish (250ms, 5s, 2m, ...;
+    /// the same flag and format as `kvroute serve --drain-timeout`).
+    #[arg(long, default_value = "30s", value_name = "DURATION")]
+    drain_timeout: HumanDuration,
 }
 
 /// `--role` values.
@@ -78,8 +118,26 @@ enum RoleArg {
 
 /// Runs the worker until a shutdown signal.
 pub(crate) fn run(args: WorkerArgs) -> anyhow::Result<()> {
-    if !args.mock {
-        bail!("only simulated workers exist in this binary; pass --mock");
+    if args.engine.is_some() {
+        if args.mocker_config.is_some() || args.speedup.is_some() {
+            bail!(
+                "--mocker-config and --speedup configure the simulated engine (--mock), not --engine"
+            );
+        }
+        if args.role != RoleArg::Aggregated {
+            bail!(
+                "--role prefill|decode is for simulated workers; an --engine worker is aggregated"
+            );
+        }
+        if args.kv_block_size == Some(0) {
+            bail!("--kv-block-size must be at least 1 token");
+        }
+        signal::init_tracing();
+        return tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .context("starting the tokio runtime")?
+            .block_on(serve_engine(args));
     }
     let mut mocker = match &args.mocker_config {
         None => MockerConfig::default(),
@@ -123,6 +181,78 @@ async fn serve(args: WorkerArgs, mocker: MockerConfig) -> anyhow::Result<()> {
         Some(role) => LiveMocker::spawn_with_role(mocker, 0, publisher.clone(), role),
     }
     .context("starting the simulated engine")?;
+    let mut metadata = BTreeMap::new();
+    metadata.insert("engine".to_owned(), "mocker".to_owned());
+    metadata.insert(
+        kvroute_runtime::KV_EVENTS_METADATA.to_owned(),
+        "true".to_owned(),
+    );
+    let worker = Worker {
+        id,
+        role: worker_role,
+        block_size,
+        metadata,
+        publisher,
+        adapter: None,
+    };
+    run_worker(&args, worker, Arc::new(engine)).await
+}
+
+/// `--engine`: a real engine behind the adapter.
+async fn serve_engine(args: WorkerArgs) -> anyhow::Result<()> {
+    let id = args.id.unwrap_or_else(|| u64::from(rand::random::<u32>()));
+    let (Some(engine), Some(engine_url)) = (args.engine, args.engine_url.clone()) else {
+        bail!("--engine needs --engine-url");
+    };
+    let spec = EngineSpec {
+        engine,
+        engine_url,
+        kv_events: args.kv_events.clone(),
+        kv_events_replay: args.kv_events_replay.clone(),
+        served_model_name: args.served_model_name.clone(),
+    };
+    let block_size = args.kv_block_size.unwrap_or(DEFAULT_ENGINE_BLOCK_SIZE);
+    let adapter = Adapter::start(id, &spec, block_size, args.engine_wait.0).await?;
+    let engine = adapter.engine.clone();
+    let worker = Worker {
+        id,
+        role: WorkerRole::Aggregated,
+        block_size,
+        metadata: adapter.metadata(),
+        publisher: adapter.publisher.clone(),
+        adapter: Some(Arc::new(adapter)),
+    };
+    run_worker(&args, worker, engine).await
+}
+
+/// The block size an `--engine` worker assumes without `--kv-block-size` (vLLM's default).
+const DEFAULT_ENGINE_BLOCK_SIZE: u32 = 16;
+
+/// What every worker registers and publishes, whatever its engine.
+struct Worker {
+    id: u64,
+    role: WorkerRole,
+    block_size: u32,
+    metadata: BTreeMap<String, String>,
+    publisher: KvEventPublisher,
+    adapter: Option<Arc<Adapter>>,
+}
+
+/// Serves `engine` as `worker`, registers it, and runs until a shutdown signal (or, behind an
+/// adapter, until its event feed proves unusable).
+async fn run_worker<E: LlmEngine>(
+    args: &WorkerArgs,
+    worker: Worker,
+    engine: Arc<E>,
+) -> anyhow::Result<()> {
+    let Worker {
+        id,
+        role: worker_role,
+        block_size,
+        metadata,
+        publisher,
+        adapter,
+    } = worker;
     let stats = Arc::new(WorkerStats::default());
     let engine = Arc::new(CountingEngine {
         inner: engine,
@@ -144,16 +274,11 @@ async fn serve(args: WorkerArgs, mocker: MockerConfig) -> anyhow::Result<()> {
 
     let metrics_addr = match args.metrics_listen {
         None => None,
-        Some(addr) => Some(serve_metrics(addr, stats.clone()).await?),
+        Some(addr) => Some(serve_metrics(addr, stats.clone(), adapter.clone()).await?),
     };
 
     let mut info = InstanceInfo::new(id, address.clone(), block_size).with_role(worker_role);
-    info.metadata
-        .insert("engine".to_owned(), "mocker".to_owned());
-    info.metadata.insert(
-        kvroute_runtime::KV_EVENTS_METADATA.to_owned(),
-        "true".to_owned(),
-    );
+    info.metadata = metadata;
     let registration = match &args.router {
         None => None,
         Some(router) => {
@@ -166,9 +291,13 @@ async fn serve(args: WorkerArgs, mocker: MockerConfig) -> anyhow::Result<()> {
             let lease = register_with_retry(&discovery, info.clone())
                 .await
                 .with_context(|| format!("registering with the router at {registry}"))?;
-            Some((discovery, lease))
+            Some(Registration {
+                discovery,
+                lease: tokio::sync::Mutex::new(Some(lease)),
+            })
         }
     };
+    let registration = registration.map(Arc::new);
     let metrics = metrics_addr.map_or_else(|| "none".to_owned(), |a| a.to_string());
     println!(
         "kvroute worker: id={id} role={} listen={address} metrics={metrics}",
@@ -176,20 +305,48 @@ async fn serve(args: WorkerArgs, mocker: MockerConfig) -> anyhow::Result<()> {
     );
     tracing::info!(id, %address, role = role_name(worker_role), "worker ready");
 
-    let signal_name = signal::shutdown().await;
-    tracing::info!(
-        signal = signal_name,
-        in_flight = stats.in_flight(),
-        "shutting down"
-    );
+    let health = match (&adapter, &registration) {
+        (Some(adapter), Some(registration)) => Some(tokio::spawn(watch_engine_health(
+            adapter.clone(),
+            registration.clone(),
+            info.clone(),
+            stats.clone(),
+        ))),
+        _ => None,
+    };
+    let failure = async {
+        match &adapter {
+            Some(adapter) => adapter.failed().await,
+            None => std::future::pending().await,
+        }
+    };
+    let outcome = tokio::select! {
+        signal_name = signal::shutdown() => {
+            tracing::info!(
+                signal = signal_name,
+                in_flight = stats.in_flight(),
+                "shutting down"
+            );
+            Ok(())
+        }
+        error = failure => {
+            tracing::error!(error = %format!("{error:#}"), "the engine's KV event feed is unusable; stopping");
+            Err(error)
+        }
+    };
+    if let Some(health) = health {
+        health.abort();
+    }
     // Deregister first so that the router stops sending, then drain what is in flight.
-    if let Some((discovery, lease)) = registration {
-        lease.revoke();
-        if !discovery.flush(Duration::from_secs(2)).await {
+    if let Some(registration) = registration {
+        if let Some(lease) = registration.lease.lock().await.take() {
+            lease.revoke();
+        }
+        if !registration.discovery.flush(Duration::from_secs(2)).await {
             tracing::warn!("the registry did not confirm the deregistration in time");
         }
     }
-    let drained = tokio::time::timeout(Duration::from_secs(args.drain_timeout_secs), async {
+    let drained = tokio::time::timeout(args.drain_timeout.0, async {
         while stats.in_flight() > 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -203,7 +360,66 @@ async fn serve(args: WorkerArgs, mocker: MockerConfig) -> anyhow::Result<()> {
     }
     drop(server);
     tracing::info!("stopped");
-    Ok(())
+    outcome
+}
+
+/// A worker's registration: the registry client and its lease, taken away while the engine
+/// is unhealthy.
+struct Registration {
+    discovery: RemoteDiscovery,
+    lease: tokio::sync::Mutex<Option<kvroute_runtime::Lease>>,
+}
+
+/// How often a sidecar checks its engine's health, and after how many failures in a row it
+/// leaves the fleet.
+const HEALTH_INTERVAL: Duration = Duration::from_secs(2);
+const HEALTH_FAILURES_TO_LEAVE: u32 = 3;
+
+/// Takes the worker out of the fleet while its engine fails health checks (so the router stops
+/// choosing it), and registers it again once the engine answers.
+async fn watch_engine_health(
+    adapter: Arc<Adapter>,
+    registration: Arc<Registration>,
+    info: InstanceInfo,
+    stats: Arc<WorkerStats>,
+) {
+    let mut failures = 0u32;
+    loop {
+        tokio::time::sleep(HEALTH_INTERVAL).await;
+        let healthy = match adapter.engine.health().await {
+            Ok(()) => true,
+            Err(error) => {
+                failures += 1;
+                // Loud on the way down; while it stays down, the leave below said it all.
+                if failures <= HEALTH_FAILURES_TO_LEAVE {
+                    tracing::warn!(%error, failures, "engine health check failed");
+                } else {
+                    tracing::debug!(%error, failures, "engine still unhealthy");
+                }
+                false
+            }
+        };
+        let mut lease = registration.lease.lock().await;
+        if healthy {
+            failures = 0;
+            stats.engine_up.store(1, Ordering::SeqCst);
+            if lease.is_none() {
+                match registration.discovery.register(info.clone()).await {
+                    Ok(new) => {
+                        tracing::info!("the engine is healthy again; rejoined the fleet");
+                        *lease = Some(new);
+                    }
+                    Err(error) => tracing::warn!(%error, "cannot register again yet"),
+                }
+            }
+        } else if failures >= HEALTH_FAILURES_TO_LEAVE {
+            stats.engine_up.store(0, Ordering::SeqCst);
+            if let Some(old) = lease.take() {
+                tracing::warn!("the engine is unhealthy; leaving the fleet until it recovers");
+                old.revoke();
+            }
+        }
+    }
 }
 
 fn role_name(role: WorkerRole) -> &'static str {
@@ -214,33 +430,68 @@ fn role_name(role: WorkerRole) -> &'static str {
     }
 }
 
-/// Registers, retrying for a while when the router is not up yet (workers and router are often
-/// started together).
+/// Registers, retrying with backoff (200 ms doubling to 5 s, for at most a minute) while the
+/// router cannot be reached (workers and router are often started together). A refusal (the id is
+/// taken, the block size is not the router's) is final: retrying cannot change it.
 async fn register_with_retry(
     discovery: &RemoteDiscovery,
     info: InstanceInfo,
 ) -> anyhow::Result<kvroute_runtime::Lease> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let deadline = tokio::time::Instant::now() + REGISTER_DEADLINE;
+    let mut delay = Duration::from_millis(200);
+    let mut attempts = 0u32;
     loop {
         match discovery.register(info.clone()).await {
             Ok(lease) => return Ok(lease),
-            Err(error) if tokio::time::Instant::now() < deadline => {
-                tracing::info!(%error, "router not reachable yet; retrying");
-                tokio::time::sleep(Duration::from_millis(200)).await;
+            Err(error @ kvroute_runtime::DiscoveryError::Unavailable { .. })
+                if tokio::time::Instant::now() + delay < deadline =>
+            {
+                attempts += 1;
+                // Say it once at INFO (the router may simply be starting), then at DEBUG.
+                if attempts == 1 {
+                    tracing::info!(%error, "router not reachable yet; retrying with backoff");
+                } else {
+                    tracing::debug!(%error, attempts, ?delay, "router still not reachable");
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
             }
-            Err(error) => return Err(error.into()),
+            Err(error @ kvroute_runtime::DiscoveryError::Unavailable { .. }) => {
+                return Err(anyhow::Error::new(error).context(format!(
+                    "the router was not reachable within {REGISTER_DEADLINE:?}"
+                )));
+            }
+            Err(error) => return Err(anyhow::Error::new(error).context("the router refused")),
         }
     }
 }
 
+/// How long a worker keeps trying to reach its router at start.
+const REGISTER_DEADLINE: Duration = Duration::from_secs(60);
+
 /// What the worker observed, for `/metrics`.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct WorkerStats {
     requests: AtomicU64,
     finished: AtomicU64,
     session_opens: AtomicU64,
     session_closes: AtomicU64,
     sessions: Mutex<BTreeSet<String>>,
+    /// 1 while the engine answers its health checks (always 1 for the simulator).
+    engine_up: AtomicU64,
+}
+
+impl Default for WorkerStats {
+    fn default() -> Self {
+        Self {
+            requests: AtomicU64::new(0),
+            finished: AtomicU64::new(0),
+            session_opens: AtomicU64::new(0),
+            session_closes: AtomicU64::new(0),
+            sessions: Mutex::default(),
+            engine_up: AtomicU64::new(1),
+        }
+    }
 }
 
 impl WorkerStats {
@@ -285,6 +536,12 @@ impl WorkerStats {
                 "gauge",
                 self.sessions.lock().len() as u64,
             ),
+            line(
+                "engine_up",
+                "1 while the engine answers its health checks",
+                "gauge",
+                self.engine_up.load(Ordering::SeqCst),
+            ),
         ]
         .concat()
     }
@@ -299,13 +556,13 @@ impl Drop for Finished {
     }
 }
 
-/// The simulated engine, with what it is asked counted for `/metrics` and shutdown.
-struct CountingEngine {
-    inner: LiveMocker,
+/// The engine, with what it is asked counted for `/metrics` and shutdown.
+struct CountingEngine<E> {
+    inner: Arc<E>,
     stats: Arc<WorkerStats>,
 }
 
-impl Engine for CountingEngine {
+impl<E: LlmEngine> Engine for CountingEngine<E> {
     type Request = PreprocessedRequest;
     type Response = LlmResponse;
 
@@ -348,8 +605,55 @@ impl Engine for CountingEngine {
     }
 }
 
+/// The KV event feed's counters, in Prometheus text.
+fn listener_metrics(adapter: &Adapter) -> String {
+    let Some(s) = adapter.listener_stats() else {
+        return String::new();
+    };
+    let counter = |name: &str, help: &str, value: u64| {
+        format!(
+            "# HELP kvroute_worker_kv_{name} {help}\n# TYPE kvroute_worker_kv_{name} counter\nkvroute_worker_kv_{name}_total {value}\n"
+        )
+    };
+    [
+        counter("messages", "Engine KV event batches received", s.messages),
+        counter("events", "Engine KV events republished", s.events),
+        counter("gaps", "Jumps in the engine's event sequence", s.gaps),
+        counter(
+            "lost_messages",
+            "Event batches lost in gaps and not replayed",
+            s.lost_messages,
+        ),
+        counter(
+            "replayed_messages",
+            "Event batches recovered from the replay socket",
+            s.replayed_messages,
+        ),
+        counter(
+            "restarts",
+            "Times the engine's event sequence restarted (its blocks cleared)",
+            s.restarts,
+        ),
+        counter(
+            "decode_errors",
+            "Event batches or events that could not be decoded",
+            s.decode_errors,
+        ),
+        counter(
+            "block_size_mismatches",
+            "Stored events whose block size is not the worker's",
+            s.block_size_mismatches,
+        ),
+    ]
+    .concat()
+}
+
 /// Serves `/metrics` and `/health` on `addr`; returns the bound address.
-async fn serve_metrics(addr: SocketAddr, stats: Arc<WorkerStats>) -> anyhow::Result<SocketAddr> {
+async fn serve_metrics(
+    addr: SocketAddr,
+    stats: Arc<WorkerStats>,
+    adapter: Option<Arc<Adapter>>,
+) -> anyhow::Result<SocketAddr> {
     use axum::routing::get;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -360,7 +664,14 @@ async fn serve_metrics(addr: SocketAddr, stats: Arc<WorkerStats>) -> anyhow::Res
             "/metrics",
             get(move || {
                 let stats = stats.clone();
-                async move { stats.prometheus() }
+                let adapter = adapter.clone();
+                async move {
+                    let mut text = stats.prometheus();
+                    if let Some(adapter) = &adapter {
+                        text.push_str(&listener_metrics(adapter));
+                    }
+                    text
+                }
             }),
         )
         .route("/health", get(|| async { "ok" }));

@@ -21,6 +21,7 @@ pub(super) const ALLOWED: &[(&str, &[&str])] = &[
         &["kvroute-protocols", "kvroute-indexer", "kvroute-runtime"],
     ),
     ("kvroute-prefill", &["kvroute-protocols", "kvroute-runtime"]),
+    ("kvroute-engines", &["kvroute-protocols", "kvroute-runtime"]),
     (
         "kvroute-router",
         &[
@@ -36,8 +37,10 @@ pub(super) const ALLOWED: &[(&str, &[&str])] = &[
         "kvroute",
         &[
             "kvroute-protocols",
+            "kvroute-indexer",
             "kvroute-runtime",
             "kvroute-mocker",
+            "kvroute-engines",
             "kvroute-router",
         ],
     ),

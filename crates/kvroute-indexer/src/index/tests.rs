@@ -8,7 +8,8 @@ use super::KvIndex;
 use crate::error::IndexError;
 
 /// A compact script: `s W P B..` stores blocks B (ext id = local hash = B) on worker W after
-/// parent P (0 = none), `r W B..` removes, `c W` clears, `x W` removes the worker.
+/// parent P (0 = none) in the device tier (`h`, `d`, `e`: in the host, disk, external tier),
+/// `r W B..` removes, `c W` clears, `x W` removes the worker (all on the device tier).
 fn run(script: &str) -> (KvIndex, Vec<Result<(), IndexError>>) {
     let mut index = KvIndex::new();
     let mut results = Vec::new();
@@ -22,8 +23,14 @@ fn run(script: &str) -> (KvIndex, Vec<Result<(), IndexError>>) {
         let op = words.next().unwrap_or_default();
         let nums: Vec<u64> = words.map(|w| w.parse().unwrap_or(0)).collect();
         let worker = nums[0];
+        let tier = match op {
+            "h" => StorageTier::HostPinned,
+            "d" => StorageTier::Disk,
+            "e" => StorageTier::External,
+            _ => StorageTier::Device,
+        };
         let data = match op {
-            "s" => KvCacheEventData::Stored(KvCacheStoreData {
+            "s" | "h" | "d" | "e" => KvCacheEventData::Stored(KvCacheStoreData {
                 parent_hash: (nums[1] != 0).then_some(Ext(nums[1])),
                 blocks: nums[2..]
                     .iter()
@@ -44,7 +51,7 @@ fn run(script: &str) -> (KvIndex, Vec<Result<(), IndexError>>) {
         };
         let event = RouterEvent {
             worker_id: worker,
-            storage_tier: StorageTier::Device,
+            storage_tier: tier,
             event: KvCacheEvent {
                 event_id: id as u64,
                 data,
@@ -56,7 +63,8 @@ fn run(script: &str) -> (KvIndex, Vec<Result<(), IndexError>>) {
     (index, results)
 }
 
-/// Runs `script`, queries `query` (local hashes) and compares "worker:score" pairs.
+/// Runs `script`, queries `query` (local hashes) and compares "worker:score" pairs, device
+/// scores as `1:3` and slower tiers' runs as `1:h2` (host), `1:d1` (disk), `1:e1` (external).
 fn check(script: &str, query: &[u64], expect: &str) {
     let (index, _) = run(script);
     index
@@ -64,13 +72,22 @@ fn check(script: &str, query: &[u64], expect: &str) {
         .unwrap_or_else(|e| panic!("inconsistent: {e}"));
     let q: Vec<LocalBlockHash> = query.iter().map(|&h| LocalBlockHash(h)).collect();
     let scores = index.find_matches(&q);
-    let mut got: Vec<(u64, u32)> = scores
+    let mut got: Vec<(u64, usize, u32)> = scores
         .scores
         .iter()
-        .map(|(w, s)| (w.worker_id, *s))
+        .map(|(w, s)| (w.worker_id, 0, *s))
+        .chain(
+            scores
+                .lower_tiers
+                .iter()
+                .map(|t| (t.worker.worker_id, t.tier.index(), t.blocks)),
+        )
         .collect();
     got.sort_unstable();
-    let got: Vec<String> = got.iter().map(|(w, s)| format!("{w}:{s}")).collect();
+    let got: Vec<String> = got
+        .iter()
+        .map(|&(w, tier, s)| format!("{w}:{}{s}", ["", "h", "d", "e"][tier]))
+        .collect();
     assert_eq!(got.join(" "), expect, "script:\n{script}");
 }
 
@@ -196,4 +213,82 @@ fn dump_round_trips() {
         .unwrap_or_else(|e| panic!("{e}"));
     let q: Vec<LocalBlockHash> = [10, 11, 13].map(LocalBlockHash).to_vec();
     assert_eq!(index.find_matches(&q), rebuilt.find_matches(&q));
+}
+
+#[test]
+fn lower_tiers_continue_the_device_prefix() {
+    // Device 10 11, then host 12 13 (its chain continues the device block 11), then disk 14.
+    check(
+        "s 1 0 10 11\nh 1 11 12 13\nd 1 13 14",
+        &[10, 11, 12, 13, 14, 15],
+        "1:2 1:h2 1:d1",
+    );
+    // External comes after disk, and counts alone too.
+    check("s 1 0 10\ne 1 10 11", &[10, 11], "1:1 1:e1");
+    // The chain may end inside a lower tier.
+    check("s 1 0 10\nh 1 10 11 12", &[10, 11], "1:1 1:h1");
+}
+
+#[test]
+fn a_worker_without_device_blocks_starts_in_a_lower_tier() {
+    check("h 2 0 10 11\nd 2 11 12", &[10, 11, 12, 13], "2:h2 2:d1");
+    check("d 3 0 10", &[10, 11], "3:d1");
+    check("h 2 0 10 11\ns 1 0 10", &[10, 11], "1:1 2:h2");
+}
+
+#[test]
+fn lower_tiers_count_only_blocks_after_the_device_prefix() {
+    // The host copy of the device blocks earns nothing; its block 12 continues the prefix.
+    check("s 1 0 10 11\nh 1 0 10 11 12", &[10, 11, 12], "1:2 1:h1");
+    // Host holding the whole prefix the device holds adds nothing.
+    check("s 1 0 10 11\nh 1 0 10 11", &[10, 11, 12], "1:2");
+}
+
+#[test]
+fn a_tier_left_behind_does_not_count_again() {
+    // After device 10 the host holds nothing at 11, disk does: host's 12 comes after the disk
+    // run started and is not counted (the walk goes device, host, disk, external, once).
+    check("s 1 0 10\nd 1 10 11\nh 1 11 12", &[10, 11, 12], "1:1 1:d1");
+    // A gap in every tier ends the walk: nothing after it counts.
+    check("s 1 0 10\nh 1 10 11\nr 1 10", &[10, 11], "");
+}
+
+#[test]
+fn lower_tier_chains_resolve_parents_in_other_tiers_device_chains_do_not() {
+    let (index, results) = run("s 1 0 10\nh 1 10 11\nd 1 11 12\nh 2 0 20\ns 2 20 21");
+    assert!(results[1].is_ok() && results[2].is_ok());
+    assert!(matches!(
+        results[4],
+        Err(IndexError::ParentNotFound {
+            tier: StorageTier::Device,
+            ..
+        })
+    ));
+    index.check_consistency().unwrap_or_else(|e| panic!("{e}"));
+    let rebuilt = KvIndex::from_events(index.dump());
+    assert!(index.same_content(&rebuilt));
+    let q: Vec<LocalBlockHash> = [10, 11, 12].map(LocalBlockHash).to_vec();
+    assert_eq!(index.find_matches(&q), rebuilt.find_matches(&q));
+}
+
+#[test]
+fn wide_fleets_walk_lower_tiers_past_64_slots() {
+    let mut script = String::new();
+    for w in 1..=130 {
+        script.push_str(&format!("s {w} 0 10\n"));
+    }
+    script.push_str("h 70 10 11\nh 129 10 11 12\nd 3 10 11\nh 100 0 10 11 12 13\nx 5\n");
+    let (index, _) = run(&script);
+    index.check_consistency().unwrap_or_else(|e| panic!("{e}"));
+    let q: Vec<LocalBlockHash> = [10, 11, 12].map(LocalBlockHash).to_vec();
+    let scores = index.find_matches(&q);
+    assert_eq!(scores.scores.len(), 129);
+    let tier = |w: u64, t| scores.tier_score(WorkerWithDpRank::from_worker_id(w), t);
+    assert_eq!(tier(70, StorageTier::HostPinned), 1);
+    assert_eq!(tier(129, StorageTier::HostPinned), 2);
+    assert_eq!(tier(3, StorageTier::Disk), 1);
+    assert_eq!(tier(100, StorageTier::Device), 1);
+    assert_eq!(tier(100, StorageTier::HostPinned), 2);
+    assert_eq!(tier(5, StorageTier::Device), 0);
+    assert_eq!(scores.lower_tiers.len(), 4);
 }

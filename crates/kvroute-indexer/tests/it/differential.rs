@@ -1,6 +1,8 @@
 //! Differential test: random event streams applied to the index and to a naive model agree on
 //! every query. Streams include duplicate stores, unknown parents, unknown blocks, clears and
-//! worker removals; proptest shrinks a failure to a minimal stream.
+//! worker removals, in every storage tier (a slower tier's chain may continue a parent held in
+//! another tier, and a query credits each slower tier with the run continuing the faster
+//! tiers' match); proptest shrinks a failure to a minimal stream.
 
 use std::collections::BTreeMap;
 
@@ -32,15 +34,28 @@ impl Model {
             WorkerWithDpRank::new(ev.worker_id, ev.event.dp_rank),
             ev.storage_tier,
         );
+        // A slower tier's chain may continue a parent held in any tier of the worker rank: its
+        // own first, then in tier order; a device chain only on the device.
+        let parent = |p: u64| {
+            let mut tiers = vec![key.1];
+            if key.1 != StorageTier::Device {
+                tiers.extend(StorageTier::ALL.into_iter().filter(|&t| t != key.1));
+            }
+            tiers
+                .into_iter()
+                .find_map(|t| self.lanes.get(&(key.0, t)).and_then(|l| l.get(&p)).copied())
+        };
+        let parent = match &ev.event.data {
+            KvCacheEventData::Stored(data) => data.parent_hash.map(|p| parent(p.0)),
+            _ => None,
+        };
         let lane = self.lanes.entry(key).or_default();
         match &ev.event.data {
             KvCacheEventData::Stored(data) => {
-                let mut prev = match data.parent_hash {
+                let mut prev = match parent {
                     None => None,
-                    Some(p) => match lane.get(&p.0) {
-                        Some(&s) => Some(SequenceHash(s)),
-                        None => return,
-                    },
+                    Some(Some(s)) => Some(SequenceHash(s)),
+                    Some(None) => return,
                 };
                 for b in &data.blocks {
                     let seq = next_seq_hash(prev, b.tokens_hash);
@@ -61,7 +76,8 @@ impl Model {
         self.lanes.retain(|(w, _), _| w.worker_id != id);
     }
 
-    /// (worker, tier) -> leading blocks held, non-zero only.
+    /// (worker, tier) -> blocks credited, non-zero only: the leading device blocks, then per
+    /// slower tier in order the run of blocks held there from where the previous tiers' ended.
     fn query(&self, local: &[u64]) -> BTreeMap<(WorkerWithDpRank, StorageTier), u32> {
         let mut chain = Vec::new();
         let mut prev = None;
@@ -71,13 +87,22 @@ impl Model {
             prev = Some(s);
         }
         let mut out = BTreeMap::new();
-        for (key, lane) in &self.lanes {
-            let depth = chain
-                .iter()
-                .take_while(|s| lane.values().any(|v| v == *s))
-                .count();
-            if depth > 0 {
-                out.insert(*key, depth as u32);
+        let workers: std::collections::BTreeSet<WorkerWithDpRank> =
+            self.lanes.keys().map(|(w, _)| *w).collect();
+        for worker in workers {
+            let mut at = 0;
+            for tier in StorageTier::ALL {
+                let Some(lane) = self.lanes.get(&(worker, tier)) else {
+                    continue;
+                };
+                let run = chain[at..]
+                    .iter()
+                    .take_while(|s| lane.values().any(|v| v == *s))
+                    .count();
+                if run > 0 {
+                    out.insert((worker, tier), run as u32);
+                }
+                at += run;
             }
         }
         out
@@ -100,7 +125,12 @@ fn op_strategy() -> impl Strategy<Value = Op> {
     let who = (
         1u64..4,
         0u32..2,
-        prop_oneof![4 => Just(StorageTier::Device), 1 => Just(StorageTier::Disk)],
+        prop_oneof![
+            4 => Just(StorageTier::Device),
+            2 => Just(StorageTier::HostPinned),
+            1 => Just(StorageTier::Disk),
+            1 => Just(StorageTier::External),
+        ],
     );
     let store = (
         who.clone(),

@@ -8,7 +8,7 @@ use kvroute_protocols::kv_events::{
 use kvroute_protocols::{
     RequestPhase, RoutingHints, SessionAction, SessionControl, WorkerWithDpRank,
 };
-use kvroute_scheduler::{RequestId, WorkerSpec};
+use kvroute_scheduler::{CacheHitWeights, RequestId, WorkerSpec};
 use kvroute_sessions::{AffinityStore, SessionCommand};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -411,4 +411,179 @@ fn expire_frees_forgotten_requests() {
     let later = core.config().scheduler.request_expiry + Duration::from_secs(1);
     assert_eq!(core.expire(later).requests, vec![RequestId(1)]);
     assert_idle(&core);
+}
+
+/// A `Stored` event from `worker` caching, in `tier`, full blocks `from..to` of `tokens`, its
+/// chain continuing block `from - 1` (engine id `5000 + block`, the same in every tier, as an
+/// engine's content hash is).
+fn stored_blocks(
+    worker: u64,
+    event_id: u64,
+    tier: StorageTier,
+    tokens: &[u32],
+    blocks: std::ops::Range<usize>,
+) -> RouterEvent {
+    let local = compute_block_hashes(tokens, BS as usize, &HashSalt::default());
+    let ext = |i: usize| ExternalSequenceBlockHash(5000 + i as u64);
+    RouterEvent {
+        worker_id: worker,
+        storage_tier: tier,
+        event: KvCacheEvent {
+            event_id,
+            dp_rank: 0,
+            data: KvCacheEventData::Stored(KvCacheStoreData {
+                parent_hash: blocks.start.checked_sub(1).map(ext),
+                blocks: blocks
+                    .map(|i| KvCacheStoredBlockData {
+                        block_hash: ext(i),
+                        tokens_hash: local[i],
+                    })
+                    .collect(),
+            }),
+        },
+    }
+}
+
+fn events_core(weights: CacheHitWeights) -> KvRouterCore {
+    let config = RouterConfig::new(BS)
+        .with_policy(Policy::Kv)
+        .with_cache_hit_weights(weights);
+    let mut core = KvRouterCore::new(config).unwrap();
+    for id in 1..=3 {
+        core.add_worker(&WorkerSpec::new(id), KvMode::Events)
+            .unwrap();
+    }
+    core
+}
+
+#[test]
+fn a_host_tier_prefix_beats_a_cold_worker_and_loses_to_the_device() {
+    let mut core = events_core(CacheHitWeights::reference());
+    let p = prompt(16);
+    core.apply_event(&stored_blocks(1, 0, StorageTier::Device, &p, 0..4));
+    core.apply_event(&stored_blocks(2, 0, StorageTier::HostPinned, &p, 0..4));
+    let r = core
+        .query(&RouteRequest::new(RequestId(1), &p), T0, &mut rng())
+        .unwrap();
+    assert_eq!(r.worker, w(1));
+    let cost = |id| {
+        r.candidates
+            .iter()
+            .find(|c| c.worker == w(id))
+            .unwrap()
+            .cost
+    };
+    // Device: 0 + 4. Host: 4 - 0.75 * 4 = 1, + 4. Cold: 4 + 4.
+    assert_eq!((cost(1), cost(2), cost(3)), (4.0, 5.0, 8.0));
+
+    let hints = RoutingHints {
+        allowed_worker_ids: Some(vec![2, 3]),
+        ..RoutingHints::default()
+    };
+    let req = RouteRequest::new(RequestId(2), &p).with_hints(&hints);
+    let r = core.route(&req, T0, &mut rng()).unwrap();
+    assert_eq!(r.worker, w(2));
+    assert_eq!(
+        (
+            r.overlap_blocks,
+            r.cost.host_blocks,
+            r.cost.weighted_overlap_blocks
+        ),
+        (0, 4, 3.0)
+    );
+    // 16 tokens, 12 expected cached from the host: 4 left to prefill.
+    assert_eq!(core.worker_load(w(2)).unwrap().prefill_tokens, 4);
+    core.on_finished(RequestId(2));
+    assert_idle(&core);
+}
+
+#[test]
+fn a_device_prefix_and_its_offloaded_continuation_earn_weighted_credit() {
+    let mut core = events_core(CacheHitWeights::reference());
+    let p = prompt(32);
+    // Device blocks 0..2, host 2..4 (continuing device block 1), disk 4..6 (continuing host 3).
+    core.apply_event(&stored_blocks(1, 0, StorageTier::Device, &p, 0..2));
+    core.apply_event(&stored_blocks(1, 1, StorageTier::HostPinned, &p, 2..4));
+    core.apply_event(&stored_blocks(1, 2, StorageTier::Disk, &p, 4..6));
+    assert_eq!(core.index().error_counts().parent_not_found, 0);
+    let hints = RoutingHints {
+        allowed_worker_ids: Some(vec![1]),
+        ..RoutingHints::default()
+    };
+    let req = RouteRequest::new(RequestId(1), &p).with_hints(&hints);
+    let r = core.route(&req, T0, &mut rng()).unwrap();
+    assert_eq!(
+        (r.overlap_blocks, r.cost.host_blocks, r.cost.disk_blocks),
+        (2, 2, 2)
+    );
+    // 2 + 0.75 * 2 + 0.25 * 2 = 4 blocks; prefill 8 - 4 = 4.
+    assert_eq!(r.cost.weighted_overlap_blocks, 4.0);
+    assert_eq!(r.cost.credited_prefill_blocks, 4.0);
+    // 32 tokens less 16 expected cached.
+    assert_eq!(core.worker_load(w(1)).unwrap().prefill_tokens, 16);
+    core.on_failed(RequestId(1));
+    assert_idle(&core);
+}
+
+#[test]
+fn zero_cache_hit_weights_route_as_if_lower_tiers_were_unknown() {
+    // One core sees offloaded blocks and weighs them 0; the other never hears of them.
+    let mut weighed = events_core(CacheHitWeights::device_only());
+    let mut unaware = events_core(CacheHitWeights::reference());
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|i| (0..24).map(|t| i % 3 * 1000 + t).collect())
+        .collect();
+    for core in [&mut weighed, &mut unaware] {
+        core.apply_event(&stored_blocks(1, 0, StorageTier::Device, &prompts[0], 0..2));
+        core.apply_event(&stored_blocks(3, 0, StorageTier::Device, &prompts[1], 0..1));
+    }
+    weighed.apply_event(&stored_blocks(
+        1,
+        1,
+        StorageTier::HostPinned,
+        &prompts[0],
+        2..6,
+    ));
+    weighed.apply_event(&stored_blocks(2, 0, StorageTier::Disk, &prompts[1], 0..6));
+    weighed.apply_event(&stored_blocks(
+        3,
+        1,
+        StorageTier::HostPinned,
+        &prompts[2],
+        0..6,
+    ));
+    let (mut r1, mut r2) = (rng(), rng());
+    for (i, p) in prompts.iter().enumerate() {
+        let req = RouteRequest::new(RequestId(i as u64), p);
+        let a = weighed.route(&req, T0, &mut r1).unwrap();
+        let b = unaware.route(&req, T0, &mut r2).unwrap();
+        assert_eq!(a.worker, b.worker, "request {i}");
+        let bits = |r: &crate::Routed| -> Vec<u64> {
+            r.candidates.iter().map(|c| c.cost.to_bits()).collect()
+        };
+        assert_eq!(bits(&a), bits(&b), "request {i}");
+        for worker in weighed.workers().collect::<Vec<_>>() {
+            assert_eq!(weighed.worker_load(worker), unaware.worker_load(worker));
+        }
+    }
+    for i in 0..prompts.len() as u64 {
+        weighed.on_finished(RequestId(i));
+        unaware.on_finished(RequestId(i));
+    }
+    assert_idle(&weighed);
+    assert_idle(&unaware);
+}
+
+#[test]
+fn cache_hit_weights_out_of_range_fail_the_core_naming_the_key() {
+    let config = RouterConfig::new(BS).with_cache_hit_weights(CacheHitWeights {
+        host: 0.75,
+        disk: 2.0,
+    });
+    assert_eq!(
+        KvRouterCore::new(config)
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
+        Err("disk_cache_hit_weight must be a number in 0..=1, got 2".to_owned())
+    );
 }

@@ -8,12 +8,15 @@ use axum::response::{IntoResponse, Response};
 use kvroute_prefill::{PhaseRouteError, PrefillError};
 use kvroute_protocols::ProtocolError;
 use kvroute_runtime::RequestError;
-use kvroute_scheduler::SelectError;
+use kvroute_scheduler::{FilterStage, SelectError};
 use serde_json::json;
 
 use crate::error::RouteError;
 use crate::push::KvRouterError;
 use crate::tokenizer::TokenizerError;
+
+/// The `param` of an error about the pinned dp rank (before [`ApiError::with_dp_rank_param`]).
+const DP_RANK_PARAM: &str = "nvext.dp_rank";
 
 /// An error answered to an HTTP client.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,6 +33,9 @@ pub struct ApiError {
     pub code: Option<&'static str>,
     /// Sent as `Retry-After` (whole seconds, at least 1).
     pub retry_after: Option<Duration>,
+    /// Answer with `Connection: close`: the request's body was left unread, so the connection
+    /// cannot carry another request (and a client must not pool it).
+    pub close_connection: bool,
 }
 
 impl ApiError {
@@ -41,6 +47,16 @@ impl ApiError {
             param: None,
             code: None,
             retry_after: None,
+            close_connection: false,
+        }
+    }
+
+    /// The same error, answered with `Connection: close` (the request's body was left unread).
+    #[must_use]
+    pub fn closing(self) -> Self {
+        Self {
+            close_connection: true,
+            ..self
         }
     }
 
@@ -176,6 +192,14 @@ impl ApiError {
                 Self::invalid(message, Some("nvext.backend_instance_id".to_owned()))
             }
             KvRouterError::Route(RouteError::Select(select)) => match select {
+                // A pin to a dp rank no (allowed) worker serves: the client's pin is wrong, as
+                // with an unknown worker; the param is set by `with_dp_rank_param`.
+                SelectError::NoEndpoints {
+                    stage: FilterStage::DpRank,
+                }
+                | SelectError::DpRankOutOfRange { .. } => {
+                    Self::invalid(message, Some(DP_RANK_PARAM.to_owned()))
+                }
                 SelectError::NoEndpoints { .. }
                 | SelectError::AllEligibleWorkersOverloaded { .. }
                 | SelectError::PinnedWorkerOverloaded { .. } => {
@@ -191,6 +215,15 @@ impl ApiError {
             }
             _ => Self::internal(message),
         }
+    }
+
+    /// This error with `param` naming where the request's dp-rank pin came from (the
+    /// `x-dp-rank` header or `nvext.dp_rank`), when it is about that pin.
+    pub fn with_dp_rank_param(mut self, param: &str) -> Self {
+        if self.param.as_deref() == Some(DP_RANK_PARAM) {
+            self.param = Some(param.to_owned());
+        }
+        self
     }
 
     /// A failure of the response stream before anything was sent to the client.
@@ -223,6 +256,11 @@ impl IntoResponse for ApiError {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if self.close_connection {
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         response
     }

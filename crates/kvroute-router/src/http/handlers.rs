@@ -2,30 +2,32 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::State;
-use axum::extract::rejection::BytesRejection;
+use axum::extract::{FromRequest, Path, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use kvroute_prefill::DisaggMode;
+use kvroute_protocols::headers::HEADER_DP_RANK;
 use kvroute_protocols::{
     FinishReason, HeaderOverrides, LLMEngineOutput, NvExt, NvExtResponse, PreprocessedRequest,
     TimingInfo, WorkerIdInfo, WorkerWithDpRank, from_json,
 };
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::stop::StopMatcher;
 use crate::http::AppState;
 use crate::http::admission::Permit;
 use crate::http::error::ApiError;
 use crate::http::openai::{
-    ChatCompletionRequest, CompletionRequest, Content, Endpoint, Params, Prompt, ResponseMeta,
-    finish_reason_str, usage,
+    CHAT_ROLES, ChatCompletionRequest, CompletionRequest, Content, Endpoint, Params, Prompt,
+    ResponseMeta, finish_reason_str, usage,
 };
 use crate::metrics::{ROUTER_DECODE, ROUTER_PREFILL};
 use crate::migration::{MigratingDisaggStream, MigratingResponse, MigratingStream};
@@ -45,18 +47,24 @@ struct Prepared {
     meta: ResponseMeta,
     received: Instant,
     received_unix_ms: u64,
+    /// Where the pinned dp rank came from: the `x-dp-rank` header, else `nvext.dp_rank`.
+    dp_rank_param: &'static str,
 }
 
 pub(crate) async fn chat_completions(
     State(state): State<AppState>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Result<ReadBody, ApiError>,
 ) -> Response {
     let received = Instant::now();
     let prepared = (|| {
         let req: ChatCompletionRequest = parse_body(body)?;
-        let model = lookup(&state, &req.model)?;
+        refuse_unsupported(req.unsupported_parameter())?;
+        check_roles(&req)?;
         let mut params = req.params();
+        check_max_tokens(&state, "max_completion_tokens", req.max_completion_tokens)?;
+        check_params(&state, &params)?;
+        let model = lookup(&state, &req.model)?;
         let nvext = nvext_with_headers(&state, params.nvext.take(), &headers)?;
         let tokens = match nvext.as_ref().and_then(|e| e.token_data.clone()) {
             Some(tokens) => tokens,
@@ -74,7 +82,10 @@ pub(crate) async fn chat_completions(
         )
     })();
     match prepared {
-        Ok(p) => run(state, p).await,
+        Ok(mut p) => {
+            p.dp_rank_param = dp_rank_param(&headers);
+            run(state, p).await
+        }
         Err(e) => e.into_response(),
     }
 }
@@ -82,13 +93,15 @@ pub(crate) async fn chat_completions(
 pub(crate) async fn completions(
     State(state): State<AppState>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Result<ReadBody, ApiError>,
 ) -> Response {
     let received = Instant::now();
     let prepared = (|| {
         let req: CompletionRequest = parse_body(body)?;
-        let model = lookup(&state, &req.model)?;
+        refuse_unsupported(req.unsupported_parameter())?;
         let mut params = req.params();
+        check_params(&state, &params)?;
+        let model = lookup(&state, &req.model)?;
         let nvext = nvext_with_headers(&state, params.nvext.take(), &headers)?;
         let tokens = match nvext.as_ref().and_then(|e| e.token_data.clone()) {
             Some(tokens) => tokens,
@@ -105,18 +118,39 @@ pub(crate) async fn completions(
         )
     })();
     match prepared {
-        Ok(p) => run(state, p).await,
+        Ok(mut p) => {
+            p.dp_rank_param = dp_rank_param(&headers);
+            run(state, p).await
+        }
         Err(e) => e.into_response(),
     }
 }
 
+/// The param naming a dp-rank pin: the header when the request set it, else the nvext field.
+fn dp_rank_param(headers: &HeaderMap) -> &'static str {
+    if headers.contains_key(HEADER_DP_RANK) {
+        HEADER_DP_RANK
+    } else {
+        "nvext.dp_rank"
+    }
+}
+
+/// The OpenAI model object of a served model.
+fn model_object(name: &str) -> Value {
+    json!({"id": name, "object": "model", "created": 0, "owned_by": "kvroute"})
+}
+
 pub(crate) async fn models(State(state): State<AppState>) -> Response {
-    let data: Vec<Value> = state
-        .models()
-        .names()
-        .map(|name| json!({"id": name, "object": "model", "created": 0, "owned_by": "kvroute"}))
-        .collect();
+    let data: Vec<Value> = state.models().names().map(model_object).collect();
     axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// `GET /v1/models/{id}`: the model object, or 404 `model_not_found`.
+pub(crate) async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    match state.models().get(&id) {
+        Some(model) => axum::Json(model_object(&model.name)).into_response(),
+        None => ApiError::unknown_model(&id).into_response(),
+    }
 }
 
 pub(crate) async fn health(State(state): State<AppState>) -> Response {
@@ -143,27 +177,98 @@ pub(crate) async fn live() -> Response {
     axum::Json(json!({"status": "live"})).into_response()
 }
 
-pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        // Serving disaggregated (while a prefill worker is registered, or always when enforced,
-        // as `generate` decides): both routers, told apart by the `router` label. Otherwise the
-        // decode-phase router serves alone and its text is the aggregated one, unlabelled.
-        match state
-            .disagg()
-            .filter(|d| d.router().config().mode == DisaggMode::Enforced || d.router().is_active())
-        {
-            None => state.router().metrics_text(),
-            Some(d) => merge_families(
-                &state.router().metrics_text_labelled(ROUTER_DECODE),
-                &d.prefill_router().metrics_text_labelled(ROUTER_PREFILL),
-            ),
-        },
-    )
-        .into_response()
+/// The content type of the OpenMetrics text.
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The content type of the Prometheus text format 0.0.4.
+const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// `GET /metrics`, negotiated on `Accept`: OpenMetrics 1.0 when the client accepts
+/// `application/openmetrics-text` (as Prometheus does), else the Prometheus text format 0.0.4
+/// ([`prometheus_text`]).
+pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    let openmetrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
+    let text = metrics_openmetrics(&state);
+    if openmetrics {
+        ([(header::CONTENT_TYPE, OPENMETRICS)], text).into_response()
+    } else {
+        (
+            [(header::CONTENT_TYPE, PROMETHEUS_TEXT)],
+            prometheus_text(&text),
+        )
+            .into_response()
+    }
+}
+
+/// An OpenMetrics text in the Prometheus text format 0.0.4: no `# EOF`, no `# UNIT` lines, no
+/// `_created` samples, and a counter's `# HELP` and `# TYPE` lines naming its `_total` samples
+/// (OpenMetrics names the family without the suffix).
+pub(crate) fn prometheus_text(openmetrics: &str) -> String {
+    let mut counters = std::collections::HashSet::new();
+    let mut created = std::collections::HashSet::new();
+    for line in openmetrics.lines() {
+        let Some(rest) = line.strip_prefix("# TYPE ") else {
+            continue;
+        };
+        let mut parts = rest.split(' ');
+        let (Some(name), Some(kind)) = (parts.next(), parts.next()) else {
+            continue;
+        };
+        if kind == "counter" {
+            counters.insert(name);
+        }
+        if matches!(kind, "counter" | "histogram" | "summary" | "gaugehistogram") {
+            created.insert(name);
+        }
+    }
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        if let Some((prefix, rest)) = meta {
+            let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+            if counters.contains(name) && !name.ends_with("_total") {
+                out.push_str(&format!("{prefix}{name}_total {tail}\n"));
+                continue;
+            }
+        } else if !line.starts_with('#') {
+            let name = line.split(['{', ' ']).next().unwrap_or("");
+            if name
+                .strip_suffix("_created")
+                .is_some_and(|family| created.contains(family))
+            {
+                continue;
+            }
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+/// The OpenMetrics text of the router (both routers', when serving disaggregated).
+fn metrics_openmetrics(state: &AppState) -> String {
+    // Serving disaggregated (while a prefill worker is registered, or always when enforced,
+    // as `generate` decides): both routers, told apart by the `router` label. Otherwise the
+    // decode-phase router serves alone and its text is the aggregated one, unlabelled.
+    match state
+        .disagg()
+        .filter(|d| d.router().config().mode == DisaggMode::Enforced || d.router().is_active())
+    {
+        None => state.router().metrics_text(),
+        Some(d) => merge_families(
+            &state.router().metrics_text_labelled(ROUTER_DECODE),
+            &d.prefill_router().metrics_text_labelled(ROUTER_PREFILL),
+        ),
+    }
 }
 
 /// One metric family of an OpenMetrics text: its name (from `# HELP`, else `# TYPE`), its
@@ -233,18 +338,278 @@ pub(crate) fn merge_families(first: &str, second: &str) -> String {
     out
 }
 
-fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
-    let bytes = body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::too_large(
-                format!("request body too large: {}", rejection.body_text()),
-                "request_too_large",
-            )
-        } else {
-            ApiError::invalid(rejection.body_text(), None)
+/// The body budget of [`crate::http::HttpConfig::max_body_memory_bytes`]: a semaphore of
+/// bytes a body reserves before it is read and holds until it is parsed.
+#[derive(Debug)]
+pub(crate) struct BodyBudget {
+    bytes: Arc<Semaphore>,
+    total: usize,
+    waiting: AtomicUsize,
+}
+
+impl BodyBudget {
+    /// A budget of `max_memory` bytes, at least `max_body` (one largest body fits), at most
+    /// `u32::MAX` (what a reservation can take at once).
+    pub(crate) fn new(max_body: usize, max_memory: usize) -> Self {
+        let total = max_memory.max(max_body).min(u32::MAX as usize);
+        Self {
+            bytes: Arc::new(Semaphore::new(total)),
+            total,
+            waiting: AtomicUsize::new(0),
         }
-    })?;
-    from_json(&bytes).map_err(|e| ApiError::from_protocol(&e, false))
+    }
+
+    /// Bytes reserved now.
+    pub(crate) fn reserved(&self) -> usize {
+        self.total - self.bytes.available_permits()
+    }
+
+    /// Reservations waiting now.
+    pub(crate) fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
+    /// Reserves `bytes` (at most the whole budget), waiting for them to be free.
+    async fn reserve(&self, bytes: usize) -> OwnedSemaphorePermit {
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let _waiting = Waiting(&self.waiting);
+        let n = u32::try_from(bytes.min(self.total)).unwrap_or(u32::MAX);
+        self.bytes
+            .clone()
+            .acquire_many_owned(n)
+            .await
+            .expect("the body budget is never closed")
+    }
+}
+
+/// A request body read within the frontend's limits, with its reservation of the body budget
+/// (released when this is dropped, after parsing).
+pub(crate) struct ReadBody {
+    bytes: Bytes,
+    _reservation: OwnedSemaphorePermit,
+}
+
+impl FromRequest<AppState> for ReadBody {
+    type Rejection = ApiError;
+
+    /// 413 when `Content-Length` exceeds `max_body_bytes`, before anything is buffered; else
+    /// reserves the body's size (`max_body_bytes` without a `Content-Length`) from the budget,
+    /// waiting up to `body_timeout` (503 after that), then reads the body within `body_timeout`
+    /// (408 after that; 413 when a body without `Content-Length` passes the limit).
+    ///
+    /// A refused body is discarded (never buffered) up to [`DRAIN_FACTOR`] times the limit
+    /// within `body_timeout` before the 413 goes out, so the client, which is usually still
+    /// writing it, reads the answer instead of a reset, and the connection stays usable. A larger
+    /// one is answered at once with `Connection: close`.
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
+        let config = state.config();
+        let limit = config.max_body_bytes;
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        let drain_limit = limit.saturating_mul(DRAIN_FACTOR);
+        if let Some(len) = declared
+            && len > limit as u64
+        {
+            let error = body_too_large(&format!("Content-Length {len}"), limit);
+            if len > drain_limit as u64 {
+                return Err(error.closing());
+            }
+            let drained = discard_body(req, 0, drain_limit, config.body_timeout).await;
+            return Err(if drained { error } else { error.closing() });
+        }
+        // `declared` fits in usize here: it is at most `limit`.
+        let expected = declared.map_or(limit, |len| len as usize);
+        let reservation =
+            tokio::time::timeout(config.body_timeout, state.inner.bodies.reserve(expected))
+                .await
+                .map_err(|_| {
+                    ApiError::unavailable(
+                        "too many request bodies are being read; retry later",
+                        config.admission.retry_after,
+                    )
+                })?;
+        let mut body = req.into_body().into_data_stream();
+        let read = async {
+            let mut bytes = Vec::with_capacity(declared.map_or(0, |_| expected));
+            while let Some(chunk) = body.next().await {
+                let chunk = chunk.map_err(|e| {
+                    ApiError::invalid(format!("failed to read the request body: {e}"), None)
+                        .closing()
+                })?;
+                if bytes.len() + chunk.len() > limit {
+                    let seen = bytes.len() + chunk.len();
+                    drop(bytes);
+                    let error = body_too_large("the body", limit);
+                    let drained =
+                        discard_stream(&mut body, seen, drain_limit, config.body_timeout).await;
+                    return Err(if drained { error } else { error.closing() });
+                }
+                bytes.extend_from_slice(&chunk);
+            }
+            Ok(Bytes::from(bytes))
+        };
+        let bytes = tokio::time::timeout(config.body_timeout, read)
+            .await
+            .map_err(|_| ApiError {
+                status: StatusCode::REQUEST_TIMEOUT,
+                message: format!(
+                    "the request body was not received within body_timeout ({:?})",
+                    config.body_timeout
+                ),
+                kind: "invalid_request_error",
+                param: None,
+                code: Some("request_timeout"),
+                retry_after: None,
+                close_connection: true,
+            })??;
+        Ok(Self {
+            bytes,
+            _reservation: reservation,
+        })
+    }
+}
+
+/// How far past `max_body_bytes` a refused body is still read (and thrown away) so that its
+/// client gets the 413 cleanly; see [`ReadBody`].
+const DRAIN_FACTOR: usize = 4;
+
+/// Reads and throws away `req`'s body; see [`discard_stream`].
+async fn discard_body(req: Request, seen: usize, limit: usize, timeout: Duration) -> bool {
+    let mut body = req.into_body().into_data_stream();
+    discard_stream(&mut body, seen, limit, timeout).await
+}
+
+/// Reads and throws away the rest of a body of which `seen` bytes were read: true when it
+/// ended within `limit` bytes in all and within `timeout`, so the connection can carry the
+/// answer and the next request.
+async fn discard_stream(
+    body: &mut axum::body::BodyDataStream,
+    mut seen: usize,
+    limit: usize,
+    timeout: Duration,
+) -> bool {
+    let drain = async {
+        while let Some(chunk) = body.next().await {
+            let Ok(chunk) = chunk else { return false };
+            seen = seen.saturating_add(chunk.len());
+            if seen > limit {
+                return false;
+            }
+        }
+        true
+    };
+    tokio::time::timeout(timeout, drain).await.unwrap_or(false)
+}
+
+/// 413 naming the `max_body_bytes` limit `what` exceeds.
+fn body_too_large(what: &str, limit: usize) -> ApiError {
+    ApiError::too_large(
+        format!("request body too large: {what} exceeds max_body_bytes ({limit} bytes)"),
+        "request_too_large",
+    )
+}
+
+/// The typed request of a body; its reservation of the body budget ends with this call.
+fn parse_body<T: DeserializeOwned>(body: Result<ReadBody, ApiError>) -> Result<T, ApiError> {
+    let body = body?;
+    from_json(&body.bytes).map_err(|e| ApiError::from_protocol(&e, false))
+}
+
+/// 400 for a parameter of [`crate::http::openai::UNSUPPORTED_PARAMETERS`] the request sets.
+fn refuse_unsupported(param: Option<&'static str>) -> Result<(), ApiError> {
+    match param {
+        None => Ok(()),
+        Some(name) => Err(ApiError::invalid(
+            format!("`{name}` is not supported by this router"),
+            Some(name.to_owned()),
+        )),
+    }
+}
+
+/// 400 for a message whose role is not one of [`CHAT_ROLES`].
+fn check_roles(req: &ChatCompletionRequest) -> Result<(), ApiError> {
+    match req
+        .messages
+        .iter()
+        .enumerate()
+        .find(|(_, m)| !CHAT_ROLES.contains(&m.role.as_str()))
+    {
+        None => Ok(()),
+        Some((i, m)) => Err(ApiError::invalid(
+            format!(
+                "role must be one of {}, got {:?}",
+                CHAT_ROLES.join(", "),
+                m.role
+            ),
+            Some(format!("messages[{i}].role")),
+        )),
+    }
+}
+
+/// 400 unless `value` (of the parameter `name`) is within 1..=`max_prompt_tokens`: the router
+/// knows no model's context length, so the configured longest prompt bounds the output too.
+fn check_max_tokens(state: &AppState, name: &str, value: Option<u32>) -> Result<(), ApiError> {
+    let max = state.config().max_prompt_tokens;
+    match value {
+        Some(v) if v == 0 || v as usize > max => Err(ApiError::invalid(
+            format!("{name} must be between 1 and {max}, got {v}"),
+            Some(name.to_owned()),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// 400 for a generation parameter out of its range (the ranges of OpenAI and vLLM).
+fn check_params(state: &AppState, params: &Params) -> Result<(), ApiError> {
+    check_max_tokens(state, "max_tokens", params.max_tokens)?;
+    let check = |name: &str, value: Option<f32>, ok: fn(f32) -> bool, range: &str| match value {
+        Some(v) if !ok(v) => Err(ApiError::invalid(
+            format!("{name} must be {range}, got {v}"),
+            Some(name.to_owned()),
+        )),
+        _ => Ok(()),
+    };
+    check(
+        "temperature",
+        params.temperature,
+        |v| (0.0..=2.0).contains(&v),
+        "between 0 and 2",
+    )?;
+    check("top_p", params.top_p, |v| v > 0.0 && v <= 1.0, "in (0, 1]")?;
+    check(
+        "presence_penalty",
+        params.presence_penalty,
+        |v| (-2.0..=2.0).contains(&v),
+        "between -2 and 2",
+    )?;
+    check(
+        "frequency_penalty",
+        params.frequency_penalty,
+        |v| (-2.0..=2.0).contains(&v),
+        "between -2 and 2",
+    )?;
+    check(
+        "repetition_penalty",
+        params.repetition_penalty,
+        |v| v > 0.0,
+        "greater than 0",
+    )?;
+    match params.top_k {
+        Some(k) if k < -1 => Err(ApiError::invalid(
+            format!("top_k must be -1 (disabled) or at least 0, got {k}"),
+            Some("top_k".to_owned()),
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn lookup(state: &AppState, name: &str) -> Result<Arc<Model>, ApiError> {
@@ -382,6 +747,9 @@ fn prepare(
     let (want_worker_id, want_timing) = (want("worker_id"), want("timing"));
     let mut req = PreprocessedRequest::new(model.name.clone(), tokens);
     req.eos_token_ids = model.eos_token_ids.clone();
+    if let Some(salt) = params.cache_salt.as_deref().filter(|s| !s.is_empty()) {
+        req.set_cache_salt(salt);
+    }
     let stop = &mut req.stop_conditions;
     stop.max_tokens = params.max_tokens;
     stop.min_tokens = params.min_tokens;
@@ -396,6 +764,7 @@ fn prepare(
     sampling.presence_penalty = params.presence_penalty;
     sampling.frequency_penalty = params.frequency_penalty;
     sampling.repetition_penalty = params.repetition_penalty;
+    sampling.include_stop_str_in_output = params.include_stop_str_in_output;
     if let Some(ext) = nvext {
         req.stop_conditions.max_thinking_tokens = ext.max_thinking_tokens;
         req.annotations = ext.annotations.unwrap_or_default();
@@ -410,6 +779,9 @@ fn prepare(
         hints.priority = ext.agent_hints.as_ref().and_then(|h| h.priority);
         hints.session_control = ext.session_control;
         hints.routing_constraints = ext.routing_constraints;
+    }
+    if let Some(adapter) = &model.lora_name {
+        req.routing_mut().lora_name = Some(adapter.clone());
     }
     let n = state.inner.next_id.fetch_add(1, Ordering::Relaxed);
     let hash = xxhash_rust::xxh3::xxh3_64_with_seed(&n.to_le_bytes(), state.inner.id_salt);
@@ -435,6 +807,7 @@ fn prepare(
         want_timing,
         received,
         received_unix_ms: u64::try_from(now.as_millis()).unwrap_or(u64::MAX),
+        dp_rank_param: "nvext.dp_rank",
     })
 }
 
@@ -467,7 +840,11 @@ async fn run(state: AppState, p: Prepared) -> Response {
                 return query_response(&p, *answer);
             }
             Ok(MigratingResponse::Stream(stream)) => Output::Migrating(stream),
-            Err(e) => return ApiError::from_router(&e, retry).into_response(),
+            Err(e) => {
+                return ApiError::from_router(&e, retry)
+                    .with_dp_rank_param(p.dp_rank_param)
+                    .into_response();
+            }
         },
     };
     let stream = response;
@@ -515,6 +892,15 @@ enum Output {
 }
 
 impl Output {
+    /// Asks the worker to finish gracefully (a stop string ended the text). Disaggregated, the
+    /// decode worker is left to finish by itself: engines apply `stop` themselves too, and the
+    /// rest of its output is neither sent nor counted.
+    fn stop_generating(&mut self) {
+        if let Output::Migrating(s) = self {
+            s.stop_generating();
+        }
+    }
+
     async fn next(&mut self) -> Option<Result<LlmResponse, RequestError>> {
         match self {
             Output::Migrating(s) => s.next().await,
@@ -579,6 +965,8 @@ struct Tracker {
     last: Option<Instant>,
     hit_rate: Option<f64>,
     max_tokens: Option<u32>,
+    /// The request's stop strings, applied to the text sent.
+    stop: StopMatcher,
 }
 
 /// What one engine item became.
@@ -605,7 +993,28 @@ impl Tracker {
             last: None,
             hit_rate,
             max_tokens: p.request.stop_conditions.max_tokens,
+            stop: StopMatcher::new(
+                p.request
+                    .stop_conditions
+                    .stop
+                    .as_deref()
+                    .unwrap_or_default(),
+                p.request
+                    .sampling_options
+                    .include_stop_str_in_output
+                    .unwrap_or(false),
+            ),
         }
+    }
+
+    /// Whether a stop string ended the text (the worker should be asked to stop).
+    fn stopped(&self) -> bool {
+        self.stop.matched()
+    }
+
+    /// The text held back in case it began a stop string, once the output has ended.
+    fn finish_text(&mut self) -> String {
+        self.stop.finish()
     }
 
     fn on_item(&mut self, item: &kvroute_runtime::LlmResponse) -> Step {
@@ -622,13 +1031,16 @@ impl Tracker {
     }
 
     fn on_output(&mut self, data: &LLMEngineOutput) -> String {
-        if !data.token_ids.is_empty() {
+        // After a stop string, the engine's further output is neither sent nor counted, and the
+        // request has finished with `stop` whatever the engine says.
+        let stopped = self.stop.matched();
+        if !data.token_ids.is_empty() && !stopped {
             let now = Instant::now();
             self.first.get_or_insert(now);
             self.last = Some(now);
             self.completion_tokens += data.token_ids.len();
         }
-        if data.finish_reason.is_some() {
+        if data.finish_reason.is_some() && !stopped {
             self.finish = data.finish_reason.clone();
         }
         // The first report wins. Engines report usage on their last item, and across a migration
@@ -647,13 +1059,21 @@ impl Tracker {
                 .and_then(|u| u.prompt_tokens_details)
                 .and_then(|d| d.cached_tokens);
         }
-        match &data.text {
+        if stopped {
+            return String::new();
+        }
+        let text = match &data.text {
             Some(text) => text.clone(),
             None => self
                 .detok
                 .push(self.model.tokenizer.as_ref(), &data.token_ids)
                 .unwrap_or_default(),
+        };
+        let text = self.stop.push(&text);
+        if self.stop.matched() {
+            self.finish = Some(FinishReason::Stop);
         }
+        text
     }
 
     fn finish_reason(&self) -> &'static str {
@@ -721,10 +1141,17 @@ async fn whole_response(
 ) -> Response {
     let retry = state.config().admission.retry_after;
     let mut text = String::new();
+    let mut asked_to_stop = false;
     while let Some(item) = stream.next().await {
         match item {
             Ok(item) => match track.on_item(&item) {
-                Step::Text(t) => text.push_str(&t),
+                Step::Text(t) => {
+                    text.push_str(&t);
+                    if track.stopped() && !asked_to_stop {
+                        asked_to_stop = true;
+                        stream.stop_generating();
+                    }
+                }
                 Step::Failed(message) => {
                     return ApiError::internal(format!("the engine failed the request: {message}"))
                         .into_response();
@@ -733,6 +1160,7 @@ async fn whole_response(
             Err(e) => return ApiError::from_stream(&e, retry).into_response(),
         }
     }
+    text.push_str(&track.finish_text());
     let ext = nvext_value(
         p.want_worker_id.then(|| stream.workers()),
         p.want_timing.then(|| track.timing()),
@@ -772,12 +1200,18 @@ fn sse_response(
         if p.meta.endpoint == Endpoint::Chat {
             yield data(&opening);
         }
+        let mut asked_to_stop = false;
         while let Some(item) = stream.next().await {
             let failure = match item {
                 Ok(item) => match track.on_item(&item) {
-                    Step::Text(t) if t.is_empty() => continue,
                     Step::Text(t) => {
-                        yield data(&p.meta.chunk(Some(&t), false, None, None));
+                        if !t.is_empty() {
+                            yield data(&p.meta.chunk(Some(&t), false, None, None));
+                        }
+                        if track.stopped() && !asked_to_stop {
+                            asked_to_stop = true;
+                            stream.stop_generating();
+                        }
                         continue;
                     }
                     Step::Failed(message) => ApiError::internal(format!(
@@ -788,6 +1222,10 @@ fn sse_response(
             };
             yield data(&failure.body());
             return;
+        }
+        let rest = track.finish_text();
+        if !rest.is_empty() {
+            yield data(&p.meta.chunk(Some(&rest), false, None, None));
         }
         let ext = nvext_value(
             p.want_worker_id.then(|| stream.workers()),

@@ -1,5 +1,6 @@
 //! The OpenAI-compatible HTTP frontend (axum): `POST /v1/chat/completions` and
-//! `POST /v1/completions` (streaming as server-sent events, or whole), `GET /v1/models`,
+//! `POST /v1/completions` (streaming as server-sent events, or whole), `GET /v1/models` and
+//! `GET /v1/models/{id}`,
 //! `/health`, `/live` and `/metrics`.
 //!
 //! Build an [`AppState`] from a [`KvPushRouter`], the served models ([`ModelRegistry`]) and an
@@ -29,6 +30,7 @@ mod admission;
 mod error;
 mod handlers;
 pub mod openai;
+mod stop;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -38,7 +40,9 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
 use kvroute_prefill::{PrefillRouter, PrefillRouterConfig};
 use kvroute_protocols::{Limits, RequestPhase};
 use kvroute_runtime::InstanceSet;
@@ -54,10 +58,29 @@ use crate::phase::KvPhaseRouter;
 use crate::push::KvPushRouter;
 
 /// The frontend's limits and behaviour.
+///
+/// Memory held by request bodies is bounded: a body is read only after reserving its size (its
+/// `Content-Length`, or `max_body_bytes` when the client does not say) from a budget of
+/// `max_body_memory_bytes` shared by all connections, and the reservation is held until the
+/// body is parsed. So raw bodies being read or parsed take at most `max_body_memory_bytes`
+/// (default 256 MiB, 16 bodies of the default 16 MiB limit) however many clients send at once;
+/// a request that finds the budget exhausted waits for it (up to `body_timeout`, then 503 with
+/// `Retry-After`). A body above `max_body_bytes` is refused with 413 as soon as its
+/// `Content-Length` says so, without reading it (or when the read passes the limit, without a
+/// `Content-Length`). A client that does not send its headers within `header_timeout` has its
+/// connection closed; one that does not send its whole body within `body_timeout` gets 408 and
+/// the connection is closed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HttpConfig {
     /// Largest request body, in bytes (a larger one is refused with 413).
     pub max_body_bytes: usize,
+    /// Bytes of request bodies being read and parsed at once, over all connections (at least
+    /// `max_body_bytes` is used).
+    pub max_body_memory_bytes: usize,
+    /// How long a client may take to send a request's headers before its connection is closed.
+    pub header_timeout: Duration,
+    /// How long a client may take to send a request's body (408 after that).
+    pub body_timeout: Duration,
     /// Longest prompt, in tokens (a longer one is refused with 413).
     pub max_prompt_tokens: usize,
     /// Validation limits of `nvext`.
@@ -74,6 +97,9 @@ impl Default for HttpConfig {
     fn default() -> Self {
         Self {
             max_body_bytes: 16 << 20,
+            max_body_memory_bytes: 256 << 20,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
             max_prompt_tokens: 128 * 1024,
             limits: Limits::default(),
             admission: AdmissionConfig::default(),
@@ -136,6 +162,7 @@ struct Shared {
     models: ModelRegistry,
     config: HttpConfig,
     admission: admission::Admission,
+    bodies: handlers::BodyBudget,
     block_size: u32,
     next_id: AtomicU64,
     id_salt: u64,
@@ -163,6 +190,10 @@ impl AppState {
                 migrator: Migrator::new(router, config.max_migrations),
                 models,
                 admission: admission::Admission::new(config.admission),
+                bodies: handlers::BodyBudget::new(
+                    config.max_body_bytes,
+                    config.max_body_memory_bytes,
+                ),
                 config,
                 block_size,
                 next_id: AtomicU64::new(1),
@@ -203,6 +234,17 @@ impl AppState {
     pub fn in_flight(&self) -> usize {
         self.inner.admission.in_flight()
     }
+
+    /// Bytes taken from the body budget ([`HttpConfig::max_body_memory_bytes`]) by bodies being
+    /// read or parsed (and, in part, by a read waiting for the rest of its reservation).
+    pub fn body_bytes_reserved(&self) -> usize {
+        self.inner.bodies.reserved()
+    }
+
+    /// Requests waiting for the body budget before reading their body.
+    pub fn body_reads_waiting(&self) -> usize {
+        self.inner.bodies.waiting()
+    }
 }
 
 /// The frontend's routes over `state`.
@@ -212,6 +254,7 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/chat/completions", post(handlers::chat_completions))
         .route("/v1/completions", post(handlers::completions))
         .route("/v1/models", get(handlers::models))
+        .route("/v1/models/{id}", get(handlers::model))
         .route("/health", get(handlers::health))
         .route("/live", get(handlers::live))
         .route("/metrics", get(handlers::metrics))
@@ -219,20 +262,61 @@ pub fn app(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Serves [`app`] on `listener` until `shutdown` resolves, then stops accepting and waits for
-/// the requests in flight (streams included) to end.
+/// Serves [`app`] on `listener` (HTTP/1.1, `TCP_NODELAY`) until `shutdown` resolves, then
+/// stops accepting and waits for the requests in flight (streams included) to end; idle
+/// connections are closed. A connection whose client does not send a request's headers within
+/// [`HttpConfig::header_timeout`] is closed.
 pub async fn serve(
     listener: TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    // Tokens go out as small SSE writes: with Nagle's algorithm on, a write that follows an
-    // unacknowledged one waits for the client's delayed ACK (40 ms on Linux), which would put a
-    // 40 ms floor under the time to first token.
-    let listener = listener.tap_io(|tcp| {
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(state.config().header_timeout);
+    let app = app(state);
+    let graceful = GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let tcp = tokio::select! {
+            () = shutdown.as_mut() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(e) if is_connection_error(&e) => continue,
+                Err(e) => {
+                    // Out of descriptors, most likely: wait for some to be freed.
+                    tracing::warn!(error = %e, "accepting an HTTP connection failed; retrying in 1s");
+                    tokio::select! {
+                        () = shutdown.as_mut() => break,
+                        () = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    }
+                }
+            },
+        };
+        // Tokens go out as small SSE writes: with Nagle's algorithm on, a write that follows an
+        // unacknowledged one waits for the client's delayed ACK (40 ms on Linux), which would
+        // put a 40 ms floor under the time to first token.
         let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, app(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+        let conn =
+            builder.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app.clone()));
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "HTTP connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
+/// An accept error about one connection (the next accept may succeed at once).
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    matches!(
+        e.kind(),
+        ConnectionRefused | ConnectionAborted | ConnectionReset
+    )
 }

@@ -1,5 +1,6 @@
-//! The OpenAI request bodies the frontend accepts (only the fields it uses; unknown fields are
-//! ignored), and the response and chunk shapes it writes.
+//! The OpenAI request bodies the frontend accepts (the fields it uses, and those of
+//! [`UNSUPPORTED_PARAMETERS`] to refuse them; other unknown fields are ignored), and the response
+//! and chunk shapes it writes.
 
 use kvroute_protocols::{FinishReason, NvExt};
 use serde::Deserialize;
@@ -56,12 +57,76 @@ macro_rules! with_params {
             /// Keep generating past end-of-sequence.
             #[serde(default)]
             pub ignore_eos: Option<bool>,
+            /// Keep the matched stop string at the end of the text (vLLM's parameter).
+            #[serde(default)]
+            pub include_stop_str_in_output: Option<bool>,
+            /// vLLM's `cache_salt`: requests with different salts never share cached blocks.
+            /// The router hashes the prompt under it (as the engine does) and passes it on.
+            #[serde(default)]
+            pub cache_salt: Option<String>,
             /// NVIDIA extensions.
             #[serde(default)]
             pub nvext: Option<NvExt>,
+            /// The parameters of [`UNSUPPORTED_PARAMETERS`], in its order, kept only to refuse
+            /// them (see [`Self::unsupported_parameter`]).
+            #[serde(default)]
+            pub logprobs: Option<Value>,
+            /// Refused unless inert (see [`UNSUPPORTED_PARAMETERS`]).
+            #[serde(default)]
+            pub top_logprobs: Option<Value>,
+            /// Refused unless inert (see [`UNSUPPORTED_PARAMETERS`]).
+            #[serde(default)]
+            pub tools: Option<Value>,
+            /// Refused unless inert (see [`UNSUPPORTED_PARAMETERS`]).
+            #[serde(default)]
+            pub tool_choice: Option<Value>,
+            /// Refused unless inert (see [`UNSUPPORTED_PARAMETERS`]).
+            #[serde(default)]
+            pub functions: Option<Value>,
+            /// Refused unless inert (see [`UNSUPPORTED_PARAMETERS`]).
+            #[serde(default)]
+            pub function_call: Option<Value>,
+            /// Refused unless inert (see [`UNSUPPORTED_PARAMETERS`]).
+            #[serde(default)]
+            pub response_format: Option<Value>,
+            /// Refused unless inert (see [`UNSUPPORTED_PARAMETERS`]).
+            #[serde(default)]
+            pub echo: Option<Value>,
+            /// Refused unless inert (see [`UNSUPPORTED_PARAMETERS`]).
+            #[serde(default)]
+            pub best_of: Option<Value>,
+            /// Refused unless inert (see [`UNSUPPORTED_PARAMETERS`]).
+            #[serde(default)]
+            pub suffix: Option<Value>,
+            /// Refused unless inert (see [`UNSUPPORTED_PARAMETERS`]).
+            #[serde(default)]
+            pub logit_bias: Option<Value>,
         }
 
         impl $name {
+            /// The first parameter of [`UNSUPPORTED_PARAMETERS`] the request sets to something
+            /// other than its inert value ([`is_inert`]).
+            pub fn unsupported_parameter(&self) -> Option<&'static str> {
+                let values = [
+                    &self.logprobs,
+                    &self.top_logprobs,
+                    &self.tools,
+                    &self.tool_choice,
+                    &self.functions,
+                    &self.function_call,
+                    &self.response_format,
+                    &self.echo,
+                    &self.best_of,
+                    &self.suffix,
+                    &self.logit_bias,
+                ];
+                UNSUPPORTED_PARAMETERS
+                    .iter()
+                    .zip(values)
+                    .find(|(name, value)| value.as_ref().is_some_and(|v| !is_inert(name, v)))
+                    .map(|(name, _)| *name)
+            }
+
             /// The generation parameters.
             pub fn params(&self) -> Params {
                 Params {
@@ -79,6 +144,8 @@ macro_rules! with_params {
                     stop: self.stop.clone(),
                     n: self.n.clone(),
                     ignore_eos: self.ignore_eos.clone(),
+                    include_stop_str_in_output: self.include_stop_str_in_output.clone(),
+                    cache_salt: self.cache_salt.clone(),
                     nvext: self.nvext.clone(),
                 }
             }
@@ -108,6 +175,48 @@ with_params! {
         pub prompt: Prompt,
     }
 }
+
+/// The OpenAI parameters this router does not implement, refused with a 400
+/// (`invalid_request_error`, `param` = the parameter, "`tools` is not supported by this router")
+/// on both endpoints rather than silently ignored, unless the request sets them to their inert
+/// value, as OpenAI clients do by default: `null`, `false`, `0`, `""`, `[]`, `{}`, plus
+/// `best_of: 1`, `tool_choice: "none"` and `response_format: {"type": "text"}` (see
+/// [`is_inert`]).
+pub const UNSUPPORTED_PARAMETERS: [&str; 11] = [
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "echo",
+    "best_of",
+    "suffix",
+    "logit_bias",
+];
+
+/// Whether `value` of the unsupported parameter `name` asks for nothing (so it may be ignored).
+pub fn is_inert(name: &str, value: &Value) -> bool {
+    match value {
+        Value::Null | Value::Bool(false) => true,
+        Value::Number(n) => {
+            n.as_f64() == Some(0.0) || (name == "best_of" && n.as_f64() == Some(1.0))
+        }
+        Value::String(s) => s.is_empty() || (name == "tool_choice" && s == "none"),
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => {
+            o.is_empty()
+                || (name == "response_format"
+                    && o.len() == 1
+                    && o.get("type").and_then(Value::as_str) == Some("text"))
+        }
+        Value::Bool(true) => false,
+    }
+}
+
+/// The chat message roles served.
+pub const CHAT_ROLES: [&str; 5] = ["system", "user", "assistant", "tool", "developer"];
 
 /// Generation parameters common to both endpoints.
 #[derive(Debug, Clone, Default)]
@@ -140,6 +249,10 @@ pub struct Params {
     pub n: Option<u8>,
     /// Keep generating past end-of-sequence.
     pub ignore_eos: Option<bool>,
+    /// Keep the matched stop string in the text.
+    pub include_stop_str_in_output: Option<bool>,
+    /// vLLM's cache salt.
+    pub cache_salt: Option<String>,
     /// NVIDIA extensions.
     pub nvext: Option<NvExt>,
 }

@@ -11,7 +11,11 @@ use tokio::sync::oneshot;
 
 use crate::support::{Fleet, eventually, idle, run};
 
+mod conformance;
+mod engines;
+mod limits;
 mod metrics;
+mod robust;
 mod usage;
 
 struct Server {
@@ -58,16 +62,36 @@ impl Server {
         (status, resp.json().await.unwrap())
     }
 
+    /// GETs `path` with the `Accept` header Prometheus scrapes with (so `/metrics` answers
+    /// OpenMetrics).
     async fn get(&self, path: &str) -> (u16, String) {
-        let resp = self
-            .client
-            .get(format!("{}{path}", self.base))
-            .send()
-            .await
-            .unwrap();
-        (resp.status().as_u16(), resp.text().await.unwrap())
+        let (status, _, body) = self.get_accept(path, PROMETHEUS_ACCEPT).await;
+        (status, body)
+    }
+
+    /// GETs `path` with `accept` (none when empty): the status, the content type, the body.
+    async fn get_accept(&self, path: &str, accept: &str) -> (u16, String, String) {
+        let mut req = self.client.get(format!("{}{path}", self.base));
+        if !accept.is_empty() {
+            req = req.header("accept", accept);
+        }
+        let resp = req.send().await.unwrap();
+        let content_type = resp
+            .headers()
+            .get("content-type")
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default();
+        (
+            resp.status().as_u16(),
+            content_type,
+            resp.text().await.unwrap(),
+        )
     }
 }
+
+/// The `Accept` header of a Prometheus scrape.
+const PROMETHEUS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,\
+    application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
 
 fn test_config() -> HttpConfig {
     HttpConfig {

@@ -95,8 +95,28 @@ impl RegistryServer {
         addr: impl tokio::net::ToSocketAddrs,
         discovery: InProcessDiscovery,
     ) -> std::io::Result<Self> {
+        Self::bind_checked(addr, discovery, None).await
+    }
+
+    /// Like [`RegistryServer::bind`], refusing every registration whose `kv_block_size` is not
+    /// `kv_block_size` (the router's): such a worker's blocks could never match a request, so
+    /// it is told why at once instead of being listed and ignored.
+    pub async fn bind_with_block_size(
+        addr: impl tokio::net::ToSocketAddrs,
+        discovery: InProcessDiscovery,
+        kv_block_size: u32,
+    ) -> std::io::Result<Self> {
+        Self::bind_checked(addr, discovery, Some(kv_block_size)).await
+    }
+
+    async fn bind_checked(
+        addr: impl tokio::net::ToSocketAddrs,
+        discovery: InProcessDiscovery,
+        kv_block_size: Option<u32>,
+    ) -> std::io::Result<Self> {
         let engine = Arc::new(RegistryEngine {
             discovery: discovery.clone(),
+            kv_block_size,
         });
         let server = WorkerServer::bind(addr, engine, WorkerServerConfig::new(0)).await?;
         Ok(Self { server, discovery })
@@ -115,6 +135,8 @@ impl RegistryServer {
 
 struct RegistryEngine {
     discovery: InProcessDiscovery,
+    /// The router's block size, when registrations must match it.
+    kv_block_size: Option<u32>,
 }
 
 /// Revokes a registration when its stream is dropped (the worker's connection closed).
@@ -148,6 +170,27 @@ impl Engine for RegistryEngine {
             RegistryRequest::Register(info) => {
                 let id = info.id;
                 let address = info.address.clone();
+                if let Some(router) = self.kv_block_size
+                    && info.kv_block_size != router
+                {
+                    tracing::warn!(
+                        worker = id,
+                        %address,
+                        worker_block_size = info.kv_block_size,
+                        router_block_size = router,
+                        "registration refused: block sizes differ"
+                    );
+                    let reason = format!(
+                        "kv_block_size {} differs from the router's block size {router}: \
+                         start the worker (and its engine) with {router} tokens per block, or \
+                         the router with [router] block_size = {}",
+                        info.kv_block_size, info.kv_block_size
+                    );
+                    return Ok(once(RegistryReply::Refused(Refusal::Invalid {
+                        id,
+                        reason,
+                    })));
+                }
                 match discovery.insert(info) {
                     Err(e) => once(RegistryReply::Refused(e.into())),
                     Ok(lease) => {

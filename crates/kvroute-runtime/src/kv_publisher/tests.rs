@@ -120,3 +120,95 @@ fn subscribers_get_the_backlog_then_every_later_event() {
     check_subscribe(4, 10, Some(6), Ok((vec![6, 7, 8, 9], vec![10, 11])));
     check_subscribe(4, 10, Some(5), Err("holds events 6..=9"));
 }
+
+mod tracking {
+    use kvroute_protocols::kv_events::{
+        ExternalSequenceBlockHash as H, KvCacheRemoveData, KvCacheStoreData,
+        KvCacheStoredBlockData, LocalBlockHash, StorageTier,
+    };
+
+    use super::*;
+
+    fn stored(parent: Option<u64>, blocks: &[u64]) -> KvCacheEventData {
+        KvCacheEventData::Stored(KvCacheStoreData {
+            parent_hash: parent.map(H),
+            blocks: blocks
+                .iter()
+                .map(|&b| KvCacheStoredBlockData {
+                    block_hash: H(b),
+                    tokens_hash: LocalBlockHash(b * 10),
+                })
+                .collect(),
+        })
+    }
+
+    /// (tier, dp rank, block, parent) of every dumped block, in dump order.
+    fn dumped(publisher: &KvEventPublisher) -> Vec<(StorageTier, u32, u64, Option<u64>)> {
+        publisher
+            .dump_with(|| panic!("a tracking publisher never asks the engine"))
+            .events
+            .iter()
+            .map(|e| match &e.event.data {
+                KvCacheEventData::Stored(s) => {
+                    assert_eq!(s.blocks.len(), 1);
+                    assert_eq!(s.blocks[0].tokens_hash.0, s.blocks[0].block_hash.0 * 10);
+                    (
+                        e.storage_tier,
+                        e.event.dp_rank,
+                        s.blocks[0].block_hash.0,
+                        s.parent_hash.map(|h| h.0),
+                    )
+                }
+                other => panic!("a dump holds only stored blocks, got {other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_tracking_publisher_dumps_what_its_events_left_held_parents_first() {
+        let publisher = KvEventPublisher::tracking_blocks(3, 2);
+        publisher.publish(0, stored(None, &[1, 2, 3]));
+        publisher.publish(1, stored(None, &[7]));
+        publisher.publish_tier(0, StorageTier::HostPinned, stored(None, &[1]));
+        publisher.publish(0, stored(Some(2), &[4]));
+        publisher.publish(
+            0,
+            KvCacheEventData::Removed(KvCacheRemoveData {
+                block_hashes: vec![H(3)],
+            }),
+        );
+        // The ring keeps only two events; the dump still has everything.
+        let dump = publisher.dump_with(Vec::new);
+        assert_eq!(dump.last_event_id, Some(4));
+        assert!(dump.events.iter().all(|e| e.event.event_id == 4));
+        assert_eq!(
+            dumped(&publisher),
+            vec![
+                (StorageTier::Device, 0, 1, None),
+                (StorageTier::Device, 0, 2, Some(1)),
+                (StorageTier::Device, 1, 7, None),
+                (StorageTier::HostPinned, 0, 1, None),
+                (StorageTier::Device, 0, 4, Some(2)),
+            ]
+        );
+        assert_eq!(publisher.tracked_blocks(), Some(5));
+        // Clearing a lane drops only that lane.
+        publisher.publish(0, KvCacheEventData::Cleared);
+        assert_eq!(
+            dumped(&publisher),
+            vec![
+                (StorageTier::Device, 1, 7, None),
+                (StorageTier::HostPinned, 0, 1, None)
+            ]
+        );
+        assert_eq!(publisher.tracked_blocks(), Some(2));
+    }
+
+    #[test]
+    fn a_plain_publisher_dumps_the_engine_and_tracks_nothing() {
+        let publisher = KvEventPublisher::new(3, 8);
+        publisher.publish(0, stored(None, &[1]));
+        assert_eq!(publisher.tracked_blocks(), None);
+        assert!(publisher.dump_with(Vec::new).events.is_empty());
+    }
+}

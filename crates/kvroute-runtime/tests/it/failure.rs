@@ -46,6 +46,75 @@ async fn a_worker_dying_mid_stream_ends_every_stream_with_worker_unavailable() {
 }
 
 #[tokio::test]
+async fn an_engine_gone_mid_stream_is_a_worker_loss_the_caller_may_migrate() {
+    let (server, _engine) = start_worker(7).await;
+    let client = connect(&server).await;
+    let job = Job {
+        unavailable_after: Some(3),
+        ..Job::new(10)
+    };
+    let mut stream = client.generate("r", &job).await.unwrap();
+    let mut items = 0;
+    let error = loop {
+        match bounded("the next item", stream.next()).await {
+            Some(Ok(_)) => items += 1,
+            Some(Err(e)) => break e,
+            None => panic!("the stream ended normally; expected the engine's failure"),
+        }
+    };
+    assert_eq!(items, 3, "the items before the failure arrive");
+    match &error {
+        RequestError::WorkerUnavailable { addr, reason } => {
+            assert_eq!(addr, &server.local_addr().to_string());
+            assert!(reason.contains("engine connection refused"), "{reason}");
+        }
+        other => panic!("expected WorkerUnavailable, got {other:?}"),
+    }
+    assert!(error.is_worker_unavailable());
+    // The connection itself is fine: the next request on it is served.
+    assert!(!client.is_closed());
+    let ok: Vec<_> = client
+        .generate("r2", &Job::new(2))
+        .await
+        .unwrap()
+        .collect()
+        .await;
+    assert_eq!(ok.len(), 2);
+}
+
+#[tokio::test]
+async fn an_engine_unavailable_at_start_is_a_worker_loss_and_an_engine_refusal_is_not() {
+    let (server, _engine) = start_worker(7).await;
+    let client = connect(&server).await;
+    let job = Job {
+        unavailable_after: Some(0),
+        ..Job::new(10)
+    };
+    let error = bounded(
+        "the failure",
+        first_error(client.generate("a", &job).await.unwrap()),
+    )
+    .await;
+    assert!(
+        matches!(error, Some(RequestError::WorkerUnavailable { .. })),
+        "{error:?}"
+    );
+    let job = Job {
+        reject: Some("prompt too long".to_owned()),
+        ..Job::new(10)
+    };
+    let error = bounded(
+        "the refusal",
+        first_error(client.generate("b", &job).await.unwrap()),
+    )
+    .await;
+    match error {
+        Some(e @ RequestError::Engine { .. }) => assert!(!e.is_worker_unavailable()),
+        other => panic!("expected an engine error, got {other:?}"),
+    }
+}
+
+#[tokio::test]
 async fn connecting_to_a_closed_port_is_worker_unavailable() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();

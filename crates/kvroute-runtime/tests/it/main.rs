@@ -1,12 +1,14 @@
 //! Integration tests of the kvroute runtime over loopback: the request plane under concurrency,
 //! cancellation, worker loss and hostile input; gap recovery; discovery; the push router; the
-//! ZMQ KV event listener.
+//! ZMQ KV event listener, against hand-built frames and against the real vLLM and SGLang publisher
+//! code.
 
 mod cancel;
 mod discovery;
 mod failure;
 mod frames;
 mod kv;
+mod kv_publishers;
 mod remote;
 mod router;
 mod streams;

@@ -224,3 +224,44 @@ async fn a_crashed_worker_disappears_at_once_and_a_restarted_registry_is_rejoine
     let mut rx = registry.discovery().watch();
     listed(&mut rx, &[2]).await;
 }
+
+#[tokio::test]
+async fn a_registry_with_a_block_size_refuses_other_sizes_by_name() {
+    let registry = RegistryServer::bind_with_block_size(
+        "127.0.0.1:0",
+        InProcessDiscovery::new(Duration::from_secs(5)),
+        16,
+    )
+    .await
+    .unwrap();
+    let remote = RemoteDiscovery::new(
+        registry.local_addr().to_string(),
+        RemoteDiscoveryConfig::default(),
+    );
+    let refused = remote
+        .register(InstanceInfo::new(4, "127.0.0.1:1", 32))
+        .await
+        .map(|_| ());
+    match refused {
+        Err(kvroute_runtime::DiscoveryError::InvalidInstance { id: 4, reason }) => assert!(
+            reason.contains("kv_block_size 32 differs from the router's block size 16"),
+            "{reason}"
+        ),
+        other => panic!("expected a refusal naming both block sizes, got {other:?}"),
+    }
+    assert!(registry.discovery().watch().borrow().is_empty());
+    let _lease = remote
+        .register(InstanceInfo::new(5, "127.0.0.1:2", 16))
+        .await
+        .expect("the router's block size is accepted");
+    assert_eq!(
+        registry
+            .discovery()
+            .watch()
+            .borrow()
+            .keys()
+            .copied()
+            .collect::<Vec<_>>(),
+        vec![5]
+    );
+}

@@ -23,6 +23,9 @@ pub(crate) struct Job {
     pub(crate) interval_ms: u64,
     /// Refuse the request with this message instead.
     pub(crate) reject: Option<String>,
+    /// After this many items, report the engine unavailable (`RequestContext::fail`) and end the
+    /// stream, as an engine adapter whose engine went away does (0: at `generate`).
+    pub(crate) unavailable_after: Option<u32>,
     /// Padding to make a request big.
     pub(crate) padding: Vec<u8>,
 }
@@ -33,6 +36,7 @@ impl Job {
             items,
             interval_ms: 0,
             reject: None,
+            unavailable_after: None,
             padding: Vec::new(),
         }
     }
@@ -93,6 +97,14 @@ impl Engine for TestEngine {
         if let Some(message) = job.reject {
             return Err(EngineError::Rejected { message });
         }
+        fn unavailable() -> EngineError {
+            EngineError::Unavailable {
+                message: "engine connection refused".to_owned(),
+            }
+        }
+        if job.unavailable_after == Some(0) {
+            return Err(unavailable());
+        }
         self.started.fetch_add(1, Ordering::SeqCst);
         self.contexts.lock().push(context.clone());
         self.active.fetch_add(1, Ordering::SeqCst);
@@ -102,6 +114,10 @@ impl Engine for TestEngine {
             state,
             |(i, guard, context, job, stopped)| async move {
                 if stopped || i >= job.items {
+                    return None;
+                }
+                if job.unavailable_after == Some(i) {
+                    context.fail(unavailable());
                     return None;
                 }
                 if job.interval_ms > 0 {

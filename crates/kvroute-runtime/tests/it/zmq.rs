@@ -7,7 +7,9 @@ use bytes::Bytes;
 use kvroute_protocols::kv_events::{
     ExternalSequenceBlockHash, KvCacheEventData, KvCacheRemoveData, LocalBlockHash, StorageTier,
 };
-use kvroute_runtime::{BlockHasher, KvEventPublisher, ZmqKvListener, ZmqKvListenerConfig};
+use kvroute_runtime::{
+    BlockHasher, BlockSalt, KvEventPublisher, ZmqKvListener, ZmqKvListenerConfig,
+};
 use rmpv::Value;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
@@ -15,10 +17,10 @@ use crate::support::eventually;
 
 /// A stand-in content hash: the sum of the tokens plus 1000 for a LoRA block.
 fn hasher() -> BlockHasher {
-    Arc::new(|tokens: &[u32], lora: Option<&str>| {
+    Arc::new(|tokens: &[u32], salt: BlockSalt<'_>| {
         LocalBlockHash(
             tokens.iter().map(|&t| u64::from(t)).sum::<u64>()
-                + if lora.is_some() { 1000 } else { 0 },
+                + if salt.lora_name.is_some() { 1000 } else { 0 },
         )
     })
 }
@@ -48,14 +50,18 @@ fn block_stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], medium: &st
 }
 
 /// Newer vLLM's map form.
-fn block_removed(hashes: &[u64]) -> Value {
-    Value::Map(vec![
+fn block_removed(hashes: &[u64], medium: Option<&str>) -> Value {
+    let mut entries = vec![
         (Value::from("type"), Value::from("BlockRemoved")),
         (
             Value::from("block_hashes"),
             Value::Array(hashes.iter().map(|&h| Value::from(h)).collect()),
         ),
-    ])
+    ];
+    if let Some(medium) = medium {
+        entries.push((Value::from("medium"), Value::from(medium)));
+    }
+    Value::Map(entries)
 }
 
 async fn send(socket: &mut PubSocket, seq: u64, payload: Vec<u8>) {
@@ -84,15 +90,17 @@ async fn engine_events_are_decoded_numbered_and_gaps_counted() {
     .unwrap();
 
     // PUB/SUB drops messages until the subscription has propagated: send empty batches until one
-    // arrives. The first message received sets the sequence baseline.
+    // arrives. Those lost before count as a gap from sequence 0 (no replay socket here).
     let mut seq = 0;
+    send(&mut engine, seq, payload(vec![], 0)).await;
     while listener.stats().messages == 0 {
         seq += 1;
         send(&mut engine, seq, payload(vec![], 0)).await;
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     let baseline = listener.stats();
-    assert_eq!((baseline.gaps, baseline.events), (0, 0));
+    assert_eq!(baseline.events, 0);
+    assert!(baseline.lost_messages <= seq, "{baseline:?}");
 
     send(
         &mut engine,
@@ -108,8 +116,9 @@ async fn engine_events_are_decoded_numbered_and_gaps_counted() {
         seq + 2,
         payload(
             vec![
-                block_stored(&[13], Some(12), &[5, 6], "CPU"),
-                block_removed(&[11]),
+                // A lower tier holds its own chains.
+                block_stored(&[13], None, &[5, 6], "CPU"),
+                block_removed(&[11], None),
             ],
             3,
         ),
@@ -124,12 +133,21 @@ async fn engine_events_are_decoded_numbered_and_gaps_counted() {
     .await;
     // A malformed event is skipped without stopping the listener.
     send(&mut engine, seq + 6, b"not msgpack at all".to_vec()).await;
-    send(&mut engine, seq + 7, payload(vec![block_removed(&[13])], 0)).await;
+    send(
+        &mut engine,
+        seq + 7,
+        payload(vec![block_removed(&[13], Some("CPU"))], 3),
+    )
+    .await;
     eventually("all events to arrive", || listener.stats().events == 5).await;
 
     let stats = listener.stats();
     assert_eq!(
-        (stats.gaps, stats.lost_messages, stats.decode_errors),
+        (
+            stats.gaps - baseline.gaps,
+            stats.lost_messages - baseline.lost_messages,
+            stats.decode_errors
+        ),
         (1, 2, 1),
         "{stats:?}"
     );
@@ -171,10 +189,19 @@ async fn engine_events_are_decoded_numbered_and_gaps_counted() {
 /// The batches an engine keeps for replay, by sequence number.
 type ReplayBuffer = Arc<parking_lot::Mutex<Vec<(u64, Vec<u8>)>>>;
 
-/// vLLM's replay service: on `[identity, b"", start seq]`, re-sends every buffered batch from that
-/// sequence number as `[identity, b"", seq, payload]`, then `[identity, b"", -1, b""]`.
-async fn replay_service(mut socket: zeromq::RouterSocket, buffer: ReplayBuffer) {
+/// An engine's replay service: on `[identity, b"", start seq]`, re-sends every buffered batch
+/// from that sequence number as `[identity, b"", topic, seq, payload]` (current vLLM and SGLang)
+/// or `[identity, b"", seq, payload]` (vLLM 0.10), then the end marker (sequence -1).
+async fn replay_service(mut socket: zeromq::RouterSocket, buffer: ReplayBuffer, topic: bool) {
     use zeromq::SocketRecv;
+    let reply = |identity: &Bytes, seq: Bytes, payload: Bytes| {
+        let mut frames = vec![identity.clone(), Bytes::new()];
+        if topic {
+            frames.push(Bytes::from_static(b"kv-events"));
+        }
+        frames.extend([seq, payload]);
+        ZmqMessage::try_from(frames).unwrap()
+    };
     while let Ok(request) = socket.recv().await {
         let frames = request.into_vec();
         let [identity, _, start] = &frames[..] else {
@@ -188,54 +215,51 @@ async fn replay_service(mut socket: zeromq::RouterSocket, buffer: ReplayBuffer) 
             .cloned()
             .collect();
         for (seq, payload) in batches {
-            let reply = vec![
-                identity.clone(),
-                Bytes::new(),
-                Bytes::copy_from_slice(&seq.to_be_bytes()),
-                payload.into(),
-            ];
+            let seq = Bytes::copy_from_slice(&seq.to_be_bytes());
             socket
-                .send(ZmqMessage::try_from(reply).unwrap())
+                .send(reply(identity, seq, payload.into()))
                 .await
                 .unwrap();
         }
-        let end = vec![
-            identity.clone(),
-            Bytes::new(),
-            Bytes::from_static(&[0xff; 8]),
-            Bytes::new(),
-        ];
-        socket
-            .send(ZmqMessage::try_from(end).unwrap())
-            .await
-            .unwrap();
+        let end = reply(identity, Bytes::from_static(&[0xff; 8]), Bytes::new());
+        socket.send(end).await.unwrap();
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gap_is_filled_from_the_engines_replay_socket() {
+async fn a_gap_is_filled_from_the_engines_replay_socket(topic_frame: bool) {
     let mut engine = PubSocket::new();
     let endpoint = engine.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
     let mut router = zeromq::RouterSocket::new();
     let replay_endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
     let buffer = ReplayBuffer::default();
-    let service = tokio::spawn(replay_service(router, buffer.clone()));
+    let service = tokio::spawn(replay_service(router, buffer.clone(), topic_frame));
 
     let publisher = KvEventPublisher::new(4, 1024);
     let config = ZmqKvListenerConfig::new(endpoint).with_replay(replay_endpoint);
     let listener = ZmqKvListener::connect(config, hasher(), publisher.clone())
         .await
         .unwrap();
+    // Every batch goes to the replay buffer, as an engine keeps them.
     let mut seq = 0;
+    let probe = payload(vec![], 0);
+    buffer.lock().push((seq, probe.clone()));
+    send(&mut engine, seq, probe.clone()).await;
     while listener.stats().messages == 0 {
         seq += 1;
-        send(&mut engine, seq, payload(vec![], 0)).await;
+        buffer.lock().push((seq, probe.clone()));
+        send(&mut engine, seq, probe.clone()).await;
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
+    eventually("probes lost before the subscription to be replayed", || {
+        listener.stats().messages == seq + 1
+    })
+    .await;
+    let baseline = listener.stats();
+    assert_eq!(baseline.lost_messages, 0, "{baseline:?}");
     // Four batches, one block each; the middle two never reach the subscriber.
     for (i, hash) in [21u64, 22, 23, 24].into_iter().enumerate() {
         let seq = seq + 1 + i as u64;
-        let batch = payload(vec![block_removed(&[hash])], 0);
+        let batch = payload(vec![block_stored(&[hash], None, &[1, 2], "GPU")], 0);
         buffer.lock().push((seq, batch.clone()));
         if hash == 21 || hash == 24 {
             send(&mut engine, seq, batch).await;
@@ -247,23 +271,40 @@ async fn a_gap_is_filled_from_the_engines_replay_socket() {
     .await;
     let stats = listener.stats();
     assert_eq!(
-        (stats.gaps, stats.replayed_messages, stats.lost_messages),
+        (
+            stats.gaps - baseline.gaps,
+            stats.replayed_messages - baseline.replayed_messages,
+            stats.lost_messages
+        ),
         (1, 2, 0),
         "{stats:?}"
     );
-    let removed: Vec<u64> = publisher
+    let stored: Vec<u64> = publisher
         .range(0, 100)
         .unwrap()
         .iter()
         .map(|e| match &e.event.data {
-            KvCacheEventData::Removed(r) => r.block_hashes[0].0,
-            other => panic!("expected Removed, got {other:?}"),
+            KvCacheEventData::Stored(s) => s.blocks[0].block_hash.0,
+            other => panic!("expected Stored, got {other:?}"),
         })
         .collect();
     assert_eq!(
-        removed,
+        stored,
         vec![21, 22, 23, 24],
         "replayed batches are republished in sequence order"
     );
     service.abort();
+}
+
+/// Regression: current vLLM and SGLang answer a replay request with four frames (a topic before
+/// the sequence number); the listener expected three and lost every missed batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_with_four_frames_fills_a_gap() {
+    a_gap_is_filled_from_the_engines_replay_socket(true).await;
+}
+
+/// vLLM 0.10's three-frame replay answer still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_with_three_frames_fills_a_gap() {
+    a_gap_is_filled_from_the_engines_replay_socket(false).await;
 }

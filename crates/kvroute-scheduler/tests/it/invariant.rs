@@ -24,6 +24,9 @@ enum Op {
         family: u64,
         len: u64,
         overlap: u32,
+        /// Slower-tier cached tokens on top of the device overlap (added with
+        /// `add_request_with_cached_tokens`; may exceed the prompt).
+        lower_tokens: Option<u64>,
         expected: Option<u32>,
     },
     PrefillDone(usize),
@@ -35,8 +38,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0..WORKERS, 0..3u64, 0..8u64, 0..4u32, proptest::option::of(1..40u32))
-            .prop_map(|(worker, family, len, overlap, expected)| Op::Add { worker, family, len, overlap, expected }),
+        4 => (0..WORKERS, 0..3u64, 0..8u64, 0..4u32, proptest::option::of(0..40u64), proptest::option::of(1..40u32))
+            .prop_map(|(worker, family, len, overlap, lower_tokens, expected)| Op::Add { worker, family, len, overlap, lower_tokens, expected }),
         2 => any::<prop::sample::Index>().prop_map(|i| Op::PrefillDone(i.index(1 << 16))),
         3 => (any::<prop::sample::Index>(), 0..12u64).prop_map(|(i, n)| Op::Output(i.index(1 << 16), n)),
         3 => any::<prop::sample::Index>().prop_map(|i| Op::Free(i.index(1 << 16))),
@@ -117,24 +120,35 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                 family,
                 len,
                 overlap,
+                lower_tokens,
                 expected,
             } => {
                 // Family prompts share their prefix, so requests on one worker overlap.
                 let prompt: Vec<u64> = (0..len).map(|p| family * 1000 + p).collect();
                 let isl = len * u64::from(BS) + 3;
-                s.add_request(
-                    &NewRequest {
-                        id: RequestId(next_id),
-                        worker: w(worker),
-                        isl_tokens: isl,
-                        block_hashes: &prompt,
-                        overlap_blocks: overlap,
-                        expected_output_tokens: expected,
-                    },
-                    Duration::from_secs(now),
-                )
-                .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                let prefill = isl.saturating_sub(u64::from(overlap) * u64::from(BS));
+                let req = NewRequest {
+                    id: RequestId(next_id),
+                    worker: w(worker),
+                    isl_tokens: isl,
+                    block_hashes: &prompt,
+                    overlap_blocks: overlap,
+                    expected_output_tokens: expected,
+                };
+                let device_tokens = u64::from(overlap) * u64::from(BS);
+                let at = Duration::from_secs(now);
+                let cached = match lower_tokens {
+                    None => {
+                        s.add_request(&req, at)
+                            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                        device_tokens
+                    }
+                    Some(lower) => {
+                        s.add_request_with_cached_tokens(&req, device_tokens + lower, at)
+                            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                        device_tokens + lower
+                    }
+                };
+                let prefill = isl.saturating_sub(cached);
                 model.insert(
                     next_id,
                     ModelReq {

@@ -4,10 +4,12 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
+use kvroute_protocols::kv_events::StorageTier;
 use kvroute_protocols::{RouterConfigOverride, RoutingConstraints, WorkerWithDpRank};
 use kvroute_scheduler::{
-    AdmissionQueue, CandidateCost, CostWeights, LoadThresholds, NewRequest, QueueMeta, QueuePolicy,
-    RequestId, SchedulerConfig, SelectRequest, WorkerSpec,
+    AdmissionQueue, CacheHitWeights, CandidateCost, CostWeights, LoadThresholds, NewRequest,
+    QueueMeta, QueuePolicy, RequestId, SchedulerConfig, SelectRequest, TierOverlap, WorkerLoad,
+    WorkerSpec,
 };
 
 use crate::support::{BS, add, blocks, rng, scheduler, scheduler_with, w};
@@ -467,4 +469,197 @@ fn request_weights_replace_the_configured_cost_and_overrides_still_apply() {
         err.to_string(),
         "invalid router_config_override: cached_share_exponent must be a finite number >= 0, got -1"
     );
+}
+
+/// Lower-tier runs for [`SelectRequest::lower_tiers`].
+fn tiers(runs: &[(u64, StorageTier, u32)]) -> Vec<TierOverlap> {
+    runs.iter()
+        .map(|&(id, tier, blocks)| TierOverlap {
+            worker: w(id),
+            tier,
+            blocks,
+        })
+        .collect()
+}
+
+#[test]
+fn a_host_tier_prefix_beats_a_cold_worker_and_loses_to_the_device() {
+    let mut s = scheduler(3);
+    let prompt = blocks(100, 4);
+    let overlaps = [(w(1), 4)];
+    let lower = tiers(&[(2, StorageTier::HostPinned, 4)]);
+    let req = SelectRequest {
+        lower_tiers: &lower,
+        ..SelectRequest::new(64, &prompt, &overlaps)
+    };
+    let d = s.select(&req, &mut rng()).expect("selected");
+    // Cold: 4 + 4 = 8. Device: (4 - 4) + 4 = 4. Host: (4 - 0.75 * 4) + 4 = 5.
+    let costs: Vec<f64> = (0..3).map(|i| cost_of(d.candidates, w(i)).cost).collect();
+    assert_eq!(costs, [8.0, 4.0, 5.0]);
+    let host = cost_of(d.candidates, w(2));
+    assert_eq!(
+        (host.overlap_blocks, host.host_blocks, host.disk_blocks),
+        (0, 4, 0)
+    );
+    assert_eq!(host.weighted_overlap_blocks, 3.0);
+    assert_eq!(d.chosen.worker, w(1));
+
+    // Without the device holder the host holder wins.
+    let req = SelectRequest {
+        lower_tiers: &lower,
+        allowed_worker_ids: Some(&[0, 2]),
+        ..SelectRequest::new(64, &prompt, &overlaps)
+    };
+    assert_eq!(
+        s.select(&req, &mut rng()).expect("selected").chosen.worker,
+        w(2)
+    );
+}
+
+#[test]
+fn a_device_prefix_and_its_host_continuation_earn_device_plus_weighted_host() {
+    let mut s = scheduler(3);
+    let prompt = blocks(100, 8);
+    let overlaps = [(w(1), 2)];
+    // Worker 1: device 2, then host 4, then disk 1 and external 1 (external counts as disk).
+    // Worker 2: disk only.
+    let lower = tiers(&[
+        (1, StorageTier::HostPinned, 4),
+        (1, StorageTier::Disk, 1),
+        (1, StorageTier::External, 1),
+        (2, StorageTier::Disk, 4),
+    ]);
+    let req = SelectRequest {
+        lower_tiers: &lower,
+        ..SelectRequest::new(128, &prompt, &overlaps)
+    };
+    let d = s.select(&req, &mut rng()).expect("selected");
+    let c1 = cost_of(d.candidates, w(1));
+    // 2 + 0.75 * 4 + 0.25 * 2 = 5.5 blocks; prefill 8 - 5.5 = 2.5; decode 8.
+    assert_eq!(
+        (c1.overlap_blocks, c1.host_blocks, c1.disk_blocks),
+        (2, 4, 2)
+    );
+    assert_eq!(
+        (
+            c1.weighted_overlap_blocks,
+            c1.credited_prefill_blocks,
+            c1.cost
+        ),
+        (5.5, 2.5, 10.5)
+    );
+    assert_eq!(c1.cached_tokens(BS), 88);
+    // Disk earns a quarter: 8 - 0.25 * 4 = 7, plus 8.
+    let c2 = cost_of(d.candidates, w(2));
+    assert_eq!((c2.weighted_overlap_blocks, c2.cost), (1.0, 15.0));
+    assert_eq!(cost_of(d.candidates, w(0)).cost, 16.0);
+    assert_eq!(d.chosen.worker, w(1));
+
+    // As in the reference, overlap_score_credit scales the device blocks only.
+    let o = RouterConfigOverride {
+        overlap_score_credit: Some(0.0),
+        ..RouterConfigOverride::default()
+    };
+    let req = SelectRequest {
+        overrides: Some(&o),
+        ..req
+    };
+    let d = s.select(&req, &mut rng()).expect("selected");
+    assert_eq!(cost_of(d.candidates, w(1)).credited_prefill_blocks, 4.5);
+}
+
+#[test]
+fn configured_cache_hit_weights_apply_to_every_cost_preset() {
+    let mut config = SchedulerConfig::new(BS);
+    config.cache_hit_weights = CacheHitWeights {
+        host: 0.5,
+        disk: 1.0,
+    };
+    let mut s = scheduler_with(config, (0..2).map(WorkerSpec::new));
+    let prompt = blocks(100, 4);
+    let lower = tiers(&[(1, StorageTier::HostPinned, 2), (1, StorageTier::Disk, 2)]);
+    for weights in [CostWeights::reference(), CostWeights::load_adaptive()] {
+        let req = SelectRequest {
+            lower_tiers: &lower,
+            weights: Some(weights),
+            ..SelectRequest::new(64, &prompt, &[])
+        };
+        let d = s.select(&req, &mut rng()).expect("selected");
+        // 0.5 * 2 + 1.0 * 2 = 3 blocks.
+        assert_eq!(cost_of(d.candidates, w(1)).weighted_overlap_blocks, 3.0);
+        assert_eq!(cost_of(d.candidates, w(1)).credited_prefill_blocks, 1.0);
+    }
+}
+
+#[test]
+fn zero_cache_hit_weights_reproduce_the_device_only_decision() {
+    let mut config = SchedulerConfig::new(BS);
+    config.cache_hit_weights = CacheHitWeights::device_only();
+    config.temperature = 0.7;
+    let mut with_tiers = scheduler_with(config.clone(), (0..4).map(WorkerSpec::new));
+    let mut device_only = scheduler_with(config, (0..4).map(WorkerSpec::new));
+    for s in [&mut with_tiers, &mut device_only] {
+        add(s, 1, w(3), &blocks(500, 6));
+    }
+    let prompt = blocks(100, 8);
+    let overlaps = [(w(1), 3), (w(3), 1)];
+    let lower = tiers(&[
+        (1, StorageTier::HostPinned, 5),
+        (2, StorageTier::HostPinned, 8),
+        (0, StorageTier::Disk, 8),
+    ]);
+    let (mut r1, mut r2) = (rng(), rng());
+    for _ in 0..50 {
+        let a = with_tiers
+            .select(
+                &SelectRequest {
+                    lower_tiers: &lower,
+                    ..SelectRequest::new(128, &prompt, &overlaps)
+                },
+                &mut r1,
+            )
+            .expect("selected");
+        let (chosen, costs): (_, Vec<u64>) = (
+            a.chosen.worker,
+            a.candidates.iter().map(|c| c.cost.to_bits()).collect(),
+        );
+        let b = device_only
+            .select(&SelectRequest::new(128, &prompt, &overlaps), &mut r2)
+            .expect("selected");
+        assert_eq!(chosen, b.chosen.worker);
+        assert_eq!(
+            costs,
+            b.candidates
+                .iter()
+                .map(|c| c.cost.to_bits())
+                .collect::<Vec<_>>()
+        );
+    }
+}
+
+#[test]
+fn weighted_cached_tokens_reduce_tracked_prefill_and_free_to_zero() {
+    let mut s = scheduler(2);
+    let prompt = blocks(100, 4);
+    let lower = tiers(&[(1, StorageTier::HostPinned, 4)]);
+    let req = SelectRequest {
+        lower_tiers: &lower,
+        ..SelectRequest::new(64, &prompt, &[])
+    };
+    let chosen = s.select(&req, &mut rng()).expect("selected").chosen;
+    assert_eq!(chosen.worker, w(1));
+    // 0.75 * 4 blocks of 16 tokens: 48 tokens expected cached, 16 left to prefill.
+    let new = NewRequest {
+        id: RequestId(9),
+        worker: chosen.worker,
+        isl_tokens: 64,
+        block_hashes: &prompt,
+        overlap_blocks: chosen.overlap_blocks,
+        expected_output_tokens: None,
+    };
+    s.add_request_with_cached_tokens(&new, chosen.cached_tokens(BS), Duration::ZERO)
+        .expect("added");
+    assert_eq!(s.worker_load(w(1)).expect("registered").prefill_tokens, 16);
+    s.free(RequestId(9)).expect("active");
+    assert_eq!(s.worker_load(w(1)), Some(WorkerLoad::default()));
 }

@@ -335,3 +335,46 @@ fn a_full_store_refuses_the_bind_with_a_clear_error() {
         "affinity store is full (0 sessions); expire or close sessions, or raise max_sessions"
     );
 }
+
+#[test]
+fn a_bind_after_an_open_keeps_the_session_engine_backed_so_its_close_reaches_the_engine() {
+    let c = coordinator(WorkerLossMode::Soft);
+    let life = FakeLifecycle::accepting();
+    turn(
+        &c,
+        &life,
+        &hints(Some(SessionAction::Open), 60),
+        w(3),
+        secs(0),
+    )
+    .expect("open");
+    let (worker, _) = turn(
+        &c,
+        &life,
+        &hints(Some(SessionAction::Bind), 60),
+        w(9),
+        secs(10),
+    )
+    .expect("bind");
+    assert_eq!(worker, w(3), "the bind sticks to the open session's worker");
+    assert_eq!(
+        c.store().peek("s1", secs(11)).map(|t| t.binding.kind),
+        Some(AffinityKind::EngineBacked)
+    );
+    let (_, plan) = turn(
+        &c,
+        &life,
+        &hints(Some(SessionAction::Close), 60),
+        w(9),
+        secs(20),
+    )
+    .expect("close");
+    assert_eq!(
+        plan.after_response,
+        vec![SessionCommand::Close {
+            session_id: "s1".into(),
+            worker: w(3)
+        }],
+        "the engine that opened the session is told to close it"
+    );
+}

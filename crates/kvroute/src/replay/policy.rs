@@ -81,12 +81,6 @@ impl ReplayPolicy {
                 let mut config = base.with_policy(Policy::Kv);
                 config.scheduler.cost.prefill_load_scale = 4.0;
                 config.scheduler.cost.overlap_credit = 2.0;
-                if let Ok(v) = std::env::var("KVX") {
-                    let f: Vec<f64> = v.split(',').map(|x| x.parse().unwrap()).collect();
-                    config.scheduler.cost.prefill_load_scale = f[0];
-                    config.scheduler.cost.overlap_credit = f[1];
-                    config.scheduler.cost.cached_share_exponent = f[2];
-                }
                 config
             }
         }

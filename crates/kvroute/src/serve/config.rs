@@ -13,6 +13,8 @@ use kvroute_router::{DisaggMode, KvMode, KvPushRouterConfig, ModelConfig, Policy
 use kvroute_runtime::WorkerRole;
 use serde::Deserialize;
 
+use super::fleet::FleetWorker;
+
 /// Every option of `kvroute serve`, as the config file and as flags. `None` means "not given
 /// here": a flag overrides the file, the file overrides the default.
 #[derive(Debug, Default, Clone, PartialEq, Deserialize, clap::Args)]
@@ -27,11 +29,13 @@ pub(crate) struct ServeOptions {
     /// How workers are found (`[discovery]`).
     #[command(flatten)]
     pub(crate) discovery: DiscoveryOptions,
-    /// Served models (`[[models]]`); a flag `--model NAME[,tokenizer=PATH][,chat_template=PATH]`
-    /// adds one, and without any the built-in mock model `mock` is served.
+    /// Served models (`[[models]]`); a flag
+    /// `--model NAME[,tokenizer=PATH][,chat_template=PATH][,lora=ADAPTER...]` adds one (each
+    /// `lora=` names a LoRA adapter served over it), and without any the built-in mock model
+    /// `mock` is served.
     #[arg(
         long = "model",
-        value_name = "NAME[,tokenizer=PATH][,chat_template=PATH]"
+        value_name = "NAME[,tokenizer=PATH][,chat_template=PATH][,lora=ADAPTER...]"
     )]
     pub(crate) models: Vec<ModelOptions>,
 }
@@ -58,6 +62,18 @@ pub(crate) struct HttpOptions {
     /// Largest request body in bytes (default 16 MiB).
     #[arg(long)]
     pub(crate) max_body_bytes: Option<usize>,
+    /// Bytes of request bodies read and parsed at once, over all clients; a body reserves its
+    /// Content-Length (max_body_bytes without one) and waits while the budget is spent (default
+    /// 256 MiB; at least max_body_bytes).
+    #[arg(long)]
+    pub(crate) max_body_memory_bytes: Option<usize>,
+    /// How long a client may take to send a request's headers; then its connection is closed
+    /// (default 10s).
+    #[arg(long, value_name = "DURATION")]
+    pub(crate) header_timeout: Option<HumanDuration>,
+    /// How long a client may take to send a request's body; then it gets 408 (default 30s).
+    #[arg(long, value_name = "DURATION")]
+    pub(crate) body_timeout: Option<HumanDuration>,
     /// Longest prompt in tokens (default 131072).
     #[arg(long)]
     pub(crate) max_prompt_tokens: Option<usize>,
@@ -73,18 +89,26 @@ pub(crate) struct HttpOptions {
 #[derive(Debug, Default, Clone, PartialEq, Deserialize, clap::Args)]
 #[serde(default, deny_unknown_fields)]
 pub(crate) struct RouterOptions {
-    /// Tokens per KV block; workers with another block size are ignored (default 16).
+    /// Tokens per KV block; workers with another block size are refused at registration
+    /// (default 16).
     #[arg(long)]
     pub(crate) block_size: Option<u32>,
-    /// kv, round-robin, random or direct (default kv).
+    /// kv-adaptive, kv, round-robin, random or direct (default kv-adaptive).
     #[arg(long)]
     pub(crate) policy: Option<String>,
     /// Selection temperature, 0 picks the cheapest worker (default 0).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub(crate) temperature: Option<f64>,
     /// Weight of cached blocks against prefill work in the cost (default 1).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub(crate) overlap_credit: Option<f64>,
+    /// Credit per cached block found on a worker's host (CPU) tier, continuing its device
+    /// prefix, against a device block's 1 (default 0.75, as the reference).
+    #[arg(long, allow_negative_numbers = true)]
+    pub(crate) host_cache_hit_weight: Option<f64>,
+    /// Credit per cached block on a worker's disk tier (default 0.25, as the reference).
+    #[arg(long, allow_negative_numbers = true)]
+    pub(crate) disk_cache_hit_weight: Option<f64>,
     /// How many times a request moves when its worker dies mid-stream (default 3).
     #[arg(long)]
     pub(crate) max_migrations: Option<u32>,
@@ -113,6 +137,9 @@ pub(crate) struct DiscoveryOptions {
     /// A static fleet file (TOML `[[workers]]` or JSON) instead of registration.
     #[arg(long, value_name = "FILE")]
     pub(crate) fleet: Option<PathBuf>,
+    /// A static fleet written inline (`[[discovery.workers]]`, the fleet file's entries).
+    #[arg(skip)]
+    pub(crate) workers: Option<Vec<FleetWorker>>,
 }
 
 /// One `[[models]]` entry.
@@ -127,6 +154,9 @@ pub(crate) struct ModelOptions {
     /// A Jinja template or `tokenizer_config.json`; omitted: the mock template.
     #[serde(default)]
     pub(crate) chat_template: Option<PathBuf>,
+    /// LoRA adapters served over this model, by the names clients put in `model`.
+    #[serde(default)]
+    pub(crate) lora_adapters: Vec<String>,
 }
 
 impl FromStr for ModelOptions {
@@ -137,7 +167,7 @@ impl FromStr for ModelOptions {
         let name = parts.next().unwrap_or_default().trim();
         if name.is_empty() {
             return Err(format!(
-                "expected NAME[,tokenizer=PATH][,chat_template=PATH], got {s:?}"
+                "expected NAME[,tokenizer=PATH][,chat_template=PATH][,lora=ADAPTER...], got {s:?}"
             ));
         }
         let mut model = ModelOptions {
@@ -148,9 +178,10 @@ impl FromStr for ModelOptions {
             match part.split_once('=') {
                 Some(("tokenizer", path)) => model.tokenizer = Some(path.into()),
                 Some(("chat_template", path)) => model.chat_template = Some(path.into()),
+                Some(("lora", adapter)) => model.lora_adapters.push(adapter.to_owned()),
                 _ => {
                     return Err(format!(
-                        "expected tokenizer=PATH or chat_template=PATH after the model name, got {part:?}"
+                        "expected tokenizer=PATH, chat_template=PATH or lora=ADAPTER after the model name, got {part:?}"
                     ));
                 }
             }
@@ -228,11 +259,20 @@ pub(crate) enum Discovery {
         /// The lease time to live.
         lease_ttl: Duration,
     },
-    /// A fixed fleet from a file.
+    /// A fixed fleet.
     Static {
-        /// The fleet file.
-        fleet: PathBuf,
+        /// Its `[[workers]]`: from the fleet file, or inline.
+        fleet: FleetSource,
     },
+}
+
+/// Where a static fleet's `[[workers]]` are.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum FleetSource {
+    /// A fleet file.
+    File(PathBuf),
+    /// `[[discovery.workers]]` in the config file.
+    Inline(Vec<FleetWorker>),
 }
 
 /// The validated configuration `kvroute serve` runs on.
@@ -281,6 +321,9 @@ impl ServeOptions {
                 queue_timeout: pick(h.queue_timeout, f.queue_timeout),
                 retry_after: pick(h.retry_after, f.retry_after),
                 max_body_bytes: pick(h.max_body_bytes, f.max_body_bytes),
+                max_body_memory_bytes: pick(h.max_body_memory_bytes, f.max_body_memory_bytes),
+                header_timeout: pick(h.header_timeout, f.header_timeout),
+                body_timeout: pick(h.body_timeout, f.body_timeout),
                 max_prompt_tokens: pick(h.max_prompt_tokens, f.max_prompt_tokens),
                 keep_alive: pick(h.keep_alive, f.keep_alive),
                 drain_timeout: pick(h.drain_timeout, f.drain_timeout),
@@ -290,6 +333,8 @@ impl ServeOptions {
                 policy: pick(r.policy, fr.policy),
                 temperature: pick(r.temperature, fr.temperature),
                 overlap_credit: pick(r.overlap_credit, fr.overlap_credit),
+                host_cache_hit_weight: pick(r.host_cache_hit_weight, fr.host_cache_hit_weight),
+                disk_cache_hit_weight: pick(r.disk_cache_hit_weight, fr.disk_cache_hit_weight),
                 max_migrations: pick(r.max_migrations, fr.max_migrations),
                 kv_mode: pick(r.kv_mode, fr.kv_mode),
                 seed: pick(r.seed, fr.seed),
@@ -299,6 +344,7 @@ impl ServeOptions {
                 registry_listen,
                 lease_ttl: pick(d.lease_ttl, fd.lease_ttl),
                 fleet,
+                workers: d.workers,
             },
             models: if flags.models.is_empty() {
                 self.models
@@ -335,6 +381,33 @@ impl ServeOptions {
                 max_body_bytes,
             ));
         }
+        let max_body_memory_bytes = h.max_body_memory_bytes.unwrap_or(256 << 20);
+        if max_body_memory_bytes < max_body_bytes {
+            return Err(invalid(
+                "http.max_body_memory_bytes",
+                "max-body-memory-bytes",
+                "at least http.max_body_bytes",
+                max_body_memory_bytes,
+            ));
+        }
+        let header_timeout = h.header_timeout.map_or(Duration::from_secs(10), |d| d.0);
+        if header_timeout.is_zero() {
+            return Err(invalid(
+                "http.header_timeout",
+                "header-timeout",
+                "a positive duration",
+                "0",
+            ));
+        }
+        let body_timeout = h.body_timeout.map_or(Duration::from_secs(30), |d| d.0);
+        if body_timeout.is_zero() {
+            return Err(invalid(
+                "http.body_timeout",
+                "body-timeout",
+                "a positive duration",
+                "0",
+            ));
+        }
         let max_prompt_tokens = h.max_prompt_tokens.unwrap_or(128 * 1024);
         if max_prompt_tokens == 0 {
             return Err(invalid(
@@ -360,6 +433,16 @@ impl ServeOptions {
         }
         let policy: Policy = match r.policy.as_deref() {
             None => Policy::default(),
+            Some("kv-affinity") => {
+                return Err(invalid(
+                    "router.policy",
+                    "policy",
+                    "a serve policy: kv-affinity is a replay preset (kv with overlap_credit 2 and \
+                     a prefill load scale of 4), not a policy of its own; kv-adaptive, kv, \
+                     round-robin, random or direct",
+                    "kv-affinity",
+                ));
+            }
             Some(name) => name.parse().map_err(|_| {
                 invalid(
                     "router.policy",
@@ -427,8 +510,43 @@ impl ServeOptions {
             }
             router.core.scheduler.cost.overlap_credit = c;
         }
+        let weights = &mut router.core.scheduler.cache_hit_weights;
+        for (value, key, flag, slot) in [
+            (
+                r.host_cache_hit_weight,
+                "router.host_cache_hit_weight",
+                "host-cache-hit-weight",
+                &mut weights.host,
+            ),
+            (
+                r.disk_cache_hit_weight,
+                "router.disk_cache_hit_weight",
+                "disk-cache-hit-weight",
+                &mut weights.disk,
+            ),
+        ] {
+            if let Some(w) = value {
+                if !(0.0..=1.0).contains(&w) {
+                    return Err(invalid(key, flag, "a number in 0..=1", w));
+                }
+                *slot = w;
+            }
+        }
         let d = self.discovery;
-        let discovery = match (d.fleet, d.registry_listen) {
+        let fleet = match (d.fleet, d.workers) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    "discovery.workers",
+                    "fleet",
+                    "either a fleet file or inline [[discovery.workers]], not both",
+                    "both",
+                ));
+            }
+            (Some(path), None) => Some(FleetSource::File(path)),
+            (None, Some(workers)) => Some(FleetSource::Inline(workers)),
+            (None, None) => None,
+        };
+        let discovery = match (fleet, d.registry_listen) {
             (Some(_), Some(listen)) => {
                 return Err(invalid(
                     "discovery.registry_listen",
@@ -467,6 +585,16 @@ impl ServeOptions {
                     &m.name,
                 ));
             }
+            for adapter in &m.lora_adapters {
+                if adapter.is_empty() || !names.insert(adapter.as_str()) {
+                    return Err(invalid(
+                        "models.lora_adapters",
+                        "model",
+                        "non-empty adapter names, unique among the models and adapters",
+                        adapter,
+                    ));
+                }
+            }
         }
         let models = if self.models.is_empty() {
             vec![ModelConfig::mock("mock")]
@@ -477,11 +605,15 @@ impl ServeOptions {
                     name: m.name,
                     tokenizer: m.tokenizer,
                     chat_template: m.chat_template,
+                    lora_adapters: m.lora_adapters,
                 })
                 .collect()
         };
         let http = HttpConfig {
             max_body_bytes,
+            max_body_memory_bytes,
+            header_timeout,
+            body_timeout,
             max_prompt_tokens,
             admission: AdmissionConfig {
                 max_in_flight,

@@ -13,18 +13,18 @@ use serde_json::{Value, json};
 use crate::support::scratch;
 
 /// The longest any single step may take.
-const BOUND: Duration = Duration::from_secs(30);
+pub(crate) const BOUND: Duration = Duration::from_secs(30);
 
 /// A child process that is killed when dropped.
-struct Proc {
-    child: Child,
+pub(crate) struct Proc {
+    pub(crate) child: Child,
     /// The fields of its readiness line (`key=value` words).
     ready: Vec<(String, String)>,
 }
 
 impl Proc {
     /// Starts `kvroute args...`, logging stderr to `log`, and waits for its readiness line.
-    fn start(args: &[&str], log: &std::path::Path) -> Proc {
+    pub(crate) fn start(args: &[&str], log: &std::path::Path) -> Proc {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .args(args)
             .env("RUST_LOG", "info")
@@ -58,7 +58,7 @@ impl Proc {
         proc
     }
 
-    fn field(&self, key: &str) -> &str {
+    pub(crate) fn field(&self, key: &str) -> &str {
         self.ready
             .iter()
             .find(|(k, _)| k == key)
@@ -66,7 +66,7 @@ impl Proc {
             .unwrap_or_else(|| panic!("no {key}= in the readiness line {:?}", self.ready))
     }
 
-    fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -99,16 +99,16 @@ impl Drop for Proc {
 }
 
 /// A router and three workers (ids 1, 2, 3).
-struct Fleet {
-    serve: Proc,
-    workers: Vec<Proc>,
-    http: reqwest::Client,
-    base: String,
+pub(crate) struct Fleet {
+    pub(crate) serve: Proc,
+    pub(crate) workers: Vec<Proc>,
+    pub(crate) http: reqwest::Client,
+    pub(crate) base: String,
 }
 
 impl Fleet {
     /// Starts the fleet; `serve_flags` are added to `kvroute serve`, `speedup` to each worker.
-    async fn start(test: &str, serve_flags: &[&str], speedup: &str) -> Fleet {
+    pub(crate) async fn start(test: &str, serve_flags: &[&str], speedup: &str) -> Fleet {
         Self::start_roles(test, serve_flags, speedup, &["aggregated"; 3]).await
     }
 
@@ -168,7 +168,7 @@ impl Fleet {
         fleet
     }
 
-    async fn router_metrics(&self) -> String {
+    pub(crate) async fn router_metrics(&self) -> String {
         self.get(&format!("{}/metrics", self.base)).await
     }
 
@@ -178,13 +178,13 @@ impl Fleet {
         self.get(&format!("http://{addr}/metrics")).await
     }
 
-    async fn get(&self, url: &str) -> String {
+    pub(crate) async fn get(&self, url: &str) -> String {
         let response = self.http.get(url).send().await.expect("GET");
         response.text().await.expect("body")
     }
 
     /// Polls the router's `/metrics` until `condition` holds (bounded).
-    async fn eventually(&self, what: &str, condition: impl Fn(&str) -> bool) {
+    pub(crate) async fn eventually(&self, what: &str, condition: impl Fn(&str) -> bool) {
         let deadline = tokio::time::Instant::now() + BOUND;
         loop {
             let metrics = self.router_metrics().await;
@@ -227,7 +227,7 @@ impl Fleet {
 
 /// A metric's value for `worker` (dp rank 0) in Prometheus text, whatever other labels the
 /// sample has (`router` when serving disaggregated).
-fn gauge(metrics: &str, name: &str, worker: u64) -> Option<f64> {
+pub(crate) fn gauge(metrics: &str, name: &str, worker: u64) -> Option<f64> {
     let prefix = format!("kvroute_router_{name}{{");
     let worker = format!("worker=\"{worker}\"");
     metrics.lines().find_map(|l| {
@@ -241,12 +241,12 @@ fn gauge(metrics: &str, name: &str, worker: u64) -> Option<f64> {
     })
 }
 
-fn active_requests(metrics: &str, worker: u64) -> Option<u64> {
+pub(crate) fn active_requests(metrics: &str, worker: u64) -> Option<u64> {
     gauge(metrics, "worker_active_requests", worker).map(|v| v as u64)
 }
 
 /// A plain counter or gauge of a worker's own `/metrics`.
-fn worker_value(metrics: &str, name: &str) -> u64 {
+pub(crate) fn worker_value(metrics: &str, name: &str) -> u64 {
     let prefix = format!("kvroute_worker_{name} ");
     metrics
         .lines()
@@ -263,7 +263,7 @@ fn decode_worker(body: &Value) -> u64 {
 
 /// A long system prompt shared by every conversation, so that only the conversation's own turns
 /// tell them apart, plus a per-conversation opening long enough to fill several KV blocks.
-fn conversation(c: usize, turns: usize) -> Vec<Value> {
+pub(crate) fn conversation(c: usize, turns: usize) -> Vec<Value> {
     let system = "You are a careful assistant. ".repeat(20);
     let mut messages = vec![json!({"role": "system", "content": system})];
     for t in 0..turns {
@@ -278,7 +278,7 @@ fn conversation(c: usize, turns: usize) -> Vec<Value> {
     messages
 }
 
-fn chat_body(messages: Vec<Value>, max_tokens: u32, nvext: Value) -> Value {
+pub(crate) fn chat_body(messages: Vec<Value>, max_tokens: u32, nvext: Value) -> Value {
     json!({"model": "mock", "messages": messages, "max_tokens": max_tokens, "nvext": nvext})
 }
 
@@ -564,4 +564,65 @@ async fn prefill_and_decode_workers_serve_disaggregated_and_both_loads_drain() {
         assert_eq!(decode_worker(&reply), 2, "{reply}");
     }
     fleet.assert_idle(&[1, 2]).await;
+}
+
+/// Runs `kvroute worker ...` expecting it to fail: its exit status (bounded wait) and stderr.
+fn failing_worker(args: &[&str], log: &std::path::Path) -> (std::process::ExitStatus, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).expect("create log"))
+        .spawn()
+        .expect("spawn kvroute");
+    let started = std::time::Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return (status, std::fs::read_to_string(log).unwrap_or_default());
+        }
+        if started.elapsed() > BOUND {
+            let _ = child.kill();
+            panic!("kvroute {args:?} kept running; it should have exited");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taken_id_or_a_foreign_block_size_makes_the_worker_exit_with_the_reason() {
+    let fleet = Fleet::start("refused", &[], "100").await;
+    let dir = scratch("e2e-refused-workers");
+    let registry = fleet.serve.field("registry").to_owned();
+    let (status, log) = failing_worker(
+        &["worker", "--mock", "--id", "2", "--router", &registry],
+        &dir.join("duplicate.log"),
+    );
+    assert!(!status.success());
+    assert!(
+        log.contains("the router refused") && log.contains("instance id 2 is already registered"),
+        "{log}"
+    );
+    let config = dir.join("mocker.toml");
+    std::fs::write(&config, "block_size = 32\n").expect("write mocker config");
+    let (status, log) = failing_worker(
+        &[
+            "worker",
+            "--mock",
+            "--id",
+            "9",
+            "--router",
+            &registry,
+            "--mocker-config",
+            config.to_str().unwrap(),
+        ],
+        &dir.join("block-size.log"),
+    );
+    assert!(!status.success());
+    assert!(
+        log.contains("kv_block_size 32 differs from the router's block size 16"),
+        "{log}"
+    );
+    // Neither took the fleet's place: the three workers serve on.
+    let metrics = fleet.router_metrics().await;
+    assert!(active_requests(&metrics, 9).is_none(), "{metrics}");
+    fleet.assert_idle(&[1, 2, 3]).await;
 }

@@ -7,6 +7,8 @@ mod demo;
 mod disagg_replay;
 mod e2e;
 mod errors;
+mod llamacpp;
 mod prefill;
 mod replay;
+mod soak;
 mod support;

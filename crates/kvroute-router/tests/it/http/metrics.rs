@@ -202,3 +202,58 @@ fn disaggregated_metrics_show_both_routers_series_labelled_by_router() {
         }
     });
 }
+
+#[test]
+fn the_engines_cached_tokens_are_compared_with_the_prediction_per_worker() {
+    run(async {
+        let fleet = Fleet::start(0).await;
+        // The engine says 4 of the prompt's 9 tokens were cached; the router, which has seen
+        // no KV event, predicted none.
+        let engine = UsageEngine {
+            last: Some(4),
+            ..UsageEngine::default()
+        };
+        let _worker = super::usage::start_worker(&fleet, 7, WorkerRole::Aggregated, engine).await;
+        let router = fleet.router(Policy::Kv).await;
+        eventually("the worker to join", || {
+            router.with_core(|c| c.workers().count()) == 1
+        })
+        .await;
+        let server = Server::start(router.clone(), test_config()).await;
+        for _ in 0..2 {
+            let (status, resp) = server.json("/v1/chat/completions", &chat("hi there")).await;
+            assert_eq!(status, 200, "{resp}");
+        }
+        let (_, text) = server.get("/metrics").await;
+        assert_openmetrics(&text);
+        for expected in [
+            "kvroute_router_prediction_error_tokens_count{worker=\"7\"} 2\n",
+            "kvroute_router_prediction_error_tokens_sum{worker=\"7\"} 8.0\n",
+            // Reported minus predicted is +4: in the (1, 4] bucket, not in (0, 1].
+            "kvroute_router_prediction_error_tokens_bucket{le=\"1.0\",worker=\"7\"} 0\n",
+            "kvroute_router_prediction_error_tokens_bucket{le=\"4.0\",worker=\"7\"} 2\n",
+            "kvroute_router_cache_report_prompt_tokens_total{worker=\"7\"} 18\n",
+            "kvroute_router_cache_report_predicted_tokens_total{worker=\"7\"} 0\n",
+            "kvroute_router_cache_report_reported_tokens_total{worker=\"7\"} 8\n",
+        ] {
+            assert!(text.contains(expected), "missing {expected:?} in\n{text}");
+        }
+        eventually("all load is freed", || idle(&router)).await;
+    });
+}
+
+#[test]
+fn bucket_bounds_print_as_written() {
+    let text = kvroute_router::RouterMetrics::new().encode_text();
+    assert!(
+        text.contains("kvroute_router_predicted_kv_hit_rate_bucket{le=\"0.3\"} 0"),
+        "{text}"
+    );
+    for bound in text.split("le=\"").skip(1) {
+        let bound = bound.split('"').next().unwrap();
+        assert!(
+            bound == "+Inf" || bound.len() <= 12,
+            "bucket bound {bound:?} is not printed as written"
+        );
+    }
+}

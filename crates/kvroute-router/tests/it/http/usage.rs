@@ -104,7 +104,7 @@ pub(super) struct UsageWorker {
     _lease: Lease,
 }
 
-async fn start_worker(
+pub(super) async fn start_worker(
     fleet: &Fleet,
     id: u64,
     role: WorkerRole,

@@ -37,7 +37,15 @@ fn render(c: &ServeConfig) -> String {
         Discovery::Registration { listen, lease_ttl } => {
             format!("registry {listen} ttl {lease_ttl:?}")
         }
-        Discovery::Static { fleet } => format!("fleet {}", fleet.display()),
+        Discovery::Static {
+            fleet: FleetSource::File(path),
+        } => format!("fleet {}", path.display()),
+        Discovery::Static {
+            fleet: FleetSource::Inline(workers),
+        } => {
+            let ids: Vec<u64> = workers.iter().map(|w| w.id).collect();
+            format!("inline fleet {ids:?}")
+        }
     };
     let models: Vec<&str> = c.models.iter().map(|m| m.name.as_str()).collect();
     format!(
@@ -172,7 +180,7 @@ fn bad_values_name_the_key_the_flag_and_what_was_expected() {
     check(
         "",
         &["--model", "a,vocab=x"],
-        Err("expected tokenizer=PATH or chat_template=PATH"),
+        Err("expected tokenizer=PATH, chat_template=PATH or lora=ADAPTER"),
     );
     check("", &["--queue-timeout", "soon"], Err("expected a duration"));
 }
@@ -227,4 +235,150 @@ fn disagg_defaults_to_optional_and_off_routes_aggregated_workers_only() {
         let c = validate(file);
         assert_eq!((c.disagg, c.router.push.role), (mode, role), "{file:?}");
     }
+}
+
+#[test]
+fn a_static_fleet_of_engines_can_be_written_inline() {
+    let file = r#"
+        [[discovery.workers]]
+        id = 1
+        engine = "vllm"
+        engine_url = "http://127.0.0.1:8000"
+        kv_events = "tcp://127.0.0.1:5557"
+        kv_block_size = 16
+
+        [[discovery.workers]]
+        id = 2
+        address = "127.0.0.1:7200"
+        kv_block_size = 16
+
+        [[models]]
+        name = "llama"
+        lora_adapters = ["sql-lora"]
+    "#;
+    let options = ServeOptions::from_toml(file).unwrap();
+    let config = options.validate().unwrap();
+    assert!(
+        render(&config).contains("inline fleet [1, 2]"),
+        "{}",
+        render(&config)
+    );
+    assert_eq!(config.models[0].lora_adapters, vec!["sql-lora".to_owned()]);
+    check(
+        "[[discovery.workers]]\nid = 1\naddress = \"h:1\"\nkv_block_size = 16\n",
+        &["--fleet", "fleet.toml"],
+        Err("either a fleet file or inline [[discovery.workers]], not both"),
+    );
+    check(
+        "[[models]]\nname = \"llama\"\nlora_adapters = [\"llama\"]\n",
+        &[],
+        Err("non-empty adapter names, unique among the models and adapters"),
+    );
+    check(
+        "",
+        &["--model", "llama,lora=sql-lora,lora=chat-lora"],
+        Ok(
+            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-adaptive migrations 3; registry 127.0.0.1:7100 ttl 5s; models [\"llama\"]",
+        ),
+    );
+}
+
+#[test]
+fn lower_tier_cache_hit_weights_default_to_the_references_and_are_checked() {
+    let weights = |file: &str, flags: &[&str]| {
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            options: ServeOptions,
+        }
+        let flags = Cli::try_parse_from(std::iter::once("serve").chain(flags.iter().copied()))
+            .unwrap()
+            .options;
+        ServeOptions::from_toml(file)
+            .unwrap()
+            .overridden_by(flags)
+            .validate()
+            .map(|c| {
+                let w = c.router.core.scheduler.cache_hit_weights;
+                (w.host, w.disk)
+            })
+            .map_err(|e| e.to_string())
+    };
+    assert_eq!(weights("", &[]), Ok((0.75, 0.25)));
+    assert_eq!(
+        weights(
+            "[router]\nhost_cache_hit_weight = 0.5\n",
+            &["--disk-cache-hit-weight", "0"]
+        ),
+        Ok((0.5, 0.0))
+    );
+    let error = weights("[router]\ndisk_cache_hit_weight = 1.5\n", &[]).unwrap_err();
+    assert!(
+        error.contains("router.disk_cache_hit_weight") && error.contains("0..=1"),
+        "{error}"
+    );
+}
+
+#[test]
+fn read_timeouts_and_the_body_memory_budget_default_and_are_checked() {
+    let defaults = ServeOptions::default().validate().unwrap();
+    assert_eq!(defaults.http.header_timeout, Duration::from_secs(10));
+    assert_eq!(defaults.http.body_timeout, Duration::from_secs(30));
+    assert_eq!(defaults.http.max_body_memory_bytes, 256 << 20);
+    let file = ServeOptions::from_toml(
+        "[http]\nheader_timeout = \"2s\"\nbody_timeout = \"500ms\"\nmax_body_memory_bytes = 33554432",
+    )
+    .unwrap();
+    let flags = ServeOptions {
+        http: HttpOptions {
+            body_timeout: Some(HumanDuration(Duration::from_secs(5))),
+            ..HttpOptions::default()
+        },
+        ..ServeOptions::default()
+    };
+    let set = file.overridden_by(flags).validate().unwrap();
+    assert_eq!(set.http.header_timeout, Duration::from_secs(2));
+    assert_eq!(set.http.body_timeout, Duration::from_secs(5));
+    assert_eq!(set.http.max_body_memory_bytes, 32 << 20);
+    check(
+        "[http]\nheader_timeout = \"0s\"",
+        &[],
+        Err("`http.header_timeout` (flag --header-timeout): expected a positive duration"),
+    );
+    check(
+        "[http]\nbody_timeout = \"0ms\"",
+        &[],
+        Err("`http.body_timeout` (flag --body-timeout): expected a positive duration"),
+    );
+    check(
+        "[http]\nmax_body_bytes = 4096\nmax_body_memory_bytes = 2048",
+        &[],
+        Err(
+            "`http.max_body_memory_bytes` (flag --max-body-memory-bytes): expected at least http.max_body_bytes, got 2048",
+        ),
+    );
+    check("", &["--body-timeout", "soon"], Err("expected a duration"));
+}
+
+#[test]
+fn kv_affinity_is_named_a_replay_preset_and_type_errors_name_the_key() {
+    check(
+        "[router]\npolicy = \"kv-affinity\"\n",
+        &[],
+        Err("kv-affinity is a replay preset"),
+    );
+    let error = ServeOptions::from_toml("[http]\nmax_in_flight = \"many\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("max_in_flight"), "{error}");
+}
+
+#[test]
+fn a_negative_number_flag_is_a_value_refused_by_range_not_an_unknown_flag() {
+    check("", &["--temperature", "-1"], Err("router.temperature"));
+    check(
+        "",
+        &["--overlap-credit", "-2"],
+        Err("router.overlap_credit"),
+    );
 }

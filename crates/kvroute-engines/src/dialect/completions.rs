@@ -1,0 +1,326 @@
+//! The OpenAI completions protocol (`POST /v1/completions`, streamed) that vLLM, TensorRT-LLM
+//! and any OpenAI server speak, with the prompt as a list of token ids. The three differ only in
+//! which extensions they accept and how they return output ids: see [`Flavor`].
+
+use kvroute_protocols::{CompletionUsage, FinishReason, PreprocessedRequest, PromptTokensDetails};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::{
+    MISSING_LOGPROB, Parsed, Step, StreamParser, Target, stop_token_ids, stopped_on_token,
+};
+use crate::error::{Failure, error_value, stream_error};
+use crate::sse::SseEvent;
+
+/// What a completions server accepts and returns beyond the OpenAI standard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Flavor {
+    /// vLLM: the sampling extensions, `return_token_ids`, `cache_salt`.
+    Vllm,
+    /// TensorRT-LLM: the sampling extensions and `detokenize: false` (ids instead of text).
+    /// Its server forbids unknown fields, so nothing else is sent.
+    Trtllm,
+    /// The OpenAI standard only (an OpenAI server may reject unknown fields): text comes back,
+    /// and `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `min_tokens`, `ignore_eos`,
+    /// `include_stop_str_in_output` and `skip_special_tokens` are not sent.
+    Openai,
+}
+
+impl Flavor {
+    fn name(self) -> &'static str {
+        match self {
+            Flavor::Vllm => "vllm",
+            Flavor::Trtllm => "trtllm",
+            Flavor::Openai => "openai",
+        }
+    }
+
+    fn extensions(self) -> bool {
+        self != Flavor::Openai
+    }
+
+    /// Whether `stop_reason` is meaningful (null for the end-of-sequence token).
+    fn has_stop_reason(self) -> bool {
+        self != Flavor::Openai
+    }
+}
+
+/// The body of a streamed completions request.
+#[derive(Debug, Serialize)]
+pub(super) struct Body<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model: Option<&'a str>,
+    prompt: &'a [u32],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_tokens: Option<u32>,
+    stream: bool,
+    stream_options: StreamOptions,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    temperature: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_p: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_k: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    min_p: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seed: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    frequency_penalty: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    presence_penalty: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    repetition_penalty: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stop: Option<&'a [String]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stop_token_ids: Option<Vec<u32>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    min_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ignore_eos: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    include_stop_str_in_output: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    skip_special_tokens: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprobs: Option<u32>,
+    /// vLLM: stream each chunk's token ids (`choices[].token_ids`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    return_token_ids: Option<bool>,
+    /// TensorRT-LLM: `false` streams `choices[].token_ids` and empty text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detokenize: Option<bool>,
+    /// vLLM: salts the prefix cache.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_salt: Option<&'a str>,
+}
+
+#[derive(Debug, Serialize)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+impl<'a> Body<'a> {
+    /// The body for `request` in `flavor`. TensorRT-LLM requires `model`; the others leave an
+    /// empty one out (the server's default model).
+    pub(super) fn new(
+        flavor: Flavor,
+        request: &'a PreprocessedRequest,
+        target: &Target<'a>,
+    ) -> Self {
+        let stop = &request.stop_conditions;
+        let sampling = &request.sampling_options;
+        let ext = flavor.extensions();
+        let model = (flavor == Flavor::Trtllm || !target.model.is_empty()).then_some(target.model);
+        Self {
+            model,
+            prompt: &request.token_ids,
+            max_tokens: target.max_tokens,
+            stream: true,
+            stream_options: StreamOptions {
+                include_usage: true,
+            },
+            temperature: sampling.temperature,
+            top_p: sampling.top_p,
+            top_k: sampling.top_k.filter(|_| ext),
+            min_p: sampling.min_p.filter(|_| ext),
+            seed: sampling.seed,
+            frequency_penalty: sampling.frequency_penalty,
+            presence_penalty: sampling.presence_penalty,
+            repetition_penalty: sampling.repetition_penalty.filter(|_| ext),
+            stop: stop.stop.as_deref().filter(|s| !s.is_empty()),
+            stop_token_ids: stop_token_ids(request).filter(|_| ext),
+            min_tokens: stop.min_tokens.filter(|_| ext),
+            ignore_eos: stop.ignore_eos.filter(|_| ext),
+            include_stop_str_in_output: sampling.include_stop_str_in_output.filter(|_| ext),
+            skip_special_tokens: request.output_options.skip_special_tokens.filter(|_| ext),
+            logprobs: request.output_options.logprobs,
+            return_token_ids: (flavor == Flavor::Vllm).then_some(true),
+            detokenize: (flavor == Flavor::Trtllm).then_some(false),
+            cache_salt: request.cache_salt().filter(|_| flavor == Flavor::Vllm),
+        }
+    }
+}
+
+/// Reads a completions stream.
+pub(super) struct Parser {
+    flavor: Flavor,
+    eos_token_ids: Vec<u32>,
+}
+
+impl Parser {
+    pub(super) fn new(flavor: Flavor, request: &PreprocessedRequest) -> Self {
+        Self {
+            flavor,
+            eos_token_ids: request.eos_token_ids.clone(),
+        }
+    }
+
+    fn chunk(&self, chunk: Chunk) -> Parsed {
+        if let Some(error) = chunk.error {
+            return Parsed::Failed(error_value(self.flavor.name(), &error));
+        }
+        let mut step = Step {
+            usage: chunk.usage.map(Usage::into_usage),
+            ..Step::default()
+        };
+        let Some(choices) = chunk.choices else {
+            if step.usage.is_some() {
+                return Parsed::Step(step);
+            }
+            return self.malformed("a chunk with neither `choices`, `usage` nor `error`");
+        };
+        let mut choices = choices.into_iter();
+        let choice = match (choices.next(), choices.next()) {
+            (None, _) => return step.into_parsed(),
+            (Some(choice), None) if choice.index == 0 => choice,
+            (Some(choice), _) => {
+                return self.malformed(&format!(
+                    "a choice with index {} or several choices; expected one choice, index 0 (n = 1)",
+                    choice.index
+                ));
+            }
+        };
+        match choice.token_ids {
+            Some(ids) => step.token_ids = ids,
+            None => step.text = choice.text.filter(|t| !t.is_empty()),
+        }
+        if let Some(logprobs) = choice.logprobs {
+            step.log_probs = Some(
+                logprobs
+                    .token_logprobs
+                    .into_iter()
+                    .map(|lp| lp.unwrap_or(MISSING_LOGPROB))
+                    .collect(),
+            );
+        }
+        if let Some(reason) = choice.finish_reason {
+            match self.finish(&reason, choice.stop_reason.as_ref()) {
+                Ok(finish) => step.finish = Some(finish),
+                Err(failure) => return Parsed::Failed(failure),
+            }
+        }
+        step.into_parsed()
+    }
+
+    fn finish(&self, reason: &str, stop_reason: Option<&Value>) -> Result<FinishReason, Failure> {
+        Ok(match reason {
+            "length" => FinishReason::Length,
+            "stop" if self.flavor.has_stop_reason() => match stop_reason {
+                // vLLM and TensorRT-LLM leave `stop_reason` null for the end-of-sequence token;
+                // vLLM names a generation-config end token as a stop token id.
+                None | Some(Value::Null) => FinishReason::Eos,
+                Some(Value::Number(n)) => match n.as_u64() {
+                    Some(id) => stopped_on_token(&self.eos_token_ids, id),
+                    None => FinishReason::Stop,
+                },
+                Some(_) => FinishReason::Stop,
+            },
+            "abort" | "cancelled" => FinishReason::Cancelled,
+            "content_filter" => FinishReason::ContentFilter,
+            "error" => {
+                return Err(Failure::Refused(format!(
+                    "{} engine finished the request with an error",
+                    self.flavor.name()
+                )));
+            }
+            // `stop`, `tool_calls`, vLLM's `repetition` and whatever else a server invents.
+            _ => FinishReason::Stop,
+        })
+    }
+
+    fn malformed(&self, what: &str) -> Parsed {
+        Parsed::Failed(Failure::Malformed(format!(
+            "malformed {} stream chunk: {what}",
+            self.flavor.name()
+        )))
+    }
+}
+
+impl StreamParser for Parser {
+    fn parse(&mut self, event: SseEvent) -> Parsed {
+        match event {
+            SseEvent::Error(raw) => Parsed::Failed(stream_error(self.flavor.name(), &raw)),
+            SseEvent::Data(data) if data.trim() == "[DONE]" => Parsed::Done,
+            SseEvent::Data(data) => match serde_json::from_str::<Chunk>(&data) {
+                Ok(chunk) => self.chunk(chunk),
+                Err(e) => self.malformed(&format!(
+                    "{e}; expected a completions chunk, got {}",
+                    crate::error::excerpt(&data)
+                )),
+            },
+        }
+    }
+}
+
+/// One chunk of a completions stream (only the fields read; others are ignored).
+#[derive(Debug, Deserialize)]
+struct Chunk {
+    #[serde(default)]
+    choices: Option<Vec<Choice>>,
+    #[serde(default)]
+    usage: Option<Usage>,
+    #[serde(default)]
+    error: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Choice {
+    #[serde(default)]
+    index: u32,
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default)]
+    token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    logprobs: Option<Logprobs>,
+    #[serde(default)]
+    finish_reason: Option<String>,
+    #[serde(default)]
+    stop_reason: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Logprobs {
+    #[serde(default)]
+    token_logprobs: Vec<Option<f64>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Usage {
+    #[serde(default)]
+    prompt_tokens: u32,
+    #[serde(default)]
+    completion_tokens: Option<u32>,
+    #[serde(default)]
+    total_tokens: u32,
+    #[serde(default)]
+    prompt_tokens_details: Option<Details>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Details {
+    #[serde(default)]
+    cached_tokens: Option<u32>,
+}
+
+impl Usage {
+    fn into_usage(self) -> CompletionUsage {
+        let completion_tokens = self.completion_tokens.unwrap_or(0);
+        CompletionUsage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens,
+            total_tokens: self
+                .total_tokens
+                .max(self.prompt_tokens.saturating_add(completion_tokens)),
+            prompt_tokens_details: self
+                .prompt_tokens_details
+                .and_then(|d| d.cached_tokens)
+                .map(|cached| PromptTokensDetails {
+                    audio_tokens: None,
+                    cached_tokens: Some(cached),
+                }),
+        }
+    }
+}

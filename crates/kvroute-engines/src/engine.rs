@@ -1,0 +1,541 @@
+//! [`HttpEngine`]: the runtime's [`Engine`] served by an inference engine's HTTP API.
+
+use std::error::Error as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use futures::{Stream, StreamExt};
+use kvroute_protocols::{Annotated, PreprocessedRequest};
+use kvroute_runtime::{Engine, EngineError, LlmResponse, RequestContext, ResponseStream};
+use reqwest::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderValue};
+use reqwest::{Response, StatusCode, Url};
+use tokio::time::Instant;
+
+use crate::config::{EngineConfigError, EngineKind, HttpEngineConfig};
+use crate::dialect::{self, Built, Dialect, Target};
+use crate::error::{HealthError, error_message, is_unavailable_status};
+use crate::stream::{Action, StreamState};
+
+/// An [`Engine`] that serves each [`PreprocessedRequest`] through an inference engine's HTTP
+/// API: the prompt goes as token ids (never re-tokenized), the answer streams back as output
+/// token ids (text only from a plain OpenAI server), one
+/// [`kvroute_protocols::LLMEngineOutput`] per chunk, the last with the finish reason and usage.
+///
+/// Failures are typed. An engine that cannot serve now (connection refused or lost, a timeout,
+/// HTTP 429, 502, 503 or 504) fails the request's context with
+/// [`EngineError::Unavailable`], which the worker reports as a worker loss the router may
+/// migrate. An engine that refuses the request (another 4xx, 500, an error in the stream) or a
+/// chunk that cannot be read gives one error item. Stopping the request or dropping its
+/// stream drops the HTTP connection, which vLLM, SGLang and llama.cpp take as an abort; a stopped
+/// stream ends with a `cancelled` output.
+///
+/// Cheap to clone: clones share one connection pool.
+#[derive(Clone)]
+pub struct HttpEngine {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: HttpEngineConfig,
+    client: reqwest::Client,
+    generate_url: Url,
+    health_url: Url,
+    dialect: &'static dyn Dialect,
+    auth: Option<HeaderValue>,
+}
+
+impl std::fmt::Debug for HttpEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpEngine")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The most of an error body read to quote it.
+const MAX_ERROR_BODY: usize = 64 << 10;
+
+/// How long the end of a stream (`[DONE]`, usage) may take after the finish before the finished
+/// output goes out without it. Engines send it at once.
+const FINISH_GRACE: Duration = Duration::from_secs(2);
+
+/// How long an error body may take to arrive once its status is known.
+const ERROR_BODY_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl HttpEngine {
+    /// An engine client for `config`, validated: `base_url` must be an `http` URL without query,
+    /// fragment or credentials, timeouts must be positive, a served model name non-empty.
+    pub fn new(config: HttpEngineConfig) -> Result<Self, EngineConfigError> {
+        let base = base_url(&config.base_url)?;
+        for (field, timeout) in [
+            ("connect_timeout_ms", Some(config.connect_timeout)),
+            ("first_byte_timeout_ms", config.first_byte_timeout),
+            ("idle_timeout_ms", config.idle_timeout),
+            ("request_timeout_ms", config.request_timeout),
+            ("health_timeout_ms", Some(config.health_timeout)),
+        ] {
+            if timeout.is_some_and(|t| t.is_zero()) {
+                return Err(EngineConfigError::ZeroTimeout { field });
+            }
+        }
+        if config.served_model_name.as_deref() == Some("") {
+            return Err(EngineConfigError::EmptyServedModelName);
+        }
+        let auth = match &config.api_key {
+            Some(key) => {
+                let mut value = HeaderValue::from_str(&format!("Bearer {key}"))
+                    .map_err(|_| EngineConfigError::InvalidApiKey)?;
+                value.set_sensitive(true);
+                Some(value)
+            }
+            None => None,
+        };
+        let dialect = dialect::for_kind(config.kind);
+        let join = |path: &str| {
+            base.join(path)
+                .map_err(|e| EngineConfigError::InvalidBaseUrl {
+                    url: config.base_url.clone(),
+                    reason: e.to_string(),
+                })
+        };
+        let generate_url = join(dialect.generate_path())?;
+        let health_url = join(dialect.health_path())?;
+        // Engines are addressed directly: no proxy from the environment.
+        let client = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .tcp_nodelay(true)
+            .no_proxy()
+            .build()
+            .map_err(|e| EngineConfigError::Client {
+                message: error_chain(&e),
+            })?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                client,
+                generate_url,
+                health_url,
+                dialect,
+                auth,
+            }),
+        })
+    }
+
+    /// The configuration this engine was built from.
+    pub fn config(&self) -> &HttpEngineConfig {
+        &self.inner.config
+    }
+
+    /// The engine's dialect.
+    pub fn kind(&self) -> EngineKind {
+        self.inner.config.kind
+    }
+
+    /// The URL requests are sent to.
+    pub fn generate_url(&self) -> &str {
+        self.inner.generate_url.as_str()
+    }
+
+    /// Asks the engine whether it can serve: `GET /health` (vLLM, SGLang, TensorRT-LLM,
+    /// llama.cpp, which answers 503 while its model loads) or `GET /v1/models` (OpenAI), within
+    /// the configured health timeout.
+    pub async fn health(&self) -> Result<(), HealthError> {
+        let inner = &self.inner;
+        let url = inner.health_url.to_string();
+        let mut request = inner
+            .client
+            .get(inner.health_url.clone())
+            .timeout(inner.config.health_timeout);
+        if let Some(auth) = &inner.auth {
+            request = request.header(AUTHORIZATION, auth.clone());
+        }
+        let response = request.send().await.map_err(|e| HealthError::Unreachable {
+            url: url.clone(),
+            message: error_chain(&e),
+        })?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(());
+        }
+        let body = read_error_body(response).await;
+        Err(HealthError::Unhealthy {
+            url,
+            status: status.as_u16(),
+            message: error_message(&body),
+        })
+    }
+}
+
+impl Engine for HttpEngine {
+    type Request = PreprocessedRequest;
+    type Response = LlmResponse;
+
+    fn generate(
+        &self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+    ) -> Result<ResponseStream<LlmResponse>, EngineError> {
+        let inner = &self.inner;
+        dialect::check_supported(&request)?;
+        let model = inner
+            .config
+            .served_model_name
+            .as_deref()
+            .unwrap_or(&request.model);
+        let target = Target {
+            model,
+            max_tokens: request
+                .stop_conditions
+                .max_tokens
+                .or(inner.config.default_max_tokens),
+        };
+        let built = inner.dialect.build(&request, &target)?;
+        let parser = inner.dialect.parser(&request);
+        let state = StreamState::new(inner.config.kind, parser, request.token_ids.len());
+        let driver = Driver::new(Arc::clone(inner), built, state, context.clone());
+        Ok(Box::pin(drive(driver, context)))
+    }
+}
+
+/// The response stream: runs the driver and carries out its actions.
+fn drive(mut driver: Driver, context: RequestContext) -> impl Stream<Item = LlmResponse> + Send {
+    async_stream::stream! {
+        loop {
+            for action in driver.next().await {
+                match action {
+                    Action::Emit(item) => {
+                        if let Some(error) = &item.error {
+                            tracing::debug!(request = context.id(), %error, "engine refused");
+                        }
+                        yield *item;
+                    }
+                    Action::Fail(message) => {
+                        tracing::warn!(request = context.id(), %message, "engine unavailable");
+                        context.fail(EngineError::Unavailable { message });
+                    }
+                    Action::End => return,
+                }
+            }
+        }
+    }
+}
+
+/// One request's HTTP exchange, step by step. Dropping it drops the connection.
+struct Driver {
+    inner: Arc<Inner>,
+    context: RequestContext,
+    state: StreamState,
+    phase: Phase,
+    request_deadline: Option<Instant>,
+    first_byte_deadline: Option<Instant>,
+    started_body: bool,
+}
+
+enum Phase {
+    Send(Built),
+    Body(BoxStream<'static, reqwest::Result<Bytes>>),
+    Ended,
+}
+
+/// What the send step came to.
+enum Sent {
+    Stopped,
+    TimedOut,
+    Failed(reqwest::Error),
+    Response(Response),
+}
+
+/// What one read of the body came to.
+enum Read {
+    Stopped,
+    TimedOut,
+    Chunk(Bytes),
+    Failed(reqwest::Error),
+    Eof,
+}
+
+impl Driver {
+    fn new(inner: Arc<Inner>, built: Built, state: StreamState, context: RequestContext) -> Self {
+        let start = Instant::now();
+        let request_deadline = inner.config.request_timeout.map(|t| start + t);
+        let first_byte_deadline = earliest(
+            inner.config.first_byte_timeout.map(|t| start + t),
+            request_deadline,
+        );
+        Self {
+            inner,
+            context,
+            state,
+            phase: Phase::Send(built),
+            request_deadline,
+            first_byte_deadline,
+            started_body: false,
+        }
+    }
+
+    /// The next actions; the last batch ends with [`Action::End`].
+    async fn next(&mut self) -> Vec<Action> {
+        let actions = match std::mem::replace(&mut self.phase, Phase::Ended) {
+            Phase::Send(built) => self.send(built).await,
+            Phase::Body(body) => self.read(body).await,
+            Phase::Ended => vec![Action::End],
+        };
+        if self.state.is_ended() || matches!(actions.last(), Some(Action::End)) {
+            // Drop the connection now, not when the consumer drops the stream.
+            self.phase = Phase::Ended;
+        }
+        actions
+    }
+
+    async fn send(&mut self, built: Built) -> Vec<Action> {
+        if self.context.is_stopped() {
+            return self.state.stopped();
+        }
+        let inner = &self.inner;
+        let mut request = inner
+            .client
+            .post(inner.generate_url.clone())
+            .header(CONTENT_TYPE, "application/json")
+            .header(ACCEPT, "text/event-stream")
+            .body(built.body);
+        for (name, value) in built.headers {
+            request = request.header(name, value);
+        }
+        if let Some(auth) = &inner.auth {
+            request = request.header(AUTHORIZATION, auth.clone());
+        }
+        let sent = tokio::select! {
+            biased;
+            () = self.context.stopped() => Sent::Stopped,
+            r = until(self.first_byte_deadline, request.send()) => match r {
+                None => Sent::TimedOut,
+                Some(Ok(response)) => Sent::Response(response),
+                Some(Err(e)) => Sent::Failed(e),
+            },
+        };
+        match sent {
+            Sent::Stopped => self.state.stopped(),
+            Sent::TimedOut => {
+                self.unavailable(format!("no response within {:?}", self.first_byte_limit()))
+            }
+            Sent::Failed(e) => self.unavailable(error_chain(&e)),
+            Sent::Response(response) => self.respond(response).await,
+        }
+    }
+
+    async fn respond(&mut self, response: Response) -> Vec<Action> {
+        let status = response.status();
+        if !status.is_success() {
+            return self.status_error(status, response).await;
+        }
+        let content_type = response
+            .headers()
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("text/event-stream")
+            .to_owned();
+        if !content_type.starts_with("text/event-stream") {
+            let body = read_error_body(response).await;
+            let message = format!(
+                "{} engine at {} answered `{content_type}` instead of an event stream: {}",
+                self.inner.config.kind,
+                self.inner.generate_url,
+                crate::error::excerpt(&body)
+            );
+            return vec![
+                Action::Emit(Box::new(Annotated::from_error(message))),
+                Action::End,
+            ];
+        }
+        self.phase = Phase::Body(response.bytes_stream().boxed());
+        Vec::new()
+    }
+
+    async fn status_error(&mut self, status: StatusCode, response: Response) -> Vec<Action> {
+        let body = tokio::select! {
+            biased;
+            () = self.context.stopped() => None,
+            body = read_error_body(response) => Some(body),
+        };
+        let Some(body) = body else {
+            return self.state.stopped();
+        };
+        let message = error_message(&body);
+        let kind = self.inner.config.kind;
+        let url = &self.inner.generate_url;
+        if is_unavailable_status(status.as_u16()) {
+            self.unavailable(format!("HTTP {status}: {message}"))
+        } else {
+            let message =
+                format!("{kind} engine at {url} refused the request: HTTP {status}: {message}");
+            vec![
+                Action::Emit(Box::new(Annotated::from_error(message))),
+                Action::End,
+            ]
+        }
+    }
+
+    async fn read(&mut self, mut body: BoxStream<'static, reqwest::Result<Bytes>>) -> Vec<Action> {
+        let mut deadline = if self.started_body {
+            earliest(
+                self.inner.config.idle_timeout.map(|t| Instant::now() + t),
+                self.request_deadline,
+            )
+        } else {
+            self.first_byte_deadline
+        };
+        if self.state.is_finishing() {
+            // The output is complete; a server that never ends its stream must not hold it.
+            deadline = earliest(deadline, Some(Instant::now() + FINISH_GRACE));
+        }
+        let read = tokio::select! {
+            biased;
+            () = self.context.stopped() => Read::Stopped,
+            r = until(deadline, body.next()) => match r {
+                None => Read::TimedOut,
+                Some(Some(Ok(chunk))) => Read::Chunk(chunk),
+                Some(Some(Err(e))) => Read::Failed(e),
+                Some(None) => Read::Eof,
+            },
+        };
+        match read {
+            Read::Stopped => self.state.stopped(),
+            Read::TimedOut => {
+                let what = if self.started_body {
+                    "the next piece of the stream"
+                } else {
+                    "the first token"
+                };
+                self.state
+                    .body_error(format!("timed out waiting for {what}"))
+            }
+            Read::Failed(e) => self.state.body_error(error_chain(&e)),
+            Read::Eof => self.state.end_of_body(),
+            Read::Chunk(chunk) => {
+                self.started_body = true;
+                let actions = self.state.feed(&chunk);
+                if !self.state.is_ended() {
+                    self.phase = Phase::Body(body);
+                }
+                actions
+            }
+        }
+    }
+
+    fn unavailable(&self, what: String) -> Vec<Action> {
+        let message = format!(
+            "{} engine at {} is unavailable: {what}",
+            self.inner.config.kind, self.inner.generate_url
+        );
+        vec![Action::Fail(message), Action::End]
+    }
+
+    /// The time allowed until the first byte of the body.
+    fn first_byte_limit(&self) -> Duration {
+        let config = &self.inner.config;
+        match (config.first_byte_timeout, config.request_timeout) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b).unwrap_or_default(),
+        }
+    }
+}
+
+/// `future`, or `None` once `deadline` passes.
+async fn until<F: Future>(deadline: Option<Instant>, future: F) -> Option<F::Output> {
+    match deadline {
+        Some(deadline) => tokio::time::timeout_at(deadline, future).await.ok(),
+        None => Some(future.await),
+    }
+}
+
+fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Up to [`MAX_ERROR_BODY`] bytes of an error response, as text; whatever arrived if the body
+/// fails or takes longer than [`ERROR_BODY_TIMEOUT`].
+async fn read_error_body(response: Response) -> String {
+    let mut body = Vec::new();
+    let mut stream = response.bytes_stream();
+    let read = async {
+        while let Some(Ok(chunk)) = stream.next().await {
+            let room = MAX_ERROR_BODY.saturating_sub(body.len());
+            body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+            if body.len() >= MAX_ERROR_BODY {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(ERROR_BODY_TIMEOUT, read).await;
+    String::from_utf8_lossy(&body).into_owned()
+}
+
+/// An error and its sources, joined (reqwest's own message names only the outermost layer).
+fn error_chain(e: &reqwest::Error) -> String {
+    let mut message = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+        source = s.source();
+    }
+    message
+}
+
+/// `url` checked and made a directory (ending in `/`), so endpoint paths join below it.
+fn base_url(url: &str) -> Result<Url, EngineConfigError> {
+    let mut parsed = Url::parse(url.trim()).map_err(|e| EngineConfigError::InvalidBaseUrl {
+        url: url.to_owned(),
+        reason: e.to_string(),
+    })?;
+    if parsed.cannot_be_a_base() {
+        // `localhost:8000` parses as scheme `localhost`.
+        return Err(EngineConfigError::InvalidBaseUrl {
+            url: url.to_owned(),
+            reason: "no `http://` before the host".to_owned(),
+        });
+    }
+    if parsed.scheme() != "http" {
+        return Err(EngineConfigError::UnsupportedScheme {
+            url: url.to_owned(),
+            scheme: parsed.scheme().to_owned(),
+        });
+    }
+    if parsed.host_str().is_none_or(str::is_empty) {
+        return Err(EngineConfigError::InvalidBaseUrl {
+            url: url.to_owned(),
+            reason: "no host".to_owned(),
+        });
+    }
+    let part = if parsed.query().is_some() {
+        Some("a query")
+    } else if parsed.fragment().is_some() {
+        Some("a fragment")
+    } else if !parsed.username().is_empty() || parsed.password().is_some() {
+        Some("credentials")
+    } else {
+        None
+    };
+    if let Some(part) = part {
+        return Err(EngineConfigError::UnexpectedUrlPart {
+            url: url.to_owned(),
+            part,
+        });
+    }
+    if !parsed.path().ends_with('/') {
+        let path = format!("{}/", parsed.path());
+        parsed.set_path(&path);
+    }
+    Ok(parsed)
+}
+
+#[cfg(test)]
+mod tests;

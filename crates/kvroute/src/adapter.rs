@@ -1,0 +1,170 @@
+//! The engine adapter: a real inference engine (vLLM, SGLang, TensorRT-LLM, llama.cpp, any
+//! OpenAI server) behind the request plane, with its KV events. One implementation serves both
+//! shapes users run: the sidecar (`kvroute worker --engine ...`, registering with a router) and
+//! the static fleet of `kvroute serve` (`[[workers]] engine = ...`, served in-process on
+//! loopback).
+//!
+//! Requests go to the engine's HTTP API as token ids (kvroute-engines). KV events, when the
+//! engine publishes them over ZMQ (`kv_events`), are republished by a [`ZmqKvListener`] through
+//! a [`KvEventPublisher`] that also keeps the blocks they leave held, so a router that joins
+//! later rebuilds this worker's state from a dump; the listener starts with the adapter, so what
+//! the engine caches from then on is known. Blocks the engine cached before the adapter
+//! subscribed are not: start the adapter with the engine, or restart the engine's cache
+//! (`AllBlocksCleared`, an engine restart) to bring them in line. Engines without events run in
+//! approximate mode (the router predicts from its own decisions, with a TTL).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use kvroute_engines::{EngineKind, HttpEngine, HttpEngineConfig};
+use kvroute_indexer::hash::{HashSalt, compute_block_hash};
+use kvroute_protocols::WorkerId;
+use kvroute_runtime::{
+    BlockHasher, DEFAULT_RING_CAPACITY, KV_EVENTS_METADATA, KvEventPublisher, ZmqKvListener,
+    ZmqKvListenerConfig, ZmqListenerStats,
+};
+use serde::Deserialize;
+
+/// Where an engine is and what it publishes: the flags of `kvroute worker --engine` and the
+/// engine keys of a fleet file's `[[workers]]`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub(crate) struct EngineSpec {
+    /// The engine's HTTP dialect.
+    pub(crate) engine: EngineKind,
+    /// The engine's HTTP address, `http://host:port`.
+    pub(crate) engine_url: String,
+    /// The engine's ZMQ KV event publisher, `tcp://host:port`; none: approximate mode.
+    #[serde(default)]
+    pub(crate) kv_events: Option<String>,
+    /// The engine's ZMQ replay socket, `tcp://host:port` (fills gaps in the event feed).
+    #[serde(default)]
+    pub(crate) kv_events_replay: Option<String>,
+    /// The `model` sent to the engine instead of the request's (default: the request's, which
+    /// keeps LoRA adapters selectable by name).
+    #[serde(default)]
+    pub(crate) served_model_name: Option<String>,
+}
+
+/// A running adapter: the engine client, the event publisher and, with events, the listener.
+pub(crate) struct Adapter {
+    pub(crate) engine: Arc<HttpEngine>,
+    pub(crate) publisher: KvEventPublisher,
+    listener: Option<ZmqKvListener>,
+    kind: EngineKind,
+}
+
+/// How long the adapter waits for an engine to answer its health check at start.
+pub(crate) const DEFAULT_ENGINE_WAIT: Duration = Duration::from_secs(120);
+
+impl Adapter {
+    /// Checks `spec`, waits (up to `wait`) for the engine to be healthy, and subscribes to its
+    /// KV events, expecting `block_size` tokens per block.
+    pub(crate) async fn start(
+        id: WorkerId,
+        spec: &EngineSpec,
+        block_size: u32,
+        wait: Duration,
+    ) -> anyhow::Result<Self> {
+        if spec.kv_events_replay.is_some() && spec.kv_events.is_none() {
+            bail!("kv_events_replay needs kv_events (the engine's event publisher) as well");
+        }
+        let mut config = HttpEngineConfig::new(spec.engine, spec.engine_url.clone());
+        config.served_model_name = spec.served_model_name.clone();
+        let engine = Arc::new(
+            HttpEngine::new(config)
+                .with_context(|| format!("engine {} at {}", spec.engine, spec.engine_url))?,
+        );
+        wait_healthy(&engine, &spec.engine_url, wait).await?;
+        let publisher = KvEventPublisher::tracking_blocks(id, DEFAULT_RING_CAPACITY);
+        let listener = match &spec.kv_events {
+            None => None,
+            Some(endpoint) => {
+                let mut config =
+                    ZmqKvListenerConfig::new(endpoint.clone()).with_block_size(block_size);
+                if let Some(replay) = &spec.kv_events_replay {
+                    config = config.with_replay(replay.clone());
+                }
+                let listener = ZmqKvListener::connect(config, block_hasher(), publisher.clone())
+                    .await
+                    .with_context(|| {
+                        format!("subscribing to the engine's KV events at {endpoint}")
+                    })?;
+                Some(listener)
+            }
+        };
+        Ok(Self {
+            engine,
+            publisher,
+            listener,
+            kind: spec.engine,
+        })
+    }
+
+    /// Whether the engine publishes KV events (else the router runs it in approximate mode).
+    pub(crate) fn kv_events(&self) -> bool {
+        self.listener.is_some()
+    }
+
+    /// The discovery metadata a worker serving this adapter advertises.
+    pub(crate) fn metadata(&self) -> BTreeMap<String, String> {
+        BTreeMap::from([
+            ("engine".to_owned(), self.kind.to_string()),
+            (KV_EVENTS_METADATA.to_owned(), self.kv_events().to_string()),
+        ])
+    }
+
+    /// The KV event listener's counters, when the engine publishes events.
+    pub(crate) fn listener_stats(&self) -> Option<ZmqListenerStats> {
+        self.listener.as_ref().map(ZmqKvListener::stats)
+    }
+
+    /// Completes with an error once the event feed cannot work as configured (the engine's
+    /// blocks are of another size than the router's): nothing it publishes could ever match,
+    /// so a worker stops rather than serve with a blind index.
+    pub(crate) async fn failed(&self) -> anyhow::Error {
+        let Some(listener) = &self.listener else {
+            return std::future::pending().await;
+        };
+        loop {
+            if let Err(error) = listener.check() {
+                return error.into();
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// The router's content hash of a block, under the LoRA adapter and cache salt the engine
+/// stored it with (the salt is the cache namespace the router hashes requests under).
+fn block_hasher() -> BlockHasher {
+    Arc::new(|tokens, salt| {
+        compute_block_hash(tokens, &HashSalt::new(salt.lora_name, salt.cache_salt))
+    })
+}
+
+/// Polls the engine's health endpoint until it answers, backing off up to 2 s between tries.
+async fn wait_healthy(engine: &HttpEngine, url: &str, wait: Duration) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut delay = Duration::from_millis(100);
+    let mut logged = false;
+    loop {
+        match engine.health().await {
+            Ok(()) => return Ok(()),
+            Err(error) if tokio::time::Instant::now() + delay < deadline => {
+                if !logged {
+                    tracing::info!(%url, %error, "waiting for the engine to become healthy");
+                    logged = true;
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            Err(error) => {
+                return Err(anyhow::Error::new(error).context(format!(
+                    "the engine at {url} did not become healthy within {wait:?}"
+                )));
+            }
+        }
+    }
+}

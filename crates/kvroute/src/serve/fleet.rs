@@ -1,0 +1,186 @@
+//! A static fleet for `kvroute serve`: `[[workers]]` entries from a fleet file (TOML, or JSON for
+//! a `.json` path) or inline in serve.toml (`[[discovery.workers]]`). An entry is either a worker
+//! process already listening on the request plane (`address`), or an engine this process fronts
+//! itself (`engine`, `engine_url`, optionally `kv_events` / `kv_events_replay`): for each of
+//! those, serve starts the same adapter `kvroute worker --engine` runs, on a loopback port of its
+//! own, so `kvroute serve` alone fronts a fleet of engines with no sidecar.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context as _, bail};
+use kvroute_engines::EngineKind;
+use kvroute_protocols::WorkerId;
+use kvroute_runtime::{
+    InstanceInfo, StaticDiscovery, WorkerRole, WorkerServer, WorkerServerConfig,
+};
+use serde::Deserialize;
+
+use crate::adapter::{Adapter, DEFAULT_ENGINE_WAIT, EngineSpec};
+
+/// One `[[workers]]` entry.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct FleetWorker {
+    /// The instance id, unique in the fleet.
+    pub(crate) id: WorkerId,
+    /// A worker process's request-plane address, `host:port` (not with `engine`).
+    #[serde(default)]
+    pub(crate) address: Option<String>,
+    /// What the worker serves (engines behind this process serve aggregated).
+    #[serde(default)]
+    pub(crate) role: WorkerRole,
+    /// Tokens per KV block; must equal the router's block size.
+    pub(crate) kv_block_size: u32,
+    /// Data-parallel ranks (default 1).
+    #[serde(default)]
+    pub(crate) dp_size: Option<u32>,
+    /// Free-form metadata.
+    #[serde(default)]
+    pub(crate) metadata: BTreeMap<String, String>,
+    /// An engine this process fronts: its HTTP dialect.
+    #[serde(default)]
+    pub(crate) engine: Option<EngineKind>,
+    /// The engine's HTTP address.
+    #[serde(default)]
+    pub(crate) engine_url: Option<String>,
+    /// The engine's ZMQ KV event publisher.
+    #[serde(default)]
+    pub(crate) kv_events: Option<String>,
+    /// The engine's ZMQ replay socket.
+    #[serde(default)]
+    pub(crate) kv_events_replay: Option<String>,
+    /// The `model` sent to the engine instead of the request's.
+    #[serde(default)]
+    pub(crate) served_model_name: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FleetFile {
+    workers: Vec<FleetWorker>,
+}
+
+/// Reads a fleet file (JSON for a `.json` path, TOML otherwise).
+pub(crate) fn read_file(path: &Path) -> anyhow::Result<Vec<FleetWorker>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading fleet file {}", path.display()))?;
+    let file: FleetFile = if path.extension().is_some_and(|e| e == "json") {
+        serde_json::from_str(&text).map_err(anyhow::Error::new)
+    } else {
+        toml::from_str(&text).map_err(anyhow::Error::new)
+    }
+    .with_context(|| format!("parsing fleet file {}", path.display()))?;
+    Ok(file.workers)
+}
+
+/// What an entry is, checked.
+enum Entry {
+    Process(InstanceInfo),
+    Engine(InstanceInfo, EngineSpec),
+}
+
+fn check(worker: FleetWorker) -> anyhow::Result<Entry> {
+    let id = worker.id;
+    let mut info = InstanceInfo::new(id, String::new(), worker.kv_block_size)
+        .with_role(worker.role)
+        .with_dp_size(worker.dp_size.unwrap_or(1));
+    info.metadata = worker.metadata;
+    let engine_keys = worker.engine_url.is_some()
+        || worker.kv_events.is_some()
+        || worker.kv_events_replay.is_some()
+        || worker.served_model_name.is_some();
+    match (worker.address, worker.engine, worker.engine_url) {
+        (Some(address), None, None) if !engine_keys => {
+            info.address = address;
+            Ok(Entry::Process(info))
+        }
+        (None, Some(engine), Some(engine_url)) => {
+            if worker.role != WorkerRole::Aggregated {
+                bail!(
+                    "workers[id={id}]: an engine fronted by kvroute serve is aggregated; role must be \"aggregated\""
+                );
+            }
+            Ok(Entry::Engine(
+                info,
+                EngineSpec {
+                    engine,
+                    engine_url,
+                    kv_events: worker.kv_events,
+                    kv_events_replay: worker.kv_events_replay,
+                    served_model_name: worker.served_model_name,
+                },
+            ))
+        }
+        (None, Some(_), None) => bail!("workers[id={id}]: `engine` needs `engine_url`"),
+        (None, None, _) => bail!(
+            "workers[id={id}]: expected `address` (a worker process) or `engine` and `engine_url` (an engine this process fronts)"
+        ),
+        _ => bail!(
+            "workers[id={id}]: `address` names a worker process, `engine`/`engine_url`/`kv_events` an engine this process fronts; give one or the other"
+        ),
+    }
+}
+
+/// The running static fleet: its discovery and the engines this process serves.
+pub(crate) struct Fleet {
+    pub(crate) discovery: StaticDiscovery,
+    /// Kept alive for the life of the service.
+    engines: Vec<(WorkerServer, Arc<Adapter>)>,
+}
+
+impl Fleet {
+    /// Starts an adapter and a loopback request-plane server for every engine entry (waiting for
+    /// each engine to be healthy), then lists the whole fleet.
+    pub(crate) async fn start(workers: Vec<FleetWorker>) -> anyhow::Result<Self> {
+        let mut instances = Vec::new();
+        let mut engines = Vec::new();
+        for worker in workers {
+            match check(worker)? {
+                Entry::Process(info) => instances.push(info),
+                Entry::Engine(mut info, spec) => {
+                    let adapter =
+                        Adapter::start(info.id, &spec, info.kv_block_size, DEFAULT_ENGINE_WAIT)
+                            .await
+                            .with_context(|| format!("starting engine worker {}", info.id))?;
+                    let adapter = Arc::new(adapter);
+                    let config =
+                        WorkerServerConfig::new(info.id).with_kv_events(adapter.publisher.clone());
+                    let server = WorkerServer::bind("127.0.0.1:0", adapter.engine.clone(), config)
+                        .await
+                        .with_context(|| {
+                            format!("serving engine worker {} on loopback", info.id)
+                        })?;
+                    info.address = server.local_addr().to_string();
+                    for (key, value) in adapter.metadata() {
+                        info.metadata.entry(key).or_insert(value);
+                    }
+                    tracing::info!(
+                        id = info.id,
+                        engine = %spec.engine,
+                        url = %spec.engine_url,
+                        kv_events = adapter.kv_events(),
+                        "fronting engine"
+                    );
+                    instances.push(info);
+                    engines.push((server, adapter));
+                }
+            }
+        }
+        let discovery = StaticDiscovery::from_instances(instances).context("invalid fleet")?;
+        Ok(Self { discovery, engines })
+    }
+
+    /// Fails once an engine's KV event feed proves unusable (see [`Adapter::failed`]).
+    pub(crate) async fn failed(&self) -> anyhow::Error {
+        if self.engines.is_empty() {
+            return std::future::pending().await;
+        }
+        let waits = self.engines.iter().map(|(_, a)| Box::pin(a.failed()));
+        futures::future::select_all(waits).await.0
+    }
+}
+
+#[cfg(test)]
+mod tests;
