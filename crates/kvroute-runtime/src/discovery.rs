@@ -154,8 +154,9 @@ pub trait Discovery: Send + Sync + 'static {
     fn watch(&self) -> watch::Receiver<InstanceSet>;
 }
 
-/// Checks what every backend requires of an instance.
-pub(crate) fn validate(info: &InstanceInfo) -> Result<(), DiscoveryError> {
+/// Checks what every discovery backend requires of an instance (an address, a block size and at
+/// least one data-parallel rank); backends outside this crate call it too.
+pub fn validate(info: &InstanceInfo) -> Result<(), DiscoveryError> {
     let invalid = |reason: &str| DiscoveryError::InvalidInstance {
         id: info.id,
         reason: reason.to_owned(),

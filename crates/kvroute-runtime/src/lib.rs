@@ -77,7 +77,7 @@ pub use client::{Client, ClientConfig, ClientStream, EncodedRequest};
 pub use discovery::{
     Discovery, DiscoveryError, DiscoveryEvent, InProcessDiscovery, InstanceInfo, InstanceSet,
     Lease, RegistryServer, RemoteDiscovery, RemoteDiscoveryConfig, StaticDiscovery,
-    StaticFleetError, WorkerRole, diff_instances,
+    StaticFleetError, WorkerRole, diff_instances, validate as validate_instance,
 };
 pub use engine::{Engine, EngineError, RequestContext, ResponseStream};
 pub use error::RequestError;

@@ -23,6 +23,10 @@ pub(super) const ALLOWED: &[(&str, &[&str])] = &[
     ("kvroute-prefill", &["kvroute-protocols", "kvroute-runtime"]),
     ("kvroute-engines", &["kvroute-protocols", "kvroute-runtime"]),
     (
+        "kvroute-nats",
+        &["kvroute-protocols", "kvroute-runtime", "kvroute-sessions"],
+    ),
+    (
         "kvroute-router",
         &[
             "kvroute-protocols",

@@ -1,0 +1,267 @@
+//! The shared connection: [`Nats`], its configuration and its observable state.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream;
+
+/// The default namespace of subjects, streams and buckets.
+pub const DEFAULT_NAMESPACE: &str = "kvroute";
+
+/// How to reach NATS.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsConfig {
+    /// The server, `nats://HOST:PORT` (or `HOST:PORT`).
+    pub url: String,
+    /// Prefix of every subject, stream and bucket name (letters, digits, `-` and `_`), so that
+    /// several fleets can share one server.
+    pub namespace: String,
+    /// How long the first connection attempt may take.
+    pub connect_timeout: Duration,
+    /// The connection name the server shows (`kvroute-serve`, `kvroute-worker-7`, ...).
+    pub client_name: String,
+}
+
+impl NatsConfig {
+    /// Defaults for the server at `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            namespace: DEFAULT_NAMESPACE.to_owned(),
+            connect_timeout: Duration::from_secs(5),
+            client_name: "kvroute".to_owned(),
+        }
+    }
+
+    /// The same configuration with `namespace`.
+    pub fn with_namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = namespace.into();
+        self
+    }
+
+    /// The same configuration with the connection named `name`.
+    pub fn with_client_name(mut self, name: impl Into<String>) -> Self {
+        self.client_name = name.into();
+        self
+    }
+}
+
+/// Why connecting failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectError {
+    /// The namespace is not a valid NATS name token.
+    #[error(
+        "invalid NATS namespace {namespace:?}: expected letters, digits, '-' or '_' (at least one)"
+    )]
+    InvalidNamespace {
+        /// The namespace as given.
+        namespace: String,
+    },
+    /// The server did not answer.
+    #[error(
+        "cannot connect to NATS at {url}: {message} (is `nats-server -js` running there? \
+         JetStream must be enabled)"
+    )]
+    Unreachable {
+        /// The URL tried.
+        url: String,
+        /// What the client said.
+        message: String,
+    },
+    /// The server refused to create a stream or bucket.
+    #[error(
+        "NATS refused to set up {what}: {message} (JetStream must be enabled: `nats-server -js`)"
+    )]
+    Setup {
+        /// The stream or bucket.
+        what: String,
+        /// What the server said.
+        message: String,
+    },
+}
+
+/// The connection's state, for logs and metrics. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct NatsStatus {
+    inner: Arc<StatusInner>,
+}
+
+#[derive(Debug, Default)]
+struct StatusInner {
+    connected: AtomicBool,
+    disconnects: AtomicU64,
+    reconnects: AtomicU64,
+}
+
+impl NatsStatus {
+    /// Whether the connection is up now.
+    pub fn connected(&self) -> bool {
+        self.inner.connected.load(Ordering::Relaxed)
+    }
+
+    /// How many times the connection was lost.
+    pub fn disconnects(&self) -> u64 {
+        self.inner.disconnects.load(Ordering::Relaxed)
+    }
+
+    /// How many times it came back after a loss.
+    pub fn reconnects(&self) -> u64 {
+        self.inner.reconnects.load(Ordering::Relaxed)
+    }
+
+    /// Prometheus text for the connection: `kvroute_nats_connected`, `..._disconnects_total`,
+    /// `..._reconnects_total`.
+    pub fn metrics_text(&self) -> String {
+        format!(
+            "# HELP kvroute_nats_connected Whether the NATS connection is up (1) or down (0).\n\
+             # TYPE kvroute_nats_connected gauge\n\
+             kvroute_nats_connected {}\n\
+             # HELP kvroute_nats_disconnects_total Times the NATS connection was lost.\n\
+             # TYPE kvroute_nats_disconnects_total counter\n\
+             kvroute_nats_disconnects_total {}\n\
+             # HELP kvroute_nats_reconnects_total Times the NATS connection came back.\n\
+             # TYPE kvroute_nats_reconnects_total counter\n\
+             kvroute_nats_reconnects_total {}\n",
+            u8::from(self.connected()),
+            self.disconnects(),
+            self.reconnects()
+        )
+    }
+
+    fn on_event(&self, event: &async_nats::Event) {
+        match event {
+            async_nats::Event::Connected => {
+                if !self.inner.connected.swap(true, Ordering::Relaxed) && self.disconnects() > 0 {
+                    self.inner.reconnects.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!("NATS connection is back; resuming shared state");
+                }
+            }
+            async_nats::Event::Disconnected => {
+                if self.inner.connected.swap(false, Ordering::Relaxed) {
+                    self.inner.disconnects.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!("NATS connection lost; routing on local state until it returns");
+                }
+            }
+            other => tracing::debug!(event = %other, "NATS event"),
+        }
+    }
+}
+
+/// A connection to NATS with JetStream, shared by the event plane, discovery and the affinity
+/// store. Cheap to clone. The client reconnects by itself for as long as the process runs.
+#[derive(Debug, Clone)]
+pub struct Nats {
+    pub(crate) client: async_nats::Client,
+    pub(crate) jetstream: jetstream::Context,
+    pub(crate) namespace: Arc<str>,
+    status: NatsStatus,
+}
+
+impl Nats {
+    /// Connects to `config.url`; fails when the server does not answer within
+    /// `config.connect_timeout`.
+    pub async fn connect(config: &NatsConfig) -> Result<Self, ConnectError> {
+        if !is_name_token(&config.namespace) {
+            return Err(ConnectError::InvalidNamespace {
+                namespace: config.namespace.clone(),
+            });
+        }
+        let status = NatsStatus::default();
+        let callback_status = status.clone();
+        let unreachable = |message: String| ConnectError::Unreachable {
+            url: config.url.clone(),
+            message,
+        };
+        let connect = async_nats::ConnectOptions::new()
+            .name(&config.client_name)
+            .connection_timeout(config.connect_timeout)
+            .event_callback(move |event| {
+                let status = callback_status.clone();
+                async move { status.on_event(&event) }
+            })
+            .connect(config.url.as_str());
+        let client = tokio::time::timeout(config.connect_timeout, connect)
+            .await
+            .map_err(|_| unreachable(format!("no answer within {:?}", config.connect_timeout)))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        status.inner.connected.store(true, Ordering::Relaxed);
+        let jetstream = jetstream::new(client.clone());
+        Ok(Self {
+            client,
+            jetstream,
+            namespace: config.namespace.as_str().into(),
+            status,
+        })
+    }
+
+    /// The connection's state.
+    pub fn status(&self) -> &NatsStatus {
+        &self.status
+    }
+
+    /// The namespace every name is scoped by.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The KV bucket `bucket` (one value per key) whose entries the server drops `max_age`
+    /// after their last write, created if missing. The bucket's stream is created directly, as
+    /// the client's own bucket creation would (`KV_<bucket>`, `$KV.<bucket>.>`), because that
+    /// first queries the account, which the client cannot parse from a NATS 2.9 server.
+    pub(crate) async fn key_value(
+        &self,
+        bucket: &str,
+        max_age: Duration,
+    ) -> Result<jetstream::kv::Store, String> {
+        let config = jetstream::stream::Config {
+            name: format!("KV_{bucket}"),
+            subjects: vec![format!("$KV.{bucket}.>")],
+            max_messages_per_subject: 1,
+            max_age,
+            storage: jetstream::stream::StorageType::File,
+            allow_rollup: true,
+            deny_delete: true,
+            allow_direct: true,
+            discard: jetstream::stream::DiscardPolicy::New,
+            num_replicas: 1,
+            ..Default::default()
+        };
+        self.jetstream
+            .get_or_create_stream(config)
+            .await
+            .map_err(|e| e.to_string())?;
+        self.jetstream
+            .get_key_value(bucket)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// Sends everything buffered and waits for the server to have it.
+    pub async fn flush(&self) -> Result<(), String> {
+        self.client.flush().await.map_err(|e| e.to_string())
+    }
+}
+
+/// Whether `s` is a valid token of a NATS name (stream, bucket, subject token).
+pub(crate) fn is_name_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespaces_are_single_name_tokens() {
+        assert!(is_name_token("kvroute"));
+        assert!(is_name_token("fleet-a_2"));
+        assert!(!is_name_token(""));
+        assert!(!is_name_token("a.b"));
+        assert!(!is_name_token("a b"));
+        assert!(!is_name_token("a>"));
+    }
+}

@@ -1,0 +1,281 @@
+//! [`NatsDiscovery`]: worker registrations in a NATS KV bucket, under leases.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::kv;
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use kvroute_protocols::WorkerId;
+use kvroute_runtime::{
+    Discovery, DiscoveryError, InstanceInfo, InstanceSet, Lease, validate_instance,
+};
+use parking_lot::Mutex;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::client::{ConnectError, Nats};
+
+/// How registrations live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsDiscoveryConfig {
+    /// A registration not renewed within this time is dropped by every watcher (and by the
+    /// server); it is renewed every third of it.
+    pub lease_ttl: Duration,
+}
+
+impl Default for NatsDiscoveryConfig {
+    fn default() -> Self {
+        Self {
+            lease_ttl: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Discovery on the KV bucket `<namespace>_instances`: one key per worker id holding its
+/// [`InstanceInfo`] as JSON. A registration creates the key (refused while another live worker
+/// holds the id) and renews it every third of the lease's time to live; revoking deletes it.
+/// Watchers list what the bucket holds and drop an entry nobody renewed within the time to live,
+/// since a lapsed key vanishes from the bucket without telling watchers. Cheap to clone; the
+/// watch task stops when the last clone is dropped.
+#[derive(Debug, Clone)]
+pub struct NatsDiscovery {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    store: kv::Store,
+    ttl: Duration,
+    tx: watch::Sender<InstanceSet>,
+    seen: Mutex<HashMap<WorkerId, (InstanceInfo, Instant)>>,
+    task: Mutex<Option<tokio::task::AbortHandle>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.lock().take() {
+            task.abort();
+        }
+    }
+}
+
+impl NatsDiscovery {
+    /// Discovery over `nats`, creating (or reusing) the bucket, and watching it. Must be called
+    /// inside a tokio runtime. The first listing is loaded before this returns.
+    pub async fn start(nats: &Nats, config: &NatsDiscoveryConfig) -> Result<Self, ConnectError> {
+        let ttl = config.lease_ttl.max(Duration::from_millis(300));
+        let bucket = format!("{}_instances", nats.namespace);
+        let setup = |e: String| ConnectError::Setup {
+            what: format!("the discovery bucket {bucket}"),
+            message: e,
+        };
+        let store = nats
+            .key_value(&bucket, ttl * 2)
+            .await
+            .map_err(|e| setup(e.to_string()))?;
+        let (tx, _) = watch::channel(InstanceSet::default());
+        let inner = Arc::new(Inner {
+            store,
+            ttl,
+            tx,
+            seen: Mutex::new(HashMap::new()),
+            task: Mutex::new(None),
+        });
+        let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(follow(Arc::downgrade(&inner), loaded_tx));
+        *inner.task.lock() = Some(task.abort_handle());
+        // The initial listing, bounded: an empty or unreachable bucket must not hang start-up.
+        let _ = tokio::time::timeout(Duration::from_secs(5), loaded_rx).await;
+        Ok(Self { inner })
+    }
+
+    /// The lease time to live.
+    pub fn ttl(&self) -> Duration {
+        self.inner.ttl
+    }
+}
+
+/// Follows the bucket (re-watching after an interruption) and reaps lapsed entries.
+async fn follow(inner: std::sync::Weak<Inner>, loaded: tokio::sync::oneshot::Sender<()>) {
+    let mut loaded = Some(loaded);
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let Some(strong) = inner.upgrade() else {
+            return;
+        };
+        let ttl = strong.ttl;
+        let watch = strong.store.watch_with_history(">").await;
+        drop(strong);
+        let mut watch = match watch {
+            Ok(watch) => watch,
+            Err(error) => {
+                tracing::warn!(%error, "cannot watch the NATS discovery bucket; retrying");
+                reap(&inner);
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        let mut tick = tokio::time::interval(ttl / 4);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                entry = watch.next() => match entry {
+                    Some(Ok(entry)) => {
+                        let Some(strong) = inner.upgrade() else { return };
+                        strong.on_entry(&entry);
+                        if entry.delta == 0
+                            && let Some(done) = loaded.take()
+                        {
+                            let _ = done.send(());
+                        }
+                    }
+                    Some(Err(error)) => {
+                        tracing::warn!(%error, "NATS discovery watch interrupted; re-watching");
+                        break;
+                    }
+                    None => break,
+                },
+                _ = tick.tick() => {
+                    if inner.upgrade().is_none() {
+                        return;
+                    }
+                    reap(&inner);
+                    // An empty bucket sends no entry: the listing is complete once the watch
+                    // is up and a tick has passed.
+                    if let Some(done) = loaded.take() {
+                        let _ = done.send(());
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(backoff).await;
+    }
+}
+
+fn reap(inner: &std::sync::Weak<Inner>) {
+    if let Some(inner) = inner.upgrade() {
+        let now = Instant::now();
+        let mut seen = inner.seen.lock();
+        let before = seen.len();
+        seen.retain(|id, (_, at)| {
+            let live = now.duration_since(*at) <= inner.ttl;
+            if !live {
+                tracing::info!(
+                    worker = id,
+                    "worker registration lapsed (not renewed within the lease TTL)"
+                );
+            }
+            live
+        });
+        if seen.len() != before {
+            inner.publish(&seen);
+        }
+    }
+}
+
+impl Inner {
+    fn on_entry(&self, entry: &kv::Entry) {
+        let Ok(id) = entry.key.parse::<WorkerId>() else {
+            tracing::warn!(key = %entry.key, "ignoring a discovery key that is not a worker id");
+            return;
+        };
+        let mut seen = self.seen.lock();
+        match entry.operation {
+            kv::Operation::Put => match serde_json::from_slice::<InstanceInfo>(&entry.value) {
+                Ok(info) if info.id == id => {
+                    let changed = seen.get(&id).is_none_or(|(old, _)| *old != info);
+                    seen.insert(id, (info, Instant::now()));
+                    if changed {
+                        self.publish(&seen);
+                    }
+                }
+                Ok(info) => tracing::warn!(
+                    key = %entry.key,
+                    id = info.id,
+                    "ignoring a registration whose id differs from its key"
+                ),
+                Err(error) => {
+                    tracing::warn!(key = %entry.key, %error, "ignoring a malformed registration");
+                }
+            },
+            kv::Operation::Delete | kv::Operation::Purge => {
+                if seen.remove(&id).is_some() {
+                    self.publish(&seen);
+                }
+            }
+        }
+    }
+
+    fn publish(&self, seen: &HashMap<WorkerId, (InstanceInfo, Instant)>) {
+        let set: BTreeMap<WorkerId, InstanceInfo> = seen
+            .iter()
+            .map(|(id, (info, _))| (*id, info.clone()))
+            .collect();
+        self.tx.send_replace(Arc::new(set));
+    }
+}
+
+fn unavailable(e: impl std::fmt::Display) -> DiscoveryError {
+    DiscoveryError::Unavailable {
+        message: e.to_string(),
+    }
+}
+
+impl Discovery for NatsDiscovery {
+    fn register(&self, info: InstanceInfo) -> BoxFuture<'_, Result<Lease, DiscoveryError>> {
+        Box::pin(async move {
+            validate_instance(&info)?;
+            let key = info.id.to_string();
+            let value = Bytes::from(serde_json::to_vec(&info).map_err(unavailable)?);
+            let store = self.inner.store.clone();
+            match store.create(&key, value.clone()).await {
+                Ok(_) => {}
+                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
+                    let address = match store.get(&key).await {
+                        Ok(Some(bytes)) => serde_json::from_slice::<InstanceInfo>(&bytes)
+                            .map(|i| i.address)
+                            .unwrap_or_else(|_| "an unreadable registration".to_owned()),
+                        _ => "an unknown address".to_owned(),
+                    };
+                    return Err(DiscoveryError::DuplicateId {
+                        id: info.id,
+                        address,
+                    });
+                }
+                Err(e) => return Err(unavailable(e)),
+            }
+            let every = self.inner.ttl / 3;
+            let renew_store = store.clone();
+            let renew_key = key.clone();
+            let heartbeat = tokio::spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                tick.tick().await;
+                loop {
+                    tick.tick().await;
+                    if let Err(error) = renew_store.put(&renew_key, value.clone()).await {
+                        tracing::warn!(key = %renew_key, %error, "renewing the NATS registration failed; retrying");
+                    }
+                }
+            });
+            let revoke = Box::new(move || {
+                if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                    handle.spawn(async move {
+                        if let Err(error) = store.delete(&key).await {
+                            tracing::warn!(%key, %error, "deregistering from NATS failed; the registration lapses after its TTL");
+                        }
+                    });
+                }
+            });
+            Ok(Lease::new(info.id, Some(heartbeat.abort_handle()), revoke))
+        })
+    }
+
+    fn watch(&self) -> watch::Receiver<InstanceSet> {
+        self.inner.tx.subscribe()
+    }
+}

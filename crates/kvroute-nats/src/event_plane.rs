@@ -1,0 +1,312 @@
+//! [`NatsEventPlane`]: the runtime's event plane on NATS, with KV events on JetStream.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, stream};
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use kvroute_runtime::{
+    EventPlane, EventPlaneError, KV_EVENT_SUBJECT, Message, Subscription, decode_router_event,
+};
+
+use crate::client::{ConnectError, Nats};
+
+/// The JetStream stream that holds KV events.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventStreamConfig {
+    /// Events older than this are dropped from the stream (a router that restarts later than
+    /// this falls back to the workers' rings and dumps).
+    pub max_age: Duration,
+    /// The stream's size bound; the oldest events go first.
+    pub max_bytes: i64,
+    /// A re-published event (same worker and event id) within this window is stored once.
+    pub duplicate_window: Duration,
+}
+
+impl Default for EventStreamConfig {
+    fn default() -> Self {
+        Self {
+            max_age: Duration::from_secs(3600),
+            max_bytes: 1 << 30,
+            duplicate_window: Duration::from_secs(120),
+        }
+    }
+}
+
+/// The event plane on NATS. KV events published on [`KV_EVENT_SUBJECT`] go to the JetStream
+/// stream `<NAMESPACE>_KV_EVENTS` on subject `<namespace>.kv_events.<worker id>`, with the
+/// message id `<worker id>.<event id>` (so a re-publish is stored once); a subscription to
+/// [`KV_EVENT_SUBJECT`] reads that stream from its oldest retained event and follows it. Every
+/// other subject is NATS core publish/subscribe under `<namespace>.`. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct NatsEventPlane {
+    nats: Nats,
+    stream: Arc<str>,
+    counters: Arc<Counters>,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    published: AtomicU64,
+    publish_failures: AtomicU64,
+    duplicates: AtomicU64,
+}
+
+impl NatsEventPlane {
+    /// The plane over `nats`, creating (or reusing) the KV event stream.
+    pub async fn start(nats: Nats, config: &EventStreamConfig) -> Result<Self, ConnectError> {
+        let name = format!("{}_KV_EVENTS", nats.namespace);
+        let subjects = vec![format!("{}.{KV_EVENT_SUBJECT}.>", nats.namespace)];
+        let wanted = stream::Config {
+            name: name.clone(),
+            subjects,
+            max_age: config.max_age,
+            max_bytes: config.max_bytes,
+            duplicate_window: config.duplicate_window,
+            storage: stream::StorageType::File,
+            discard: stream::DiscardPolicy::Old,
+            ..Default::default()
+        };
+        let setup = |e: String| ConnectError::Setup {
+            what: format!("the KV event stream {name}"),
+            message: e,
+        };
+        let mut stream = nats
+            .jetstream
+            .get_or_create_stream(wanted.clone())
+            .await
+            .map_err(|e| setup(e.to_string()))?;
+        // Another process created it with other bounds: take this process's.
+        let current = stream
+            .info()
+            .await
+            .map_err(|e| setup(e.to_string()))?
+            .config
+            .clone();
+        if current.max_age != wanted.max_age
+            || current.max_bytes != wanted.max_bytes
+            || current.duplicate_window != wanted.duplicate_window
+        {
+            nats.jetstream
+                .update_stream(wanted)
+                .await
+                .map_err(|e| setup(e.to_string()))?;
+        }
+        Ok(Self {
+            nats,
+            stream: name.into(),
+            counters: Arc::default(),
+        })
+    }
+
+    /// KV events sent to the stream.
+    pub fn published(&self) -> u64 {
+        self.counters.published.load(Ordering::Relaxed)
+    }
+
+    /// KV events the stream did not acknowledge (the consumers' gap recovery repairs them).
+    pub fn publish_failures(&self) -> u64 {
+        self.counters.publish_failures.load(Ordering::Relaxed)
+    }
+
+    /// KV events the stream already held (re-published after a retry or a restart).
+    pub fn duplicates(&self) -> u64 {
+        self.counters.duplicates.load(Ordering::Relaxed)
+    }
+
+    /// The connection.
+    pub fn nats(&self) -> &Nats {
+        &self.nats
+    }
+
+    async fn publish_kv_event(&self, payload: Bytes) -> Result<(), EventPlaneError> {
+        let event = decode_router_event(&payload).map_err(|e| EventPlaneError::Unavailable {
+            message: format!("a KV event must be a JSON RouterEvent: {e}"),
+        })?;
+        let subject = format!(
+            "{}.{KV_EVENT_SUBJECT}.{}",
+            self.nats.namespace, event.worker_id
+        );
+        let message = jetstream::message::PublishMessage::build()
+            .payload(payload)
+            .message_id(format!("{}.{}", event.worker_id, event.event.event_id));
+        let ack = self
+            .nats
+            .jetstream
+            .send_publish(subject, message)
+            .await
+            .map_err(|e| {
+                self.counters
+                    .publish_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                EventPlaneError::Unavailable {
+                    message: e.to_string(),
+                }
+            })?;
+        self.counters.published.fetch_add(1, Ordering::Relaxed);
+        // Acks are awaited off the publishing path, so a worker's events stream at the rate the
+        // connection takes them; a lost one shows up as a gap that consumers repair.
+        let counters = self.counters.clone();
+        tokio::spawn(async move {
+            match ack.await {
+                Ok(ack) if ack.duplicate => {
+                    counters.duplicates.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    counters.publish_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(%error, "a KV event was not acknowledged by JetStream; routers will repair the gap");
+                }
+            }
+        });
+        Ok(())
+    }
+
+    async fn subscribe_kv_events(&self) -> Result<Subscription, EventPlaneError> {
+        let unavailable = |e: String| EventPlaneError::Unavailable { message: e };
+        let stream = self
+            .nats
+            .jetstream
+            .get_stream(self.stream.as_ref())
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
+        let filter = format!("{}.{KV_EVENT_SUBJECT}.>", self.nats.namespace);
+        let consumer = stream
+            .create_consumer(consumer::pull::OrderedConfig {
+                filter_subject: filter,
+                deliver_policy: consumer::DeliverPolicy::All,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
+        let messages = consumer
+            .messages()
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
+        let subject: Arc<str> = KV_EVENT_SUBJECT.into();
+        Ok(Box::pin(messages.filter_map(move |message| {
+            let subject = subject.clone();
+            async move {
+                match message {
+                    Ok(message) => Some(Message {
+                        subject,
+                        payload: message.payload.clone(),
+                    }),
+                    Err(error) => {
+                        // The ordered consumer re-creates itself after the error.
+                        tracing::warn!(%error, "KV event stream interrupted; resuming");
+                        None
+                    }
+                }
+            }
+        })))
+    }
+
+    async fn subscribe_core(&self, pattern: &str) -> Result<Subscription, EventPlaneError> {
+        let full = format!("{}.{pattern}", self.nats.namespace);
+        let subscriber =
+            self.nats
+                .client
+                .subscribe(full)
+                .await
+                .map_err(|e| EventPlaneError::Unavailable {
+                    message: e.to_string(),
+                })?;
+        let prefix_len = self.nats.namespace.len() + 1;
+        Ok(Box::pin(subscriber.map(move |message| Message {
+            subject: message.subject.as_str()[prefix_len..].into(),
+            payload: message.payload,
+        })))
+    }
+}
+
+/// Checks a subject or pattern as the in-process plane does (dot-separated non-empty tokens;
+/// wildcards only in patterns).
+fn check(subject: &str, pattern: bool) -> Result<(), EventPlaneError> {
+    let invalid = |reason| EventPlaneError::InvalidSubject {
+        subject: subject.to_owned(),
+        reason,
+    };
+    if subject.is_empty() {
+        return Err(invalid("empty"));
+    }
+    let tokens: Vec<&str> = subject.split('.').collect();
+    for (i, token) in tokens.iter().enumerate() {
+        if token.is_empty() {
+            return Err(invalid("empty token"));
+        }
+        if token.chars().any(char::is_whitespace) {
+            return Err(invalid("whitespace in a token"));
+        }
+        let wildcard = *token == "*" || *token == ">";
+        if wildcard && !pattern {
+            return Err(invalid(
+                "wildcards are only allowed in subscription patterns",
+            ));
+        }
+        if *token == ">" && i + 1 != tokens.len() {
+            return Err(invalid("'>' must be the last token"));
+        }
+        if !wildcard && (token.contains('*') || token.contains('>')) {
+            return Err(invalid("wildcards must be whole tokens"));
+        }
+    }
+    Ok(())
+}
+
+impl EventPlane for NatsEventPlane {
+    fn publish<'a>(
+        &'a self,
+        subject: &'a str,
+        payload: Bytes,
+    ) -> BoxFuture<'a, Result<(), EventPlaneError>> {
+        Box::pin(async move {
+            check(subject, false)?;
+            if subject == KV_EVENT_SUBJECT {
+                return self.publish_kv_event(payload).await;
+            }
+            self.nats
+                .client
+                .publish(format!("{}.{subject}", self.nats.namespace), payload)
+                .await
+                .map_err(|e| EventPlaneError::Unavailable {
+                    message: e.to_string(),
+                })
+        })
+    }
+
+    fn subscribe<'a>(
+        &'a self,
+        pattern: &'a str,
+    ) -> BoxFuture<'a, Result<Subscription, EventPlaneError>> {
+        Box::pin(async move {
+            check(pattern, true)?;
+            if pattern == KV_EVENT_SUBJECT {
+                self.subscribe_kv_events().await
+            } else {
+                self.subscribe_core(pattern).await
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subjects_and_patterns_are_checked_like_the_in_process_plane() {
+        assert!(check("kv_events", false).is_ok());
+        assert!(check("load.router-1", false).is_ok());
+        assert!(check("load.*", true).is_ok());
+        assert!(check("load.>", true).is_ok());
+        assert!(check("load.*", false).is_err());
+        assert!(check("a..b", false).is_err());
+        assert!(check("", true).is_err());
+        assert!(check("a.>.b", true).is_err());
+        assert!(check("a.b*", true).is_err());
+    }
+}

@@ -1,0 +1,42 @@
+//! kvroute-nats against a real `nats-server -js`, one throwaway server per test.
+
+mod discovery;
+mod event_plane;
+
+use std::time::Duration;
+
+use kvroute_nats::{Nats, NatsConfig};
+
+/// The longest any test waits for something to happen (far beyond what it takes).
+const BOUND: Duration = Duration::from_secs(15);
+
+fn run<F: std::future::Future<Output = ()>>(f: F) {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f);
+}
+
+async fn connect(url: &str, name: &str) -> Nats {
+    Nats::connect(
+        &NatsConfig::new(url)
+            .with_namespace("test")
+            .with_client_name(name),
+    )
+    .await
+    .unwrap()
+}
+
+/// Waits (up to [`BOUND`]) until `check` holds.
+async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while !check() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
