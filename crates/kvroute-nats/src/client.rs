@@ -111,18 +111,19 @@ impl NatsStatus {
         self.inner.reconnects.load(Ordering::Relaxed)
     }
 
-    /// Prometheus text for the connection: `kvroute_nats_connected`, `..._disconnects_total`,
-    /// `..._reconnects_total`.
+    /// OpenMetrics families for the connection (no `# EOF`): `kvroute_nats_connected`,
+    /// `kvroute_nats_disconnects_total`, `kvroute_nats_reconnects_total`.
     pub fn metrics_text(&self) -> String {
         format!(
-            "# HELP kvroute_nats_connected Whether the NATS connection is up (1) or down (0).\n\
+            "# HELP kvroute_nats_connected Whether the NATS connection is up (1) or down (0); \
+             while down the router routes on its local state.\n\
              # TYPE kvroute_nats_connected gauge\n\
              kvroute_nats_connected {}\n\
-             # HELP kvroute_nats_disconnects_total Times the NATS connection was lost.\n\
-             # TYPE kvroute_nats_disconnects_total counter\n\
+             # HELP kvroute_nats_disconnects Times the NATS connection was lost.\n\
+             # TYPE kvroute_nats_disconnects counter\n\
              kvroute_nats_disconnects_total {}\n\
-             # HELP kvroute_nats_reconnects_total Times the NATS connection came back.\n\
-             # TYPE kvroute_nats_reconnects_total counter\n\
+             # HELP kvroute_nats_reconnects Times the NATS connection came back.\n\
+             # TYPE kvroute_nats_reconnects counter\n\
              kvroute_nats_reconnects_total {}\n",
             u8::from(self.connected()),
             self.disconnects(),

@@ -37,7 +37,8 @@ impl Default for NatsDiscoveryConfig {
 /// Discovery on the KV bucket `<namespace>_instances`: one key per worker id holding its
 /// [`InstanceInfo`] as JSON. A registration creates the key (refused while another live worker
 /// holds the id) and renews it every third of the lease's time to live; revoking deletes it.
-/// Watchers list what the bucket holds and drop an entry nobody renewed within the time to live,
+/// Watchers list what the bucket holds and drop an entry nobody renewed within the time to live
+/// (the longer of theirs and the one the registration states under [`LEASE_TTL_METADATA`]),
 /// since a lapsed key vanishes from the bucket without telling watchers. Cheap to clone; the
 /// watch task stops when the last clone is dropped.
 #[derive(Debug, Clone)]
@@ -51,6 +52,7 @@ struct Inner {
     ttl: Duration,
     tx: watch::Sender<InstanceSet>,
     seen: Mutex<HashMap<WorkerId, (InstanceInfo, Instant)>>,
+
     task: Mutex<Option<tokio::task::AbortHandle>>,
 }
 
@@ -162,8 +164,8 @@ fn reap(inner: &std::sync::Weak<Inner>) {
         let now = Instant::now();
         let mut seen = inner.seen.lock();
         let before = seen.len();
-        seen.retain(|id, (_, at)| {
-            let live = now.duration_since(*at) <= inner.ttl;
+        seen.retain(|id, (info, at)| {
+            let live = now.duration_since(*at) <= entry_ttl(info, inner.ttl);
             if !live {
                 tracing::info!(
                     worker = id,
@@ -220,6 +222,18 @@ impl Inner {
     }
 }
 
+/// The metadata key under which a registration states its lease's time to live (milliseconds),
+/// so that watchers configured with a shorter one do not drop it between renewals.
+pub const LEASE_TTL_METADATA: &str = "nats_lease_ttl_ms";
+
+/// How long `info` stays listed without renewal: its own stated TTL when longer than `ttl`.
+fn entry_ttl(info: &InstanceInfo, ttl: Duration) -> Duration {
+    info.metadata
+        .get(LEASE_TTL_METADATA)
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(ttl, |ms| ttl.max(Duration::from_millis(ms)))
+}
+
 fn unavailable(e: impl std::fmt::Display) -> DiscoveryError {
     DiscoveryError::Unavailable {
         message: e.to_string(),
@@ -230,6 +244,11 @@ impl Discovery for NatsDiscovery {
     fn register(&self, info: InstanceInfo) -> BoxFuture<'_, Result<Lease, DiscoveryError>> {
         Box::pin(async move {
             validate_instance(&info)?;
+            let mut info = info;
+            info.metadata.insert(
+                LEASE_TTL_METADATA.to_owned(),
+                self.inner.ttl.as_millis().to_string(),
+            );
             let key = info.id.to_string();
             let value = Bytes::from(serde_json::to_vec(&info).map_err(unavailable)?);
             let store = self.inner.store.clone();

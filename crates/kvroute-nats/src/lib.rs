@@ -25,6 +25,6 @@ mod discovery;
 mod event_plane;
 
 pub use client::{ConnectError, DEFAULT_NAMESPACE, Nats, NatsConfig, NatsStatus};
-pub use discovery::{NatsDiscovery, NatsDiscoveryConfig};
+pub use discovery::{LEASE_TTL_METADATA, NatsDiscovery, NatsDiscoveryConfig};
 pub use event_plane::{EventStreamConfig, NatsEventPlane};
 pub mod testing;

@@ -2,7 +2,7 @@
 //! forwards them to the event plane.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use kvroute_protocols::DpRank;
 use kvroute_protocols::WorkerId;
@@ -31,7 +31,9 @@ pub const KV_EVENT_SUBJECT: &str = "kv_events";
 pub struct KvEventPublisher {
     worker_id: WorkerId,
     state: Arc<Mutex<Ring>>,
-    sink: Option<mpsc::UnboundedSender<RouterEvent>>,
+    /// Where events are forwarded, shared by every clone (set once, see
+    /// [`KvEventPublisher::forward_to`]).
+    sink: Arc<OnceLock<mpsc::UnboundedSender<RouterEvent>>>,
     /// The live feed of request-plane subscribers (`subscribe_kv_events`); a subscriber that
     /// falls more than the ring's capacity behind loses events and recovers them by id.
     live: broadcast::Sender<RouterEvent>,
@@ -93,7 +95,7 @@ impl KvEventPublisher {
                 events: VecDeque::with_capacity(capacity.clamp(1, 4096)),
                 blocks: None,
             })),
-            sink: None,
+            sink: Arc::default(),
             live: broadcast::channel(capacity.clamp(1, 65_536)).0,
         }
     }
@@ -121,7 +123,22 @@ impl KvEventPublisher {
         capacity: usize,
         plane: Arc<dyn EventPlane>,
     ) -> Self {
+        let publisher = Self::new(worker_id, capacity);
+        let forwarding = publisher.forward_to(plane);
+        debug_assert!(forwarding, "a new publisher forwards nowhere yet");
+        publisher
+    }
+
+    /// Forwards every event published from now on, by this publisher and all its clones, in id
+    /// order, to `plane` on [`KV_EVENT_SUBJECT`] (a subscriber that sees the first forwarded id
+    /// past 0 recovers the earlier ones from the ring, as after any gap). Returns false, and
+    /// changes nothing, when the publisher already forwards somewhere. Must be called inside a
+    /// tokio runtime (it spawns the forwarder).
+    pub fn forward_to(&self, plane: Arc<dyn EventPlane>) -> bool {
         let (tx, mut rx) = mpsc::unbounded_channel::<RouterEvent>();
+        if self.sink.set(tx).is_err() {
+            return false;
+        }
         tokio::spawn(async move {
             while let Some(event) = rx.recv().await {
                 let payload = encode_router_event(&event);
@@ -130,10 +147,7 @@ impl KvEventPublisher {
                 }
             }
         });
-        Self {
-            sink: Some(tx),
-            ..Self::new(worker_id, capacity)
-        }
+        true
     }
 
     /// The worker these events are attributed to.
@@ -172,7 +186,7 @@ impl KvEventPublisher {
         }
         ring.events.push_back(event.clone());
         // Sending under the lock keeps the forwarded order equal to the id order.
-        if let Some(sink) = &self.sink {
+        if let Some(sink) = self.sink.get() {
             let _ = sink.send(event.clone());
         }
         if self.live.receiver_count() > 0 {

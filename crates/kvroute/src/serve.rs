@@ -1,15 +1,18 @@
 //! `kvroute serve`: the OpenAI-compatible frontend and the KV router in front of a fleet.
 //!
 //! Workers are found by registration (they connect to the registry this process runs, see
-//! `kvroute worker --router`) or from a static fleet file. Their KV events arrive over the
-//! request plane: a [`KvEventBridge`] subscribes to each listed worker and feeds the router's
-//! in-process event plane, so no broker is needed. Unless `[router] disagg = "off"`, the KV
+//! `kvroute worker --router`), from a static fleet file, or through NATS (`--nats`: workers
+//! register in a KV bucket and publish their KV events to JetStream, so several routers share
+//! one fleet; see [`nats`]). Without NATS their KV events arrive over the request plane: a
+//! [`KvEventBridge`] subscribes to each listed worker and feeds the router's in-process event
+//! plane, so no broker is needed. Unless `[router] disagg = "off"`, the KV
 //! router of the decode phase serves decode and aggregated workers and another serves prefill
 //! workers; while a prefill worker is registered, requests are served disaggregated. On SIGINT or SIGTERM the frontend stops
 //! accepting, lets in-flight requests finish (up to the drain timeout), then exits.
 
 mod config;
 mod fleet;
+pub(crate) mod nats;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -20,8 +23,8 @@ use kvroute_router::{
     KvPhaseRouter, KvPushRouter, ModelRegistry, PrefillRouterConfig, role_filtered,
 };
 use kvroute_runtime::{
-    Discovery as _, InProcessDiscovery, InProcessEventPlane, KvEventBridge, KvEventBridgeConfig,
-    RegistryServer, WorkerRole,
+    Discovery as _, EventPlane, InProcessDiscovery, InProcessEventPlane, KvEventBridge,
+    KvEventBridgeConfig, RegistryServer, WorkerRole,
 };
 
 use config::{Discovery, FleetSource, ServeConfig};
@@ -63,7 +66,18 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     let models = ModelRegistry::load(&config.models).context("loading the served models")?;
     // The registry (kept alive for the whole run) or the static fleet; both give a watch.
     let mut static_fleet = None;
+    let mut nats = None;
     let (instances, registry) = match &config.discovery {
+        Discovery::Nats {
+            url,
+            namespace,
+            lease_ttl,
+        } => {
+            let shared = nats::connect(url, namespace, *lease_ttl).await?;
+            let watch = shared.discovery.watch();
+            nats = Some(shared);
+            (watch, None)
+        }
         Discovery::Static { fleet } => {
             let workers = match fleet {
                 FleetSource::File(path) => fleet::read_file(path)?,
@@ -85,12 +99,20 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             (registry.discovery().watch(), Some(registry))
         }
     };
-    let plane = Arc::new(InProcessEventPlane::default());
-    let _bridge = KvEventBridge::start(
-        instances.clone(),
-        plane.clone(),
-        KvEventBridgeConfig::default(),
-    );
+    // With NATS the workers publish their KV events to JetStream themselves; otherwise the
+    // bridge subscribes to each worker and feeds an in-process plane.
+    let (plane, _bridge): (Arc<dyn EventPlane>, _) = match &nats {
+        Some(shared) => (Arc::new(shared.plane.clone()), None),
+        None => {
+            let plane = Arc::new(InProcessEventPlane::default());
+            let bridge = KvEventBridge::start(
+                instances.clone(),
+                plane.clone(),
+                KvEventBridgeConfig::default(),
+            );
+            (plane, Some(bridge))
+        }
+    };
     let state = match config.disagg {
         None => {
             let router = KvPushRouter::start(config.router.clone(), instances, plane)
@@ -120,13 +142,22 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             AppState::new(decode, models, config.http.clone()).with_disagg(disagg)
         }
     };
+    let state = match &nats {
+        Some(shared) => {
+            let status = shared.nats.status().clone();
+            state.with_extra_metrics(Arc::new(move || status.metrics_text()))
+        }
+        None => state,
+    };
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding the HTTP frontend on {}", config.listen))?;
     let http_addr = listener.local_addr()?;
-    let registry_addr = registry
-        .as_ref()
-        .map_or_else(|| "none".to_owned(), |r| r.local_addr().to_string());
+    let registry_addr = match (&registry, &nats) {
+        (Some(r), _) => r.local_addr().to_string(),
+        (None, Some(_)) => "nats".to_owned(),
+        (None, None) => "none".to_owned(),
+    };
     // One machine-readable line, so scripts and tests can find the ports when they used port 0.
     println!("kvroute serve: http={http_addr} registry={registry_addr}");
     tracing::info!(%http_addr, registry = %registry_addr, "serving");

@@ -28,7 +28,7 @@ use kvroute_mocker::live::LiveMocker;
 use kvroute_protocols::kv_events::KvCacheEvent;
 use kvroute_protocols::{PreprocessedRequest, SessionAction, SessionControl};
 use kvroute_runtime::{
-    DEFAULT_RING_CAPACITY, Discovery as _, Engine, EngineError, InstanceInfo, KvEventPublisher,
+    DEFAULT_RING_CAPACITY, Discovery, Engine, EngineError, InstanceInfo, KvEventPublisher,
     LlmEngine, LlmResponse, RemoteDiscovery, RemoteDiscoveryConfig, RequestContext, ResponseStream,
     WorkerRole, WorkerServer, WorkerServerConfig,
 };
@@ -93,6 +93,23 @@ pub(crate) struct WorkerArgs {
     /// Without it the worker only serves (for a static fleet file).
     #[arg(long, value_name = "HOST:PORT")]
     router: Option<String>,
+    /// A NATS server with JetStream, nats://HOST:PORT, instead of --router: the worker
+    /// registers in NATS and publishes its KV events to JetStream, where every `kvroute serve
+    /// --nats` router finds them.
+    #[arg(long = "nats", value_name = "URL", conflicts_with = "router")]
+    nats: Option<String>,
+    /// The NATS namespace (as `kvroute serve --nats-namespace`; default kvroute).
+    #[arg(
+        long = "nats-namespace",
+        value_name = "NAME",
+        requires = "nats",
+        default_value = "kvroute"
+    )]
+    nats_namespace: String,
+    /// With --nats: how long the registration stays listed without renewal (renewed every third
+    /// of it), as `kvroute serve --lease-ttl`.
+    #[arg(long, value_name = "DURATION", requires = "nats", default_value = "5s")]
+    lease_ttl: HumanDuration,
     /// A mocker config file (TOML, or JSON for a .json path): block size, capacity, timing.
     #[arg(long, value_name = "FILE")]
     mocker_config: Option<PathBuf>,
@@ -258,6 +275,17 @@ async fn run_worker<E: LlmEngine>(
         inner: engine,
         stats: stats.clone(),
     });
+    // With NATS, every event from here on also goes to JetStream (the ring keeps serving gap
+    // recovery and dumps over the request plane).
+    let nats = match &args.nats {
+        None => None,
+        Some(url) => {
+            let shared =
+                crate::serve::nats::connect(url, &args.nats_namespace, args.lease_ttl.0).await?;
+            publisher.forward_to(Arc::new(shared.plane.clone()));
+            Some(shared)
+        }
+    };
     let config = WorkerServerConfig::new(id).with_kv_events(publisher);
     let server = WorkerServer::bind(args.listen, engine, config)
         .await
@@ -279,9 +307,21 @@ async fn run_worker<E: LlmEngine>(
 
     let mut info = InstanceInfo::new(id, address.clone(), block_size).with_role(worker_role);
     info.metadata = metadata;
-    let registration = match &args.router {
-        None => None,
-        Some(router) => {
+    let registration = match (&args.router, &args.nats) {
+        (None, None) => None,
+        (_, Some(url)) => {
+            let shared = nats.as_ref().context("the NATS connection is open")?;
+            let discovery: Arc<dyn Discovery> = Arc::new(shared.discovery.clone());
+            let lease = register_with_retry(discovery.as_ref(), info.clone())
+                .await
+                .with_context(|| format!("registering in NATS at {url}"))?;
+            Some(Registration {
+                discovery,
+                remote: None,
+                lease: tokio::sync::Mutex::new(Some(lease)),
+            })
+        }
+        (Some(router), None) => {
             let registry = router
                 .trim_start_matches("tcp://")
                 .trim_end_matches('/')
@@ -292,7 +332,8 @@ async fn run_worker<E: LlmEngine>(
                 .await
                 .with_context(|| format!("registering with the router at {registry}"))?;
             Some(Registration {
-                discovery,
+                discovery: Arc::new(discovery.clone()),
+                remote: Some(discovery),
                 lease: tokio::sync::Mutex::new(Some(lease)),
             })
         }
@@ -342,7 +383,9 @@ async fn run_worker<E: LlmEngine>(
         if let Some(lease) = registration.lease.lock().await.take() {
             lease.revoke();
         }
-        if !registration.discovery.flush(Duration::from_secs(2)).await {
+        if let Some(remote) = &registration.remote
+            && !remote.flush(Duration::from_secs(2)).await
+        {
             tracing::warn!("the registry did not confirm the deregistration in time");
         }
     }
@@ -366,7 +409,9 @@ async fn run_worker<E: LlmEngine>(
 /// A worker's registration: the registry client and its lease, taken away while the engine
 /// is unhealthy.
 struct Registration {
-    discovery: RemoteDiscovery,
+    discovery: Arc<dyn Discovery>,
+    /// The router's registry client (not with NATS), to confirm the deregistration.
+    remote: Option<RemoteDiscovery>,
     lease: tokio::sync::Mutex<Option<kvroute_runtime::Lease>>,
 }
 
@@ -434,7 +479,7 @@ fn role_name(role: WorkerRole) -> &'static str {
 /// router cannot be reached (workers and router are often started together). A refusal (the id is
 /// taken, the block size is not the router's) is final: retrying cannot change it.
 async fn register_with_retry(
-    discovery: &RemoteDiscovery,
+    discovery: &dyn Discovery,
     info: InstanceInfo,
 ) -> anyhow::Result<kvroute_runtime::Lease> {
     let deadline = tokio::time::Instant::now() + REGISTER_DEADLINE;

@@ -45,6 +45,7 @@ pub(super) const ALLOWED: &[(&str, &[&str])] = &[
             "kvroute-runtime",
             "kvroute-mocker",
             "kvroute-engines",
+            "kvroute-nats",
             "kvroute-router",
         ],
     ),

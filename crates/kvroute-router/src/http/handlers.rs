@@ -192,7 +192,12 @@ pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -
         .iter()
         .filter_map(|v| v.to_str().ok())
         .any(|v| v.contains("application/openmetrics-text"));
-    let text = metrics_openmetrics(&state);
+    let mut text = metrics_openmetrics(&state);
+    let extra = state.extra_metrics_text();
+    if !extra.is_empty() {
+        let at = text.rfind("# EOF").unwrap_or(text.len());
+        text.insert_str(at, &extra);
+    }
     if openmetrics {
         ([(header::CONTENT_TYPE, OPENMETRICS)], text).into_response()
     } else {

@@ -114,7 +114,12 @@ impl Default for HttpConfig {
 pub struct AppState {
     inner: Arc<Shared>,
     disagg: Option<Disagg>,
+    extra_metrics: Option<ExtraMetrics>,
 }
+
+/// Produces OpenMetrics families (no `# EOF`) that `/metrics` appends to the router's own: the
+/// state of the services around the router (the NATS connection, ...).
+pub type ExtraMetrics = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// Disaggregated serving: the prefill router over the KV routers of both phases. Cheap to clone.
 #[derive(Clone)]
@@ -200,7 +205,21 @@ impl AppState {
                 id_salt,
             }),
             disagg: None,
+            extra_metrics: None,
         }
+    }
+
+    /// This state, with `metrics` appended to `/metrics` (OpenMetrics families whose names do
+    /// not clash with the router's; counters named without `_total` in `# TYPE`, as OpenMetrics
+    /// wants, since the Prometheus text format is derived from it).
+    pub fn with_extra_metrics(mut self, metrics: ExtraMetrics) -> Self {
+        self.extra_metrics = Some(metrics);
+        self
+    }
+
+    /// The extra metrics' text, empty without any.
+    pub(crate) fn extra_metrics_text(&self) -> String {
+        self.extra_metrics.as_ref().map(|f| f()).unwrap_or_default()
     }
 
     /// This state, serving disaggregated through `disagg` while it is active (or always, when

@@ -29,6 +29,9 @@ pub(crate) struct ServeOptions {
     /// How workers are found (`[discovery]`).
     #[command(flatten)]
     pub(crate) discovery: DiscoveryOptions,
+    /// Scale-out on NATS (`[nats]`).
+    #[command(flatten)]
+    pub(crate) nats: NatsOptions,
     /// Served models (`[[models]]`); a flag
     /// `--model NAME[,tokenizer=PATH][,chat_template=PATH][,lora=ADAPTER...]` adds one (each
     /// `lora=` names a LoRA adapter served over it), and without any the built-in mock model
@@ -140,6 +143,21 @@ pub(crate) struct DiscoveryOptions {
     /// A static fleet written inline (`[[discovery.workers]]`, the fleet file's entries).
     #[arg(skip)]
     pub(crate) workers: Option<Vec<FleetWorker>>,
+}
+
+/// `[nats]`: several routers over one fleet, sharing discovery and KV events through NATS.
+#[derive(Debug, Default, Clone, PartialEq, Deserialize, clap::Args)]
+#[serde(default, deny_unknown_fields)]
+pub(crate) struct NatsOptions {
+    /// A NATS server with JetStream, nats://HOST:PORT: workers register there (`kvroute worker
+    /// --nats`) and publish their KV events there, and every router reads both; the worker
+    /// registry listener is then off.
+    #[arg(long = "nats", value_name = "URL")]
+    pub(crate) url: Option<String>,
+    /// Prefix of the NATS subjects, stream and buckets, so that fleets can share a server
+    /// (default kvroute).
+    #[arg(long = "nats-namespace", value_name = "NAME")]
+    pub(crate) namespace: Option<String>,
 }
 
 /// One `[[models]]` entry.
@@ -259,6 +277,15 @@ pub(crate) enum Discovery {
         /// The lease time to live.
         lease_ttl: Duration,
     },
+    /// Workers register in NATS; KV events arrive through JetStream.
+    Nats {
+        /// The server.
+        url: String,
+        /// The namespace of subjects, stream and buckets.
+        namespace: String,
+        /// The lease time to live.
+        lease_ttl: Duration,
+    },
     /// A fixed fleet.
     Static {
         /// Its `[[workers]]`: from the fleet file, or inline.
@@ -308,6 +335,7 @@ impl ServeOptions {
         let (h, f) = (self.http, flags.http);
         let (r, fr) = (self.router, flags.router);
         let (d, fd) = (self.discovery, flags.discovery);
+        let (n, fnats) = (self.nats, flags.nats);
         // A fleet on the command line replaces registration from the file, and the reverse.
         let (registry_listen, fleet) = match (fd.registry_listen, fd.fleet) {
             (None, None) => (d.registry_listen, d.fleet),
@@ -345,6 +373,10 @@ impl ServeOptions {
                 lease_ttl: pick(d.lease_ttl, fd.lease_ttl),
                 fleet,
                 workers: d.workers,
+            },
+            nats: NatsOptions {
+                url: pick(n.url, fnats.url),
+                namespace: pick(n.namespace, fnats.namespace),
             },
             models: if flags.models.is_empty() {
                 self.models
@@ -546,34 +578,84 @@ impl ServeOptions {
             (None, Some(workers)) => Some(FleetSource::Inline(workers)),
             (None, None) => None,
         };
-        let discovery = match (fleet, d.registry_listen) {
-            (Some(_), Some(listen)) => {
+        let lease_ttl = d.lease_ttl.map_or(Duration::from_secs(5), |d| d.0);
+        if lease_ttl < Duration::from_millis(100) {
+            return Err(invalid(
+                "discovery.lease_ttl",
+                "lease-ttl",
+                "at least 100ms",
+                lease_ttl,
+            ));
+        }
+        let nats = self.nats;
+        if nats.namespace.is_some() && nats.url.is_none() {
+            return Err(invalid(
+                "nats.namespace",
+                "nats-namespace",
+                "a namespace only together with nats.url (--nats)",
+                nats.namespace,
+            ));
+        }
+        let discovery = match (nats.url, fleet, d.registry_listen) {
+            (Some(url), None, None) => {
+                let namespace = nats.namespace.unwrap_or_else(|| "kvroute".to_owned());
+                if namespace.is_empty()
+                    || !namespace
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+                {
+                    return Err(invalid(
+                        "nats.namespace",
+                        "nats-namespace",
+                        "letters, digits, '-' or '_'",
+                        namespace,
+                    ));
+                }
+                if url.trim().is_empty() {
+                    return Err(invalid("nats.url", "nats", "nats://HOST:PORT", url));
+                }
+                Discovery::Nats {
+                    url,
+                    namespace,
+                    lease_ttl,
+                }
+            }
+            (Some(_), Some(_), _) => {
+                return Err(invalid(
+                    "nats.url",
+                    "nats",
+                    "either NATS discovery or a static fleet (discovery.fleet / [[discovery.workers]]), not both",
+                    "both",
+                ));
+            }
+            (Some(_), None, Some(listen)) => {
                 return Err(invalid(
                     "discovery.registry_listen",
                     "registry-listen",
-                    "no registry address when discovery.fleet (static) is set; choose one",
+                    "no registry address with NATS: workers register through NATS (`kvroute worker --nats URL`)",
                     listen,
                 ));
             }
-            (Some(fleet), None) => Discovery::Static { fleet },
-            (None, listen) => {
-                let listen = parse_addr(
-                    "discovery.registry_listen",
-                    "registry-listen",
-                    listen.as_deref(),
-                    "127.0.0.1:7100",
-                )?;
-                let lease_ttl = d.lease_ttl.map_or(Duration::from_secs(5), |d| d.0);
-                if lease_ttl < Duration::from_millis(100) {
+            (None, fleet, listen) => match (fleet, listen) {
+                (Some(_), Some(listen)) => {
                     return Err(invalid(
-                        "discovery.lease_ttl",
-                        "lease-ttl",
-                        "at least 100ms",
-                        lease_ttl,
+                        "discovery.registry_listen",
+                        "registry-listen",
+                        "no registry address when discovery.fleet (static) is set; choose one",
+                        listen,
                     ));
                 }
-                Discovery::Registration { listen, lease_ttl }
-            }
+                (Some(fleet), None) => Discovery::Static { fleet },
+                (None, listen) => {
+                    let listen = parse_addr(
+                        "discovery.registry_listen",
+                        "registry-listen",
+                        listen.as_deref(),
+                        "127.0.0.1:7100",
+                    )?;
+                    Discovery::Registration { listen, lease_ttl }
+                }
+            },
         };
         let mut names = std::collections::BTreeSet::new();
         for m in &self.models {

@@ -255,7 +255,7 @@ pub(crate) fn worker_value(metrics: &str, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {name} in worker metrics:\n{metrics}"))
 }
 
-fn decode_worker(body: &Value) -> u64 {
+pub(crate) fn decode_worker(body: &Value) -> u64 {
     body["nvext"]["worker_id"]["decode_worker_id"]
         .as_u64()
         .unwrap_or_else(|| panic!("no nvext.worker_id in {body}"))

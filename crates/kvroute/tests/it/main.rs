@@ -8,6 +8,7 @@ mod disagg_replay;
 mod e2e;
 mod errors;
 mod llamacpp;
+mod nats;
 mod prefill;
 mod replay;
 mod soak;

@@ -1,0 +1,206 @@
+//! Several routers over one fleet through NATS: 3 `kvroute serve --nats` and 6 `kvroute worker
+//! --mock --nats` processes on one throwaway `nats-server -js`. Every router indexes every
+//! worker's KV events from JetStream, a restarted router catches up, and load drains to zero
+//! on every router. All waits are bounded; every child is killed when the test ends.
+
+use std::time::Duration;
+
+use kvroute_nats::testing::NatsServer;
+use serde_json::{Value, json};
+
+use crate::e2e::{BOUND, Proc, active_requests, chat_body, conversation, decode_worker};
+use crate::support::scratch;
+
+const WORKERS: u64 = 6;
+
+struct Router {
+    proc: Proc,
+    base: String,
+}
+
+fn start_router(url: &str, dir: &std::path::Path, name: &str) -> Router {
+    let proc = Proc::start(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--nats",
+            url,
+            "--lease-ttl",
+            "2s",
+        ],
+        &dir.join(format!("{name}.log")),
+    );
+    assert_eq!(proc.field("registry"), "nats");
+    let base = format!("http://{}", proc.field("http"));
+    Router { proc, base }
+}
+
+async fn metrics(http: &reqwest::Client, router: &Router) -> String {
+    http.get(format!("{}/metrics", router.base))
+        .send()
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("metrics body")
+}
+
+/// Polls `router`'s `/metrics` until `condition` holds (bounded).
+async fn eventually(
+    http: &reqwest::Client,
+    router: &Router,
+    what: &str,
+    condition: impl Fn(&str) -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + BOUND;
+    loop {
+        let text = metrics(http, router).await;
+        if condition(&text) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what} did not happen on {}; metrics:\n{text}",
+            router.base
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn counter(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+async fn chat(http: &reqwest::Client, router: &Router, body: &Value) -> Value {
+    let response = http
+        .post(format!("{}/v1/chat/completions", router.base))
+        .json(body)
+        .send()
+        .await
+        .expect("POST");
+    let status = response.status().as_u16();
+    let json: Value = response.json().await.unwrap_or(Value::Null);
+    assert_eq!(status, 200, "{json}");
+    json
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_routers_share_the_fleets_kv_events_and_a_restarted_router_catches_up() {
+    let server = NatsServer::start();
+    let url = server.url();
+    let dir = scratch("nats-three-routers");
+    let mut routers: Vec<Router> = ["a", "b", "c"]
+        .iter()
+        .map(|name| start_router(&url, &dir, name))
+        .collect();
+    let _workers: Vec<Proc> = (1..=WORKERS)
+        .map(|id| {
+            let id = id.to_string();
+            Proc::start(
+                &[
+                    "worker",
+                    "--mock",
+                    "--id",
+                    &id,
+                    "--nats",
+                    &url,
+                    "--lease-ttl",
+                    "2s",
+                    "--speedup",
+                    "100",
+                ],
+                &dir.join(format!("worker-{id}.log")),
+            )
+        })
+        .collect();
+    let http = reqwest::Client::builder().timeout(BOUND).build().unwrap();
+    for router in &routers {
+        eventually(&http, router, "every worker listed", |m| {
+            (1..=WORKERS).all(|w| active_requests(m, w).is_some())
+        })
+        .await;
+    }
+    let want = json!({"extra_fields": ["worker_id"]});
+    // Router A serves the first turn of each conversation; its worker's KV events reach B and
+    // C through JetStream, so they send the conversation's next turn to the same worker and
+    // predict cached tokens for prompts they never routed.
+    let mut homes = Vec::new();
+    for c in 0..4 {
+        let first = chat(
+            &http,
+            &routers[0],
+            &chat_body(conversation(c, 1), 4, want.clone()),
+        )
+        .await;
+        homes.push(decode_worker(&first));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for (r, router) in routers.iter().enumerate().skip(1) {
+        let before = counter(
+            &metrics(&http, router).await,
+            "kvroute_router_predicted_cached_tokens",
+        );
+        for (c, home) in homes.iter().enumerate() {
+            let later = chat(
+                &http,
+                router,
+                &chat_body(conversation(c, 2), 4, want.clone()),
+            )
+            .await;
+            assert_eq!(
+                decode_worker(&later),
+                *home,
+                "router {r} sent conversation {c}'s second turn away from the worker holding its prefix"
+            );
+        }
+        let after = counter(
+            &metrics(&http, router).await,
+            "kvroute_router_predicted_cached_tokens",
+        );
+        assert!(
+            after > before,
+            "router {r} predicted no cached tokens for prefixes only router 0 routed"
+        );
+    }
+    // Router B dies and comes back: it catches up from the stream and routes as before.
+    routers[1].proc.kill();
+    routers[1] = start_router(&url, &dir, "b-restarted");
+    eventually(
+        &http,
+        &routers[1],
+        "every worker listed after the restart",
+        |m| (1..=WORKERS).all(|w| active_requests(m, w).is_some()),
+    )
+    .await;
+    for (c, home) in homes.iter().enumerate() {
+        let later = chat(
+            &http,
+            &routers[1],
+            &chat_body(conversation(c, 3), 4, want.clone()),
+        )
+        .await;
+        assert_eq!(
+            decode_worker(&later),
+            *home,
+            "the restarted router sent conversation {c} away from the worker holding its prefix"
+        );
+    }
+    let text = metrics(&http, &routers[1]).await;
+    assert!(
+        counter(&text, "kvroute_router_predicted_cached_tokens") > 0.0,
+        "the restarted router predicted no cached tokens:\n{text}"
+    );
+    assert!(text.contains("kvroute_nats_connected 1"), "{text}");
+    for router in &routers {
+        eventually(&http, router, "zero load on every worker", |m| {
+            (1..=WORKERS).all(|w| active_requests(m, w) == Some(0))
+        })
+        .await;
+    }
+    drop(server);
+}
