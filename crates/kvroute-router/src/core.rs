@@ -7,8 +7,8 @@ use kvroute_indexer::{ApproxIndex, EventGap, EventOrder, FastMap, GapTracker, Kv
 use kvroute_protocols::kv_events::{LocalBlockHash, RouterEvent};
 use kvroute_protocols::{WorkerId, WorkerWithDpRank};
 use kvroute_scheduler::{
-    ConfigError, LoadError, NewRequest, RequestId, Scheduler, SelectRequest, TierOverlap,
-    WorkerError, WorkerLoad, WorkerSpec,
+    ConfigError, LoadError, NewRequest, RequestId, RequestLoad, Scheduler, SelectRequest,
+    TierOverlap, WorkerError, WorkerLoad, WorkerSpec,
 };
 use kvroute_sessions::{
     AffinityStore, InMemoryAffinityStore, Rollback, SessionCommand, SessionCoordinator,
@@ -571,6 +571,36 @@ impl<S: AffinityStore> KvRouterCore<S> {
             requests,
             session_closes,
         }
+    }
+
+    // ----- load of other router replicas -----
+
+    /// Records the load of a request another router replica routed (see `load_sync`): it
+    /// counts on its worker exactly as a local one, but has no session and is never sent from
+    /// here. End it with [`Self::on_first_token`] and [`Self::on_finished`] like a local one.
+    pub fn add_remote_request(
+        &mut self,
+        id: RequestId,
+        load: &RequestLoad,
+        now: Duration,
+    ) -> Result<(), LoadError> {
+        self.scheduler.add_request_with_cached_tokens(
+            &NewRequest {
+                id,
+                worker: load.worker,
+                isl_tokens: load.prefill_tokens,
+                block_hashes: &load.block_hashes,
+                overlap_blocks: 0,
+                expected_output_tokens: load.expected_output_tokens,
+            },
+            0,
+            now,
+        )
+    }
+
+    /// What a request in flight adds to its worker's load, to share with other replicas.
+    pub fn request_load(&self, id: RequestId) -> Option<RequestLoad> {
+        self.scheduler.request_load(id)
     }
 
     // ----- observation -----

@@ -11,6 +11,7 @@ use kvroute_protocols::annotated::ERROR_EVENT;
 use kvroute_runtime::{LlmResponse, LlmRoutedStream, RequestError};
 use kvroute_scheduler::RequestId;
 
+use crate::load_sync::Local;
 use crate::metrics::Outcome;
 use crate::push::Inner;
 use crate::request::Routed;
@@ -93,6 +94,9 @@ impl RequestGuard {
         }
         if first {
             self.inner.metrics.on_first_token(now - self.sent);
+            if let Some(sync) = &self.inner.load_sync {
+                sync.local(Local::PrefillDone(self.id));
+            }
         }
         self.inner
             .metrics
@@ -123,6 +127,9 @@ impl RequestGuard {
                 Outcome::Error | Outcome::Cancelled => state.core.on_failed(self.id),
             }
         };
+        if let Some(sync) = &self.inner.load_sync {
+            sync.local(Local::Freed(self.id));
+        }
         self.inner.metrics.on_finished(outcome);
         self.inner.spawn_session_commands(commands);
     }

@@ -54,6 +54,7 @@ mod core;
 mod error;
 mod guard;
 pub mod http;
+mod load_sync;
 pub mod metrics;
 mod migration;
 mod model;
@@ -67,6 +68,7 @@ pub use config::{KvMode, RouterConfig};
 pub use core::{CoreStats, Expired, KvRouterCore};
 pub use error::RouteError;
 pub use guard::{KvRoutedStream, RequestGuard};
+pub use load_sync::{LOAD_SUBJECT_PREFIX, LoadSyncConfig};
 pub use metrics::RouterMetrics;
 pub use migration::{
     DEFAULT_MAX_MIGRATIONS, MigratingDisaggStream, MigratingResponse, MigratingStream, Migrator,
@@ -76,7 +78,7 @@ pub use phase::{KvPhaseRouter, role_filtered};
 pub use policy::{Policy, UnknownPolicy};
 pub use push::{
     KV_EVENTS_METADATA_KEY, KvPushRouter, KvPushRouterConfig, KvResponse, KvRouterError,
-    QUERY_INSTANCE_ID, QueryAnswer, StartError,
+    LoadSyncStats, QUERY_INSTANCE_ID, QueryAnswer, StartError,
 };
 pub use request::{PhaseTimings, RouteRequest, RouteSource, Routed};
 

@@ -32,6 +32,7 @@ use crate::config::{KvMode, RouterConfig};
 use crate::core::KvRouterCore;
 use crate::error::RouteError;
 use crate::guard::{KvRoutedStream, RequestGuard};
+use crate::load_sync::{self, LOAD_SUBJECT_PREFIX, LoadSync, LoadSyncConfig, Local};
 use crate::metrics::RouterMetrics;
 use crate::request::{RouteRequest, Routed};
 
@@ -56,6 +57,9 @@ pub struct KvPushRouterConfig {
     pub seed: u64,
     /// How often requests, predictions and sessions are expired.
     pub expire_interval: Duration,
+    /// Share active load with other router replicas over the event plane (see
+    /// [`LoadSyncConfig`]); `None` for a router that serves its fleet alone.
+    pub load_sync: Option<LoadSyncConfig>,
 }
 
 impl KvPushRouterConfig {
@@ -67,6 +71,7 @@ impl KvPushRouterConfig {
             default_kv_mode: KvMode::Events,
             seed: 0x6b76_726f_7574_6572,
             expire_interval: Duration::from_secs(1),
+            load_sync: None,
         }
     }
 }
@@ -98,6 +103,18 @@ pub enum KvRouterError {
         /// What the transport said.
         source: kvroute_runtime::RouteError,
     },
+}
+
+/// See [`KvPushRouter::load_sync_stats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadSyncStats {
+    /// Other replicas' requests counted in this router's load now.
+    pub remote_requests: usize,
+    /// Other replicas' requests freed because their replica fell silent or stopped listing
+    /// them.
+    pub remote_freed: u64,
+    /// Load messages dropped as undecodable.
+    pub undecodable: u64,
 }
 
 /// The answer to a query-only request: where it would go, and its tokens.
@@ -135,6 +152,7 @@ pub(crate) struct Inner {
     epoch: Instant,
     next_id: AtomicU64,
     pub(crate) config: KvPushRouterConfig,
+    pub(crate) load_sync: Option<LoadSync>,
 }
 
 pub(crate) struct State {
@@ -172,6 +190,14 @@ impl KvPushRouter {
         let core = KvRouterCore::new(config.core.clone())?;
         // Subscribe before the first dumps so that no event falls between a dump and the feed.
         let subscription = events.subscribe(KV_EVENT_SUBJECT).await?;
+        let load_subscription = match &config.load_sync {
+            Some(_) => Some(
+                events
+                    .subscribe(&format!("{LOAD_SUBJECT_PREFIX}.*"))
+                    .await?,
+            ),
+            None => None,
+        };
         let inner = Arc::new(Inner {
             state: Mutex::new(State {
                 core,
@@ -181,6 +207,7 @@ impl KvPushRouter {
             metrics: RouterMetrics::new(),
             epoch: Instant::now(),
             next_id: AtomicU64::new(1),
+            load_sync: config.load_sync.map(LoadSync::new),
             config,
         });
         let mut instances = instances;
@@ -188,11 +215,21 @@ impl KvPushRouter {
         for event in diff_instances(&Default::default(), &initial) {
             inner.on_discovery(event).await;
         }
-        let tasks = vec![
+        let mut tasks = vec![
             tokio::spawn(event_loop(inner.clone(), subscription)),
             tokio::spawn(discovery_loop(inner.clone(), instances, initial)),
             tokio::spawn(expire_loop(inner.clone())),
         ];
+        if let Some(subscription) = load_subscription {
+            tasks.push(tokio::spawn(load_sync::publish_loop(
+                inner.clone(),
+                events.clone(),
+            )));
+            tasks.push(tokio::spawn(load_sync::receive_loop(
+                inner.clone(),
+                subscription,
+            )));
+        }
         Ok(Self {
             inner,
             _tasks: Arc::new(Tasks(tasks)),
@@ -236,12 +273,20 @@ impl KvPushRouter {
                 decision,
             }));
         }
-        let routed = {
+        let (routed, shared_load) = {
             let mut state = inner.state.lock();
             let State { core, rng } = &mut *state;
-            core.route(&route_req, now, rng)
+            let routed = core.route(&route_req, now, rng);
+            let shared_load = match (&routed, &inner.load_sync) {
+                (Ok(_), Some(_)) => core.request_load(id),
+                _ => None,
+            };
+            (routed, shared_load)
+        };
+        let routed = routed.inspect_err(|_| inner.metrics.on_route_error())?;
+        if let (Some(sync), Some(load)) = (&inner.load_sync, shared_load) {
+            sync.local(Local::Added(id, load));
         }
-        .inspect_err(|_| inner.metrics.on_route_error())?;
         inner.metrics.on_routed(
             routed.isl_tokens,
             routed.predicted_cached_tokens(inner.config.core.block_size()),
@@ -301,6 +346,17 @@ impl KvPushRouter {
     /// The metrics registry (for counters read directly).
     pub fn metrics(&self) -> &RouterMetrics {
         &self.inner.metrics
+    }
+
+    /// Load shared with other replicas ([`KvPushRouterConfig::load_sync`]): the other
+    /// replicas' requests held now, those freed because their replica fell silent or stopped
+    /// listing them, and load messages dropped as undecodable. `None` without load sync.
+    pub fn load_sync_stats(&self) -> Option<LoadSyncStats> {
+        self.inner.load_sync.as_ref().map(|s| LoadSyncStats {
+            remote_requests: s.remote_requests(),
+            remote_freed: s.remote_freed(),
+            undecodable: s.undecodable(),
+        })
     }
 
     /// Time since the router started: the `now` the core sees.
@@ -535,6 +591,9 @@ async fn expire_loop(inner: Arc<Inner>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        if let Some(sync) = &inner.load_sync {
+            sync.expire_silent(&inner);
+        }
         let expired = inner.state.lock().core.expire(inner.now());
         if !expired.requests.is_empty() {
             tracing::warn!(

@@ -26,7 +26,7 @@ pub use config::{
     CacheHitWeights, ConfigError, CostWeights, DEFAULT_BATCH_BUDGET_TOKENS, DEFAULT_REQUEST_EXPIRY,
     LoadThresholds, PrefillThreshold, SchedulerConfig,
 };
-pub use load::{LoadError, NewRequest, RequestId, WorkerLoad};
+pub use load::{LoadError, NewRequest, RequestId, RequestLoad, WorkerLoad};
 pub use queue::{AdmissionQueue, QueueMeta, QueuePolicy, TryPushError};
 pub use scheduler::{MetricsSnapshot, Scheduler, SchedulerMetrics};
 pub use select::{CandidateCost, Decision, FilterStage, SelectError, SelectRequest, TierOverlap};

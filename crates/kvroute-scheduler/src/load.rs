@@ -50,6 +50,20 @@ pub struct NewRequest<'a> {
     pub expected_output_tokens: Option<u32>,
 }
 
+/// What an active request contributes to its worker's load, to replay it elsewhere (another
+/// router replica adds it with [`crate::Scheduler::add_request_with_cached_tokens`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestLoad {
+    /// Where it runs.
+    pub worker: WorkerWithDpRank,
+    /// Prompt tokens still to prefill (zero once its prefill completed).
+    pub prefill_tokens: u64,
+    /// Sequence hashes of its prompt's full blocks.
+    pub block_hashes: Vec<u64>,
+    /// Its expected output length, if given.
+    pub expected_output_tokens: Option<u32>,
+}
+
 /// Load figures of one (worker, dp rank), as the cost model sees them.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct WorkerLoad {
@@ -269,6 +283,17 @@ impl Requests {
             state.fraction = fraction;
         }
         Ok(())
+    }
+
+    pub(crate) fn load_of(&self, workers: &Workers, id: RequestId) -> Option<RequestLoad> {
+        let ri = *self.by_id.get(&id)?;
+        let state = self.slab[ri as usize].as_ref()?;
+        Some(RequestLoad {
+            worker: workers.slot(state.slot)?.key,
+            prefill_tokens: state.prefill_tokens,
+            block_hashes: state.prompt.to_vec(),
+            expected_output_tokens: state.expected_output_tokens,
+        })
     }
 
     pub(crate) fn free(&mut self, workers: &mut Workers, id: RequestId) -> Result<(), LoadError> {

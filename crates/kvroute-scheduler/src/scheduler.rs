@@ -7,7 +7,7 @@ use std::time::Duration;
 use kvroute_protocols::{WorkerId, WorkerWithDpRank};
 
 use crate::config::{ConfigError, SchedulerConfig};
-use crate::load::{LoadError, NewRequest, RequestId, Requests, WorkerLoad};
+use crate::load::{LoadError, NewRequest, RequestId, RequestLoad, Requests, WorkerLoad};
 use crate::select::Scratch;
 use crate::workers::{WorkerError, WorkerSpec, Workers};
 
@@ -116,6 +116,11 @@ impl Scheduler {
         }
         self.requests
             .add_output_tokens(&mut self.workers, self.config.block_size, id, tokens)
+    }
+
+    /// What the active request `id` adds to its worker's load (`None` when it is not active).
+    pub fn request_load(&self, id: RequestId) -> Option<RequestLoad> {
+        self.requests.load_of(&self.workers, id)
     }
 
     /// The request ended (success, error, cancellation): all of its load is released.

@@ -20,7 +20,8 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use kvroute_router::http::{self, AppState, Disagg};
 use kvroute_router::{
-    KvPhaseRouter, KvPushRouter, ModelRegistry, PrefillRouterConfig, role_filtered,
+    KvPhaseRouter, KvPushRouter, LoadSyncConfig, ModelRegistry, PrefillRouterConfig,
+    role_filtered,
 };
 use kvroute_runtime::{
     Discovery as _, EventPlane, InProcessDiscovery, InProcessEventPlane, KvEventBridge,
@@ -113,9 +114,18 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             (plane, Some(bridge))
         }
     };
+    // Router replicas on NATS share their active load; each router gets its own replica id.
+    let shares_load = nats.is_some();
+    let router_config = || {
+        let mut router = config.router.clone();
+        if shares_load {
+            router.load_sync = Some(LoadSyncConfig::new(rand::random()));
+        }
+        router
+    };
     let state = match config.disagg {
         None => {
-            let router = KvPushRouter::start(config.router.clone(), instances, plane)
+            let router = KvPushRouter::start(router_config(), instances, plane)
                 .await
                 .context("starting the KV router")?;
             AppState::new(router, models, config.http.clone())
@@ -123,7 +133,7 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
         Some(mode) => {
             let start = |roles: &'static [WorkerRole]| {
                 KvPushRouter::start(
-                    config.router.clone(),
+                    router_config(),
                     role_filtered(instances.clone(), roles),
                     plane.clone(),
                 )

@@ -5,5 +5,6 @@ mod guard;
 mod http;
 mod migration;
 mod phase;
+mod replicas;
 mod routing;
 mod support;

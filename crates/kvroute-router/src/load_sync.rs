@@ -1,0 +1,354 @@
+//! Active load shared between router replicas over the event plane.
+//!
+//! Each replica publishes, on `load.<its router id>`, every request it routes (the load it puts
+//! on its worker: prefill tokens, prompt block hashes), the end of each request's prefill, and
+//! each request's end; every second it also says which of its requests are still active. Every
+//! other replica adds those requests to its own scheduler as remote load, so two replicas see
+//! the same busy workers and do not both pick the same idle one.
+//!
+//! Consistency: eventual. A replica sees another's request one event-plane hop after it was
+//! routed (sub-millisecond on a local NATS), so requests routed in that window by two replicas
+//! do not see each other. Lost `Added` messages are not repaired (the request's load is missing
+//! until it ends); lost `Freed` messages are: the next heartbeat's list of active requests frees
+//! every remote request it no longer names, and a replica silent for [`LoadSyncConfig::silence`]
+//! (killed, or cut off from NATS) has all its requests freed. So load never leaks: once every
+//! replica's traffic drains, every replica's load reads zero.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use kvroute_protocols::WorkerWithDpRank;
+use kvroute_runtime::{EventPlane, Subscription};
+use kvroute_scheduler::{RequestId, RequestLoad};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use crate::push::Inner;
+
+/// The subject prefix of load messages (`load.<router id>`).
+pub const LOAD_SUBJECT_PREFIX: &str = "load";
+
+/// How a replica shares its load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadSyncConfig {
+    /// This replica's id, unique among the replicas (a random one is fine).
+    pub router_id: u64,
+    /// How often this replica lists its active requests.
+    pub heartbeat: Duration,
+    /// A replica not heard from for this long has all its requests freed here.
+    pub silence: Duration,
+}
+
+impl LoadSyncConfig {
+    /// Defaults (heartbeat 1 s, silence 5 s) for the replica `router_id`.
+    pub fn new(router_id: u64) -> Self {
+        Self {
+            router_id,
+            heartbeat: Duration::from_secs(1),
+            silence: Duration::from_secs(5),
+        }
+    }
+}
+
+/// One load message, as JSON.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct LoadMessage {
+    router: u64,
+    #[serde(flatten)]
+    kind: Kind,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+enum Kind {
+    Added {
+        request: u64,
+        worker_id: u64,
+        dp_rank: u32,
+        prefill_tokens: u64,
+        block_hashes: Vec<u64>,
+        expected_output_tokens: Option<u32>,
+    },
+    PrefillDone {
+        request: u64,
+    },
+    Freed {
+        request: u64,
+    },
+    Alive {
+        active: Vec<u64>,
+    },
+}
+
+/// A change of this replica's own load, to publish.
+#[derive(Debug)]
+pub(crate) enum Local {
+    Added(RequestId, RequestLoad),
+    PrefillDone(RequestId),
+    Freed(RequestId),
+}
+
+/// The load-sync state of one replica.
+#[derive(Debug)]
+pub(crate) struct LoadSync {
+    config: LoadSyncConfig,
+    tx: mpsc::UnboundedSender<Local>,
+    rx: Mutex<Option<mpsc::UnboundedReceiver<Local>>>,
+    remote: Mutex<HashMap<u64, RemoteRouter>>,
+    remote_freed: AtomicU64,
+    undecodable: AtomicU64,
+}
+
+#[derive(Debug)]
+struct RemoteRouter {
+    last_seen: Instant,
+    /// Their request id -> its id here.
+    requests: HashMap<u64, RequestId>,
+}
+
+impl LoadSync {
+    pub(crate) fn new(config: LoadSyncConfig) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        Self {
+            config,
+            tx,
+            rx: Mutex::new(Some(rx)),
+            remote: Mutex::new(HashMap::new()),
+            remote_freed: AtomicU64::new(0),
+            undecodable: AtomicU64::new(0),
+        }
+    }
+
+    /// Queues a change of this replica's load for publishing (in order).
+    pub(crate) fn local(&self, change: Local) {
+        let _ = self.tx.send(change);
+    }
+
+    /// Remote requests freed because their replica fell silent or stopped listing them.
+    pub(crate) fn remote_freed(&self) -> u64 {
+        self.remote_freed.load(Ordering::Relaxed)
+    }
+
+    /// Remote requests held now.
+    pub(crate) fn remote_requests(&self) -> usize {
+        self.remote.lock().values().map(|r| r.requests.len()).sum()
+    }
+
+    /// Load messages that could not be decoded (counted and dropped).
+    pub(crate) fn undecodable(&self) -> u64 {
+        self.undecodable.load(Ordering::Relaxed)
+    }
+
+    /// Frees the requests of replicas silent for longer than the configured silence.
+    pub(crate) fn expire_silent(&self, inner: &Inner) {
+        let now = Instant::now();
+        let mut dropped = Vec::new();
+        self.remote.lock().retain(|router, remote| {
+            let alive = now.duration_since(remote.last_seen) <= self.config.silence;
+            if !alive {
+                tracing::warn!(
+                    router,
+                    requests = remote.requests.len(),
+                    "a router replica fell silent; freeing its requests here"
+                );
+                dropped.extend(remote.requests.values().copied());
+            }
+            alive
+        });
+        self.free(inner, &dropped);
+    }
+
+    fn free(&self, inner: &Inner, ids: &[RequestId]) {
+        if ids.is_empty() {
+            return;
+        }
+        self.remote_freed
+            .fetch_add(ids.len() as u64, Ordering::Relaxed);
+        let mut state = inner.state.lock();
+        for id in ids {
+            let _ = state.core.on_finished(*id);
+        }
+    }
+
+    fn apply(&self, inner: &Inner, message: LoadMessage) {
+        let router = message.router;
+        if router == self.config.router_id {
+            return;
+        }
+        let now = Instant::now();
+        let mut remote = self.remote.lock();
+        let entry = remote.entry(router).or_insert_with(|| {
+            tracing::info!(router, "a router replica shares its load");
+            RemoteRouter {
+                last_seen: now,
+                requests: HashMap::new(),
+            }
+        });
+        entry.last_seen = now;
+        match message.kind {
+            Kind::Added {
+                request,
+                worker_id,
+                dp_rank,
+                prefill_tokens,
+                block_hashes,
+                expected_output_tokens,
+            } => {
+                let id = remote_id(router, request);
+                entry.requests.insert(request, id);
+                drop(remote);
+                let load = RequestLoad {
+                    worker: WorkerWithDpRank::new(worker_id, dp_rank),
+                    prefill_tokens,
+                    block_hashes,
+                    expected_output_tokens,
+                };
+                let now = inner.now();
+                // A worker this replica does not know (yet) carries no load here.
+                let _ = inner.state.lock().core.add_remote_request(id, &load, now);
+            }
+            Kind::PrefillDone { request } => {
+                let id = entry.requests.get(&request).copied();
+                drop(remote);
+                if let Some(id) = id {
+                    let _ = inner.state.lock().core.on_first_token(id);
+                }
+            }
+            Kind::Freed { request } => {
+                let id = entry.requests.remove(&request);
+                drop(remote);
+                if let Some(id) = id {
+                    let _ = inner.state.lock().core.on_finished(id);
+                }
+            }
+            Kind::Alive { active } => {
+                let active: HashSet<u64> = active.into_iter().collect();
+                let mut gone = Vec::new();
+                entry.requests.retain(|request, id| {
+                    let live = active.contains(request);
+                    if !live {
+                        gone.push(*id);
+                    }
+                    live
+                });
+                drop(remote);
+                self.free(inner, &gone);
+            }
+        }
+    }
+}
+
+/// The id under which another replica's request is tracked here: the top bit set (local ids
+/// count up from 1 and never reach it), the rest a mix of the replica and its request id.
+fn remote_id(router: u64, request: u64) -> RequestId {
+    let mixed = splitmix(router ^ splitmix(request));
+    RequestId((1 << 63) | (mixed >> 1))
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Publishes this replica's load changes in order, and its active list every heartbeat.
+pub(crate) async fn publish_loop(inner: Arc<Inner>, plane: Arc<dyn EventPlane>) {
+    let Some(sync) = inner.load_sync.as_ref() else {
+        return;
+    };
+    let Some(mut rx) = sync.rx.lock().take() else {
+        return;
+    };
+    let router = sync.config.router_id;
+    let subject = format!("{LOAD_SUBJECT_PREFIX}.{router}");
+    let mut active: HashSet<u64> = HashSet::new();
+    let mut tick = tokio::time::interval(sync.config.heartbeat);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let kind = tokio::select! {
+            change = rx.recv() => match change {
+                None => return,
+                Some(Local::Added(id, load)) => {
+                    active.insert(id.0);
+                    Kind::Added {
+                        request: id.0,
+                        worker_id: load.worker.worker_id,
+                        dp_rank: load.worker.dp_rank,
+                        prefill_tokens: load.prefill_tokens,
+                        block_hashes: load.block_hashes,
+                        expected_output_tokens: load.expected_output_tokens,
+                    }
+                }
+                Some(Local::PrefillDone(id)) => Kind::PrefillDone { request: id.0 },
+                Some(Local::Freed(id)) => {
+                    active.remove(&id.0);
+                    Kind::Freed { request: id.0 }
+                }
+            },
+            _ = tick.tick() => Kind::Alive { active: active.iter().copied().collect() },
+        };
+        let payload = serde_json::to_vec(&LoadMessage { router, kind }).unwrap_or_default();
+        if let Err(error) = plane.publish(&subject, Bytes::from(payload)).await {
+            tracing::debug!(%error, "a load message was not published; the next heartbeat repairs frees");
+        }
+    }
+}
+
+/// Applies other replicas' load messages.
+pub(crate) async fn receive_loop(inner: Arc<Inner>, mut subscription: Subscription) {
+    let Some(sync) = inner.load_sync.as_ref() else {
+        return;
+    };
+    while let Some(message) = subscription.next().await {
+        match serde_json::from_slice::<LoadMessage>(&message.payload) {
+            Ok(decoded) => sync.apply(&inner, decoded),
+            Err(error) => {
+                sync.undecodable.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(subject = %message.subject, %error, "dropping an undecodable load message");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_ids_never_collide_with_local_ones_and_differ_per_replica() {
+        for request in [1, 2, 1000, u64::MAX >> 2] {
+            let a = remote_id(7, request);
+            let b = remote_id(8, request);
+            assert!(a.0 >= 1 << 63 && b.0 >= 1 << 63);
+            assert_ne!(a, b);
+        }
+        assert_eq!(remote_id(7, 3), remote_id(7, 3));
+    }
+
+    #[test]
+    fn messages_round_trip_as_tagged_json() {
+        let message = LoadMessage {
+            router: 9,
+            kind: Kind::Added {
+                request: 4,
+                worker_id: 2,
+                dp_rank: 0,
+                prefill_tokens: 640,
+                block_hashes: vec![11, 12],
+                expected_output_tokens: Some(32),
+            },
+        };
+        let json = serde_json::to_string(&message).unwrap();
+        assert!(json.contains("\"kind\":\"added\""), "{json}");
+        assert_eq!(serde_json::from_str::<LoadMessage>(&json).unwrap(), message);
+        let alive: LoadMessage =
+            serde_json::from_str(r#"{"router":9,"kind":"alive","active":[1,2]}"#).unwrap();
+        assert_eq!(alive.kind, Kind::Alive { active: vec![1, 2] });
+    }
+}

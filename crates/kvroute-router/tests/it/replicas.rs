@@ -1,0 +1,110 @@
+//! Router replicas sharing active load over one event plane (`KvPushRouterConfig::load_sync`):
+//! a request routed by one replica counts on its worker at every replica until it ends, and a
+//! replica that falls silent has its requests freed elsewhere after the configured silence.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use kvroute_protocols::WorkerWithDpRank;
+use kvroute_runtime::Discovery as _;
+use kvroute_router::{
+    KvMode, KvPushRouter, KvPushRouterConfig, KvResponse, LoadSyncConfig, Policy,
+};
+
+use crate::support::{BLOCK, Behaviour, Fleet, eventually, idle, request, run};
+
+async fn replica(fleet: &Fleet, router_id: u64) -> KvPushRouter {
+    let mut config = KvPushRouterConfig::new(BLOCK);
+    config.core.policy = Policy::Kv;
+    config.default_kv_mode = KvMode::Events;
+    config.expire_interval = Duration::from_millis(50);
+    config.load_sync = Some(LoadSyncConfig {
+        router_id,
+        heartbeat: Duration::from_millis(50),
+        silence: Duration::from_millis(400),
+    });
+    KvPushRouter::start(config, fleet.discovery.watch(), fleet.plane.clone())
+        .await
+        .unwrap()
+}
+
+fn active_on(router: &KvPushRouter, worker: u64) -> u64 {
+    router.with_core(|c| {
+        c.worker_load(WorkerWithDpRank::from_worker_id(worker))
+            .map_or(0, |l| l.active_requests)
+    })
+}
+
+fn prefill_on(router: &KvPushRouter, worker: u64) -> u64 {
+    router.with_core(|c| {
+        c.worker_load(WorkerWithDpRank::from_worker_id(worker))
+            .map_or(0, |l| l.prefill_tokens)
+    })
+}
+
+async fn send(
+    router: &KvPushRouter,
+    tokens: Vec<u32>,
+    behaviour: Behaviour,
+) -> kvroute_router::KvRoutedStream {
+    match router.generate(request(tokens, behaviour)).await.unwrap() {
+        KvResponse::Stream(stream) => stream,
+        KvResponse::Query(_) => panic!("not a query"),
+    }
+}
+
+#[test]
+fn a_request_routed_by_one_replica_loads_its_worker_at_every_replica_until_it_ends() {
+    run(async {
+        let fleet = Fleet::start(3).await;
+        let a = replica(&fleet, 1).await;
+        let b = replica(&fleet, 2).await;
+        let c = replica(&fleet, 3).await;
+        let mut stalled = send(&a, (0..64).collect(), Behaviour::Stall).await;
+        let worker = stalled.worker().worker_id;
+        // The first token ends its prefill everywhere; the request stays active.
+        let first = stalled.next().await.expect("a first item");
+        assert!(first.is_ok());
+        for (name, replica) in [("b", &b), ("c", &c)] {
+            eventually(&format!("replica {name} counts the request"), || {
+                active_on(replica, worker) == 1 && prefill_on(replica, worker) == 0
+            })
+            .await;
+        }
+        // Another replica now avoids the busy worker for an unrelated prompt.
+        let mut other = send(&b, (1000..1064).collect(), Behaviour::Complete).await;
+        assert_ne!(
+            other.worker().worker_id,
+            worker,
+            "replica b chose the worker replica a keeps busy"
+        );
+        while other.next().await.is_some() {}
+        drop(other);
+        drop(stalled);
+        for replica in [&a, &b, &c] {
+            eventually("every replica's load drains to zero", || idle(replica)).await;
+        }
+        assert_eq!(b.load_sync_stats().unwrap().remote_requests, 0);
+        assert_eq!(b.load_sync_stats().unwrap().undecodable, 0);
+    });
+}
+
+#[test]
+fn a_silent_replicas_requests_are_freed_after_the_silence() {
+    run(async {
+        let fleet = Fleet::start(2).await;
+        let a = replica(&fleet, 1).await;
+        let b = replica(&fleet, 2).await;
+        let stalled = send(&a, (0..32).collect(), Behaviour::Stall).await;
+        let worker = stalled.worker().worker_id;
+        eventually("replica b counts a's request", || {
+            active_on(&b, worker) == 1
+        })
+        .await;
+        // Replica a dies: its background tasks stop, so it never says the request ended.
+        drop(a);
+        eventually("replica b frees the silent replica's request", || idle(&b)).await;
+        assert_eq!(b.load_sync_stats().unwrap().remote_freed, 1);
+        drop(stalled);
+    });
+}
