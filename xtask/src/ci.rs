@@ -1,15 +1,13 @@
 //! `cargo xtask ci`: the gate. Runs each step in order, prints how long it took, and stops at the
 //! first failure with a message naming the step and the command to reproduce it.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::{cargo, fuzz, python, tidy};
+use crate::{cargo, examples, fuzz, package, python, tidy};
 
 /// Options of `cargo xtask ci`.
 #[derive(clap::Args)]
@@ -21,9 +19,6 @@ pub(crate) struct CiArgs {
     #[arg(long)]
     no_fuzz: bool,
 }
-
-/// Where the NATS server is expected when `KVROUTE_NATS_URL` is not set.
-const DEFAULT_NATS: &str = "127.0.0.1:4222";
 
 pub(crate) fn run(root: &Path, args: &CiArgs) -> Result<()> {
     let started = Instant::now();
@@ -46,8 +41,8 @@ pub(crate) fn run(root: &Path, args: &CiArgs) -> Result<()> {
         }
     };
 
-    setup_nats_env();
     let mut python = None;
+    step("nats-server", &mut ensure_nats_server)?;
     step("python", &mut || {
         python = Some(python::ensure(root, &venv_dir(root))?);
         Ok(())
@@ -75,6 +70,8 @@ pub(crate) fn run(root: &Path, args: &CiArgs) -> Result<()> {
     step("tidy", &mut || tidy::run_all(root))?;
     step("test", &mut || run_tests(root, &python))?;
     step("e2e", &mut || run_e2e(root, &python))?;
+    step("examples", &mut || examples::run_all(root))?;
+    step("package", &mut || package::run(root))?;
     step("doc", &mut || {
         let mut cmd = cargo_cmd(root);
         cmd.args(["doc", "--workspace", "--no-deps", "--locked"])
@@ -82,7 +79,8 @@ pub(crate) fn run(root: &Path, args: &CiArgs) -> Result<()> {
         run_command(&mut cmd)
     })?;
     step("bench-check", &mut || {
-        cargo_in(root, &["check", "--workspace", "--benches", "--locked"])
+        cargo_in(root, &["check", "--workspace", "--benches", "--locked"])?;
+        check_own_workspace_benches(root)
     })?;
     step("loom", &mut || run_loom(root))?;
     if args.no_fuzz {
@@ -96,6 +94,35 @@ pub(crate) fn run(root: &Path, args: &CiArgs) -> Result<()> {
         "cargo xtask ci: all steps passed in {:.1}s",
         started.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+/// The bench crates with a workspace of their own (see `OWN_WORKSPACE_BENCHES`): formatted,
+/// compiling and lint-free with their own lockfile, so the comparison with the reference never
+/// rots while its dependencies stay out of the main build.
+fn check_own_workspace_benches(root: &Path) -> Result<()> {
+    for (_, dir, _) in crate::OWN_WORKSPACE_BENCHES {
+        let manifest = root.join(dir).join("Cargo.toml");
+        let manifest = manifest
+            .to_str()
+            .context("bench manifest path is not UTF-8")?;
+        cargo_in(root, &["fmt", "--manifest-path", manifest, "--", "--check"]).with_context(
+            || format!("{dir} is not formatted: run `cargo fmt --manifest-path {manifest}`"),
+        )?;
+        cargo_in(
+            root,
+            &[
+                "clippy",
+                "--manifest-path",
+                manifest,
+                "--all-targets",
+                "--locked",
+                "--",
+                "-D",
+                "warnings",
+            ],
+        )?;
+    }
     Ok(())
 }
 
@@ -233,40 +260,52 @@ fn loom_target_dir(root: &Path) -> std::path::PathBuf {
     }
 }
 
-/// Tests that need NATS read `KVROUTE_NATS_URL`. Set it when a server answers, so a machine
-/// without NATS still passes every test that does not need it.
-fn setup_nats_env() {
-    if std::env::var_os("KVROUTE_NATS_URL").is_some() {
-        return;
+/// The NATS tests start their own `nats-server -js` (a free port, a temporary store), so the
+/// binary must be on PATH: install the Debian package when it is missing (as root, or through
+/// sudo), and fail with the reason when that is impossible. Never a silent skip.
+fn ensure_nats_server() -> Result<()> {
+    let version = || {
+        Command::new("nats-server")
+            .arg("--version")
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+    };
+    if let Some(v) = version() {
+        eprintln!("using {v} for the NATS tests");
+        return Ok(());
     }
-    match nats_answers(DEFAULT_NATS) {
-        Ok(()) => {
-            let url = format!("nats://{DEFAULT_NATS}");
-            eprintln!("NATS answers at {url}; tests that need it will use it (KVROUTE_NATS_URL)");
-            set_env("KVROUTE_NATS_URL", &url);
+    eprintln!("nats-server is not on PATH; installing the Debian package `nats-server`");
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
+    let apt = |args: &[&str]| -> Result<()> {
+        let mut cmd = if root {
+            Command::new("apt-get")
+        } else {
+            let mut sudo = Command::new("sudo");
+            sudo.args(["-n", "apt-get"]);
+            sudo
+        };
+        cmd.args(args).env("DEBIAN_FRONTEND", "noninteractive");
+        run_command(&mut cmd)
+    };
+    apt(&["update", "-q"])
+        .and_then(|()| apt(&["install", "-y", "-q", "nats-server"]))
+        .context(
+            "installing nats-server failed; install it yourself (`sudo apt-get install \
+             nats-server`, or a release binary from https://github.com/nats-io/nats-server on \
+             PATH): the NATS tests need it",
+        )?;
+    match version() {
+        Some(v) => {
+            eprintln!("installed {v}");
+            Ok(())
         }
-        Err(e) => eprintln!("NATS not reachable at {DEFAULT_NATS} ({e:#}); KVROUTE_NATS_URL unset"),
+        None => bail!("nats-server was installed but does not run; the NATS tests need it"),
     }
-}
-
-#[allow(unsafe_code)]
-fn set_env(key: &str, value: &str) {
-    // SAFETY: called from `main`'s thread before any other thread exists.
-    unsafe { std::env::set_var(key, value) }
-}
-
-/// A NATS server greets every client with an `INFO {...}` line.
-fn nats_answers(addr: &str) -> Result<()> {
-    let addr: SocketAddr = addr.parse()?;
-    let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line)?;
-    if !line.starts_with("INFO ") {
-        bail!("expected an `INFO` greeting, got {line:?}");
-    }
-    (&stream).write_all(b"PING\r\n")?;
-    Ok(())
 }
 
 pub(crate) fn cargo_cmd(root: &Path) -> Command {
