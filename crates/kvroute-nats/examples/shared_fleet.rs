@@ -15,8 +15,7 @@ use kvroute_nats::{
 };
 use kvroute_protocols::kv_events::{KvCacheEvent, KvCacheEventData, RouterEvent, StorageTier};
 use kvroute_runtime::{
-    Discovery, EventPlane, InstanceInfo, KV_EVENT_SUBJECT, decode_router_event,
-    encode_router_event,
+    Discovery, EventPlane, InstanceInfo, KV_EVENT_SUBJECT, decode_router_event, encode_router_event,
 };
 
 /// One process's view of the shared fleet.
