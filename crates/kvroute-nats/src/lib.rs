@@ -13,6 +13,10 @@
 //!   watcher drops an entry not renewed within it, so a killed worker disappears within the TTL.
 //!   A worker needs the NATS URL only, no router address.
 //!
+//! - [`NatsAffinityStore`] implements kvroute-sessions' `AffinityStore` on a KV bucket: each
+//!   router keeps a local mirror and writes every change through, so a session bound through
+//!   one router is honoured by all of them.
+//!
 //! [`Nats::connect`] opens the connection both share and keeps its state (connected or not,
 //! reconnects) for the caller's logs and metrics. Names are scoped by a namespace
 //! ([`NatsConfig::namespace`]), so several fleets can share one server.
@@ -23,8 +27,10 @@
 mod client;
 mod discovery;
 mod event_plane;
+mod sessions;
 
 pub use client::{ConnectError, DEFAULT_NAMESPACE, Nats, NatsConfig, NatsStatus};
 pub use discovery::{LEASE_TTL_METADATA, NatsDiscovery, NatsDiscoveryConfig};
 pub use event_plane::{EventStreamConfig, NatsEventPlane};
+pub use sessions::{NatsAffinityStore, NatsAffinityStoreConfig};
 pub mod testing;

@@ -78,7 +78,7 @@ pub use phase::{KvPhaseRouter, role_filtered};
 pub use policy::{Policy, UnknownPolicy};
 pub use push::{
     KV_EVENTS_METADATA_KEY, KvPushRouter, KvPushRouterConfig, KvResponse, KvRouterError,
-    LoadSyncStats, QUERY_INSTANCE_ID, QueryAnswer, StartError,
+    LoadSyncStats, QUERY_INSTANCE_ID, QueryAnswer, SharedAffinityStore, StartError,
 };
 pub use request::{PhaseTimings, RouteRequest, RouteSource, Routed};
 
@@ -89,4 +89,4 @@ pub use kvroute_prefill::{DisaggMode, PrefillRouterConfig};
 pub use kvroute_scheduler::{
     CandidateCost, LoadError, RequestId, SchedulerConfig, WorkerLoad, WorkerSpec,
 };
-pub use kvroute_sessions::{SessionCommand, WorkerLossMode};
+pub use kvroute_sessions::{InMemoryAffinityStore, SessionCommand, WorkerLossMode};

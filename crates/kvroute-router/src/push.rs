@@ -21,7 +21,7 @@ use kvroute_runtime::{
     LlmPushRouter, PushRouterConfig, RouteMode, Subscription, decode_router_event, diff_instances,
 };
 use kvroute_scheduler::{ConfigError, RequestId, WorkerSpec};
-use kvroute_sessions::SessionCommand;
+use kvroute_sessions::{AffinityStore, InMemoryAffinityStore, SessionCommand};
 use parking_lot::Mutex;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -35,6 +35,9 @@ use crate::guard::{KvRoutedStream, RequestGuard};
 use crate::load_sync::{self, LOAD_SUBJECT_PREFIX, LoadSync, LoadSyncConfig, Local};
 use crate::metrics::RouterMetrics;
 use crate::request::{RouteRequest, Routed};
+
+/// A router's sticky-session store: any [`AffinityStore`], shared.
+pub type SharedAffinityStore = Arc<dyn AffinityStore>;
 
 /// The instance metadata key a worker sets to `"false"` when it publishes no KV events (the
 /// router then predicts its cache from routing decisions).
@@ -156,7 +159,7 @@ pub(crate) struct Inner {
 }
 
 pub(crate) struct State {
-    pub(crate) core: KvRouterCore,
+    pub(crate) core: KvRouterCore<SharedAffinityStore>,
     rng: ChaCha8Rng,
 }
 
@@ -187,7 +190,19 @@ impl KvPushRouter {
         instances: watch::Receiver<InstanceSet>,
         events: Arc<dyn EventPlane>,
     ) -> Result<Self, StartError> {
-        let core = KvRouterCore::new(config.core.clone())?;
+        let store = Arc::new(InMemoryAffinityStore::new(config.core.max_sessions));
+        Self::start_with_store(config, instances, events, store).await
+    }
+
+    /// [`Self::start`] with the sticky-session bindings in `store` (for example one shared with
+    /// other router replicas) instead of an in-memory store of this router's own.
+    pub async fn start_with_store(
+        config: KvPushRouterConfig,
+        instances: watch::Receiver<InstanceSet>,
+        events: Arc<dyn EventPlane>,
+        store: SharedAffinityStore,
+    ) -> Result<Self, StartError> {
+        let core = KvRouterCore::with_store(config.core.clone(), store)?;
         // Subscribe before the first dumps so that no event falls between a dump and the feed.
         let subscription = events.subscribe(KV_EVENT_SUBJECT).await?;
         let load_subscription = match &config.load_sync {
@@ -326,7 +341,7 @@ impl KvPushRouter {
 
     /// Runs `f` on the routing core under its lock (inspection, tests, the replay of live
     /// state). Keep it short: every routing decision waits on this lock.
-    pub fn with_core<R>(&self, f: impl FnOnce(&mut KvRouterCore) -> R) -> R {
+    pub fn with_core<R>(&self, f: impl FnOnce(&mut KvRouterCore<SharedAffinityStore>) -> R) -> R {
         f(&mut self.inner.state.lock().core)
     }
 

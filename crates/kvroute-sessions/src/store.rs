@@ -104,3 +104,41 @@ pub trait AffinityStore: Send + Sync {
         self.len() == 0
     }
 }
+
+/// A shared store is a store: several owners (a router's core and a replicating task) can hold
+/// one, and `Arc<dyn AffinityStore>` lets a router take any implementation.
+impl<T: AffinityStore + ?Sized> AffinityStore for std::sync::Arc<T> {
+    fn get(&self, session_id: &str, now: Duration) -> Option<AffinityToken> {
+        (**self).get(session_id, now)
+    }
+
+    fn peek(&self, session_id: &str, now: Duration) -> Option<AffinityToken> {
+        (**self).peek(session_id, now)
+    }
+
+    fn put(
+        &self,
+        session_id: &str,
+        binding: AffinityBinding,
+        ttl: Duration,
+        now: Duration,
+    ) -> Result<PutOutcome, StoreError> {
+        (**self).put(session_id, binding, ttl, now)
+    }
+
+    fn remove(&self, session_id: &str) -> Option<AffinityBinding> {
+        (**self).remove(session_id)
+    }
+
+    fn remove_if_token(&self, session_id: &str, token: AffinityToken) -> bool {
+        (**self).remove_if_token(session_id, token)
+    }
+
+    fn expire(&self, now: Duration) -> Vec<ExpiredBinding> {
+        (**self).expire(now)
+    }
+
+    fn len(&self) -> usize {
+        (**self).len()
+    }
+}

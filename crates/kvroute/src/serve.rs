@@ -20,8 +20,8 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use kvroute_router::http::{self, AppState, Disagg};
 use kvroute_router::{
-    KvPhaseRouter, KvPushRouter, LoadSyncConfig, ModelRegistry, PrefillRouterConfig,
-    role_filtered,
+    InMemoryAffinityStore, KvPhaseRouter, KvPushRouter, LoadSyncConfig, ModelRegistry,
+    PrefillRouterConfig, SharedAffinityStore, role_filtered,
 };
 use kvroute_runtime::{
     Discovery as _, EventPlane, InProcessDiscovery, InProcessEventPlane, KvEventBridge,
@@ -114,29 +114,51 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             (plane, Some(bridge))
         }
     };
-    // Router replicas on NATS share their active load; each router gets its own replica id.
-    let shares_load = nats.is_some();
-    let router_config = || {
+    // Router replicas on NATS share their active load and their sticky sessions; each router
+    // gets its own replica id. Without NATS a router keeps both to itself.
+    let replica = |_: ()| {
+        let id: u64 = rand::random();
         let mut router = config.router.clone();
-        if shares_load {
-            router.load_sync = Some(LoadSyncConfig::new(rand::random()));
+        if nats.is_some() {
+            router.load_sync = Some(LoadSyncConfig::new(id));
         }
-        router
+        (id, router)
+    };
+    let sessions = |id: u64| {
+        let nats = nats.clone();
+        let max_sessions = config.router.core.max_sessions;
+        async move {
+            let store: SharedAffinityStore = match &nats {
+                Some(shared) => Arc::new(shared.session_store(id, max_sessions).await?),
+                None => Arc::new(InMemoryAffinityStore::new(max_sessions)),
+            };
+            anyhow::Ok(store)
+        }
     };
     let state = match config.disagg {
         None => {
-            let router = KvPushRouter::start(router_config(), instances, plane)
-                .await
-                .context("starting the KV router")?;
+            let (id, router_config) = replica(());
+            let router = KvPushRouter::start_with_store(
+                router_config,
+                instances,
+                plane,
+                sessions(id).await?,
+            )
+            .await
+            .context("starting the KV router")?;
             AppState::new(router, models, config.http.clone())
         }
         Some(mode) => {
             let start = |roles: &'static [WorkerRole]| {
-                KvPushRouter::start(
-                    router_config(),
-                    role_filtered(instances.clone(), roles),
-                    plane.clone(),
-                )
+                let (id, router_config) = replica(());
+                let instances = role_filtered(instances.clone(), roles);
+                let plane = plane.clone();
+                let store = sessions(id);
+                async move {
+                    KvPushRouter::start_with_store(router_config, instances, plane, store.await?)
+                        .await
+                        .map_err(anyhow::Error::from)
+                }
             };
             let prefill = start(&[WorkerRole::Prefill])
                 .await

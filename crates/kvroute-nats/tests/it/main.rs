@@ -2,6 +2,7 @@
 
 mod discovery;
 mod event_plane;
+mod sessions;
 
 use std::time::Duration;
 

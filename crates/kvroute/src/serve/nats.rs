@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use kvroute_nats::{
-    EventStreamConfig, Nats, NatsConfig, NatsDiscovery, NatsDiscoveryConfig, NatsEventPlane,
+    EventStreamConfig, Nats, NatsAffinityStore, NatsAffinityStoreConfig, NatsConfig, NatsDiscovery,
+    NatsDiscoveryConfig, NatsEventPlane,
 };
 
 /// What a router or worker shares through NATS.
@@ -41,4 +42,21 @@ pub(crate) async fn connect(
         discovery,
         plane,
     })
+}
+
+impl Shared {
+    /// The sticky-session store of the router replica `origin`, shared with every other replica.
+    pub(crate) async fn session_store(
+        &self,
+        origin: u64,
+        max_sessions: usize,
+    ) -> anyhow::Result<NatsAffinityStore> {
+        let config = NatsAffinityStoreConfig {
+            max_sessions,
+            ..NatsAffinityStoreConfig::new(origin)
+        };
+        NatsAffinityStore::start(&self.nats, &config)
+            .await
+            .context("opening the NATS session bucket")
+    }
 }

@@ -98,7 +98,7 @@ async fn three_routers_share_the_fleets_kv_events_and_a_restarted_router_catches
         .iter()
         .map(|name| start_router(&url, &dir, name))
         .collect();
-    let _workers: Vec<Proc> = (1..=WORKERS)
+    let workers: Vec<Proc> = (1..=WORKERS)
         .map(|id| {
             let id = id.to_string();
             Proc::start(
@@ -113,6 +113,8 @@ async fn three_routers_share_the_fleets_kv_events_and_a_restarted_router_catches
                     "2s",
                     "--speedup",
                     "100",
+                    "--metrics-listen",
+                    "127.0.0.1:0",
                 ],
                 &dir.join(format!("worker-{id}.log")),
             )
@@ -167,6 +169,81 @@ async fn three_routers_share_the_fleets_kv_events_and_a_restarted_router_catches
             "router {r} predicted no cached tokens for prefixes only router 0 routed"
         );
     }
+    // A session opened through router A is honoured by B and C, for prompts no cache pulls
+    // anywhere, and its engine session is opened once and closed once, by whichever router
+    // handles the close.
+    for s in 0..3 {
+        let session = format!("shared-{s}");
+        let open = json!({"extra_fields": ["worker_id"],
+            "session_control": {"session_id": session, "action": "open", "timeout": 60}});
+        let opened = chat(
+            &http,
+            &routers[0],
+            &chat_body(conversation(100 + s, 1), 4, open),
+        )
+        .await;
+        let home = decode_worker(&opened);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for (r, router) in routers.iter().enumerate().skip(1) {
+            let next =
+                json!({"extra_fields": ["worker_id"], "session_control": {"session_id": session}});
+            let turn = chat(
+                &http,
+                router,
+                &chat_body(conversation(200 + 10 * s + r, 1), 4, next),
+            )
+            .await;
+            assert_eq!(
+                decode_worker(&turn),
+                home,
+                "router {r} did not honour session {session} bound through router 0"
+            );
+        }
+        let close = json!({"extra_fields": ["worker_id"],
+            "session_control": {"session_id": session, "action": "close"}});
+        let closed = chat(
+            &http,
+            &routers[2],
+            &chat_body(conversation(300 + s, 1), 4, close),
+        )
+        .await;
+        assert_eq!(decode_worker(&closed), home);
+        let worker_metrics = &workers[home as usize - 1];
+        let url = format!("http://{}/metrics", worker_metrics.field("metrics"));
+        let deadline = tokio::time::Instant::now() + BOUND;
+        loop {
+            let text = http.get(&url).send().await.unwrap().text().await.unwrap();
+            let opens = counter(&text, "kvroute_worker_session_opens_total");
+            let closes = counter(&text, "kvroute_worker_session_closes_total");
+            let open_now = counter(&text, "kvroute_worker_sessions_open");
+            if closes >= opens && open_now == 0.0 {
+                assert!(
+                    opens >= 1.0,
+                    "no session was opened on worker {home}:\n{text}"
+                );
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "session {session} was not closed once on worker {home}:\n{text}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let mut total_opens = 0.0;
+    let mut total_closes = 0.0;
+    for worker in &workers {
+        let url = format!("http://{}/metrics", worker.field("metrics"));
+        let text = http.get(&url).send().await.unwrap().text().await.unwrap();
+        total_opens += counter(&text, "kvroute_worker_session_opens_total");
+        total_closes += counter(&text, "kvroute_worker_session_closes_total");
+    }
+    assert_eq!(
+        (total_opens, total_closes),
+        (3.0, 3.0),
+        "each engine session opened and closed once"
+    );
+
     // Router B dies and comes back: it catches up from the stream and routes as before.
     routers[1].proc.kill();
     routers[1] = start_router(&url, &dir, "b-restarted");

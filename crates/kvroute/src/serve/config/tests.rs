@@ -37,6 +37,11 @@ fn render(c: &ServeConfig) -> String {
         Discovery::Registration { listen, lease_ttl } => {
             format!("registry {listen} ttl {lease_ttl:?}")
         }
+        Discovery::Nats {
+            url,
+            namespace,
+            lease_ttl,
+        } => format!("nats {url} ns {namespace} ttl {lease_ttl:?}"),
         Discovery::Static {
             fleet: FleetSource::File(path),
         } => format!("fleet {}", path.display()),
@@ -67,6 +72,17 @@ fn defaults_serve_the_mock_model_with_registration() {
         &[],
         Ok(
             "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-adaptive migrations 3; registry 127.0.0.1:7100 ttl 5s; models [\"mock\"]",
+        ),
+    );
+}
+
+#[test]
+fn nats_replaces_the_registry_and_takes_the_lease_ttl() {
+    check(
+        "[nats]\nurl = \"nats://10.0.0.5:4222\"\n[discovery]\nlease_ttl = \"2s\"",
+        &["--nats-namespace", "fleet-1"],
+        Ok(
+            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-adaptive migrations 3; nats nats://10.0.0.5:4222 ns fleet-1 ttl 2s; models [\"mock\"]",
         ),
     );
 }
@@ -155,6 +171,32 @@ fn bad_values_name_the_key_the_flag_and_what_was_expected() {
         &[],
         Err(
             "`discovery.registry_listen` (flag --registry-listen): expected no registry address when discovery.fleet",
+        ),
+    );
+    check(
+        "[discovery]\nfleet = \"f.toml\"",
+        &["--nats", "nats://127.0.0.1:4222"],
+        Err("`nats.url` (flag --nats): expected either NATS discovery or a static fleet"),
+    );
+    check(
+        "[discovery]\nregistry_listen = \"127.0.0.1:7100\"",
+        &["--nats", "nats://127.0.0.1:4222"],
+        Err(
+            "`discovery.registry_listen` (flag --registry-listen): expected no registry address with NATS",
+        ),
+    );
+    check(
+        "[nats]\nnamespace = \"a.b\"\nurl = \"nats://n:4222\"",
+        &[],
+        Err(
+            "`nats.namespace` (flag --nats-namespace): expected letters, digits, '-' or '_', got \"a.b\"",
+        ),
+    );
+    check(
+        "",
+        &["--nats-namespace", "fleet1"],
+        Err(
+            "`nats.namespace` (flag --nats-namespace): expected a namespace only together with nats.url",
         ),
     );
     check(
