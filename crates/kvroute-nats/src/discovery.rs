@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::client::{ConnectError, Nats};
+use crate::client::{ConnectError, Nats, NatsStatus};
 
 /// How registrations live.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,7 +39,8 @@ impl Default for NatsDiscoveryConfig {
 /// holds the id) and renews it every third of the lease's time to live; revoking deletes it.
 /// Watchers list what the bucket holds and drop an entry nobody renewed within the time to live
 /// (the longer of theirs and the one the registration states under [`LEASE_TTL_METADATA`]),
-/// since a lapsed key vanishes from the bucket without telling watchers. Cheap to clone; the
+/// since a lapsed key vanishes from the bucket without telling watchers. While the connection to
+/// NATS is down nothing is dropped (no renewal could arrive): routers keep the last known fleet. Cheap to clone; the
 /// watch task stops when the last clone is dropped.
 #[derive(Debug, Clone)]
 pub struct NatsDiscovery {
@@ -49,6 +50,7 @@ pub struct NatsDiscovery {
 #[derive(Debug)]
 struct Inner {
     store: kv::Store,
+    status: NatsStatus,
     ttl: Duration,
     tx: watch::Sender<InstanceSet>,
     seen: Mutex<HashMap<WorkerId, (InstanceInfo, Instant)>>,
@@ -81,6 +83,7 @@ impl NatsDiscovery {
         let (tx, _) = watch::channel(InstanceSet::default());
         let inner = Arc::new(Inner {
             store,
+            status: nats.status().clone(),
             ttl,
             tx,
             seen: Mutex::new(HashMap::new()),
@@ -163,6 +166,14 @@ fn reap(inner: &std::sync::Weak<Inner>) {
     if let Some(inner) = inner.upgrade() {
         let now = Instant::now();
         let mut seen = inner.seen.lock();
+        // Without NATS no renewal can arrive, whether the workers live or not: keep routing to
+        // the last known fleet, and give every entry a whole TTL once the connection is back.
+        if !inner.status.connected() {
+            for (_, at) in seen.values_mut() {
+                *at = now;
+            }
+            return;
+        }
         let before = seen.len();
         seen.retain(|id, (info, at)| {
             let live = now.duration_since(*at) <= entry_ttl(info, inner.ttl);

@@ -165,7 +165,11 @@ impl NatsEventPlane {
         Ok(())
     }
 
-    async fn subscribe_kv_events(&self) -> Result<Subscription, EventPlaneError> {
+    /// An ordered consumer of the KV event stream from `start` (its oldest event when 0).
+    async fn kv_consumer(
+        &self,
+        start: u64,
+    ) -> Result<consumer::pull::Ordered, EventPlaneError> {
         let unavailable = |e: String| EventPlaneError::Unavailable { message: e };
         let stream = self
             .nats
@@ -173,36 +177,75 @@ impl NatsEventPlane {
             .get_stream(self.stream.as_ref())
             .await
             .map_err(|e| unavailable(e.to_string()))?;
-        let filter = format!("{}.{KV_EVENT_SUBJECT}.>", self.nats.namespace);
-        let consumer = stream
+        let deliver_policy = if start == 0 {
+            consumer::DeliverPolicy::All
+        } else {
+            consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: start,
+            }
+        };
+        stream
             .create_consumer(consumer::pull::OrderedConfig {
-                filter_subject: filter,
-                deliver_policy: consumer::DeliverPolicy::All,
+                filter_subject: format!("{}.{KV_EVENT_SUBJECT}.>", self.nats.namespace),
+                deliver_policy,
                 ..Default::default()
             })
             .await
-            .map_err(|e| unavailable(e.to_string()))?;
-        let messages = consumer
+            .map_err(|e| unavailable(e.to_string()))?
             .messages()
             .await
-            .map_err(|e| unavailable(e.to_string()))?;
+            .map_err(|e| unavailable(e.to_string()))
+    }
+
+    /// The KV event stream from its oldest retained event, followed for as long as the
+    /// subscription lives: when the consumer fails (NATS restarted, connection lost) it is
+    /// re-created from the event after the last one delivered, so nothing is skipped or repeated
+    /// (events the stream no longer holds show up as gaps, which the router repairs).
+    async fn subscribe_kv_events(&self) -> Result<Subscription, EventPlaneError> {
+        let first = self.kv_consumer(0).await?;
+        let plane = self.clone();
         let subject: Arc<str> = KV_EVENT_SUBJECT.into();
-        Ok(Box::pin(messages.filter_map(move |message| {
-            let subject = subject.clone();
-            async move {
-                match message {
-                    Ok(message) => Some(Message {
-                        subject,
-                        payload: message.payload.clone(),
-                    }),
-                    Err(error) => {
-                        // The ordered consumer re-creates itself after the error.
-                        tracing::warn!(%error, "KV event stream interrupted; resuming");
-                        None
+        Ok(Box::pin(async_stream::stream! {
+            let mut messages = Some(first);
+            let mut next: u64 = 0;
+            let mut backoff = Duration::from_millis(100);
+            loop {
+                let mut current = match messages.take() {
+                    Some(m) => m,
+                    None => match plane.kv_consumer(next).await {
+                        Ok(m) => {
+                            tracing::info!(from = next, "KV event stream resumed");
+                            backoff = Duration::from_millis(100);
+                            m
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, ?backoff, "cannot resume the KV event stream yet");
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(Duration::from_secs(2));
+                            continue;
+                        }
+                    },
+                };
+                while let Some(message) = current.next().await {
+                    match message {
+                        Ok(message) => {
+                            if let Ok(info) = message.info() {
+                                next = info.stream_sequence + 1;
+                            }
+                            yield Message {
+                                subject: subject.clone(),
+                                payload: message.payload.clone(),
+                            };
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "KV event stream interrupted; resuming");
+                            break;
+                        }
                     }
                 }
+                tokio::time::sleep(backoff).await;
             }
-        })))
+        }))
     }
 
     async fn subscribe_core(&self, pattern: &str) -> Result<Subscription, EventPlaneError> {

@@ -91,7 +91,7 @@ async fn chat(http: &reqwest::Client, router: &Router, body: &Value) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_routers_share_the_fleets_kv_events_and_a_restarted_router_catches_up() {
-    let server = NatsServer::start();
+    let mut server = NatsServer::start();
     let url = server.url();
     let dir = scratch("nats-three-routers");
     let mut routers: Vec<Router> = ["a", "b", "c"]
@@ -243,6 +243,44 @@ async fn three_routers_share_the_fleets_kv_events_and_a_restarted_router_catches
         (3.0, 3.0),
         "each engine session opened and closed once"
     );
+
+    // NATS goes away for longer than the lease TTL: every router keeps routing on what it
+    // knows (no worker is dropped, no request fails), says so in /metrics, and resyncs.
+    server.stop();
+    for router in &routers {
+        eventually(&http, router, "the NATS outage shows in /metrics", |m| {
+            m.contains("kvroute_nats_connected 0")
+        })
+        .await;
+    }
+    for round in 0..2 {
+        for (r, router) in routers.iter().enumerate() {
+            let body = chat_body(conversation(400 + 10 * round + r, 1), 4, want.clone());
+            chat(&http, router, &body).await;
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+    }
+    server.restart();
+    for router in &routers {
+        eventually(&http, router, "the NATS connection is back", |m| {
+            m.contains("kvroute_nats_connected 1")
+                && (1..=WORKERS).all(|w| active_requests(m, w).is_some())
+        })
+        .await;
+    }
+    for (c, home) in homes.iter().enumerate() {
+        let later = chat(
+            &http,
+            &routers[2],
+            &chat_body(conversation(c, 3), 4, want.clone()),
+        )
+        .await;
+        assert_eq!(
+            decode_worker(&later),
+            *home,
+            "after the outage, conversation {c} moved"
+        );
+    }
 
     // Router B dies and comes back: it catches up from the stream and routes as before.
     routers[1].proc.kill();
