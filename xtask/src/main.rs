@@ -6,7 +6,9 @@
 //! needs the code under test to compile before it can report what is broken.
 
 mod ci;
+mod examples;
 mod fuzz;
+mod package;
 mod python;
 mod tidy;
 
@@ -35,7 +37,8 @@ enum Command {
     Bench {
         /// Which bench: `indexer` (trace replay through the KV index), `indexer-soak`, `mocker`
         /// (simulation speed), `request-plane` (TCP round trips), `router-overhead` or
-        /// `engine-adapter` (what kvroute adds in front of an engine's HTTP API).
+        /// `engine-adapter` (what kvroute adds in front of an engine's HTTP API),
+        /// `indexer-compare` (kvroute's indexer against the reference's, side by side).
         which: String,
         /// Arguments passed through to the bench binary.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -89,11 +92,34 @@ const BENCHES: &[(&str, &str, &str)] = &[
     ("request-plane", "kvroute-runtime", "request_plane"),
     ("router-overhead", "kvroute", "router_overhead"),
     ("engine-adapter", "kvroute", "engine_adapter"),
+    ("nats-scaleout", "kvroute", "nats_scaleout"),
 ];
 
+/// Bench binaries in a workspace of their own under `benches/` (they depend on the reference's
+/// crates, which stay out of the main workspace): name, manifest directory, bench target.
+pub(crate) const OWN_WORKSPACE_BENCHES: &[(&str, &str, &str)] = &[(
+    "indexer-compare",
+    "benches/indexer-compare",
+    "indexer_compare",
+)];
+
 fn bench(root: &Path, which: &str, args: &[String]) -> Result<()> {
+    if let Some((_, dir, bench)) = OWN_WORKSPACE_BENCHES.iter().find(|(n, _, _)| *n == which) {
+        let manifest = root.join(dir).join("Cargo.toml");
+        let mut cmd = std::process::Command::new(cargo());
+        cmd.current_dir(root)
+            .args(["bench", "--quiet", "--locked", "--manifest-path"])
+            .arg(manifest)
+            .args(["--bench", bench, "--"])
+            .args(args);
+        return ci::run_command(&mut cmd);
+    }
     let Some((_, package, bench)) = BENCHES.iter().find(|(name, _, _)| *name == which) else {
-        let known: Vec<_> = BENCHES.iter().map(|(name, _, _)| *name).collect();
+        let known: Vec<_> = BENCHES
+            .iter()
+            .chain(OWN_WORKSPACE_BENCHES)
+            .map(|(name, _, _)| *name)
+            .collect();
         anyhow::bail!(
             "unknown bench `{which}`: expected one of {}",
             known.join(", ")

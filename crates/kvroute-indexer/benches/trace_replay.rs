@@ -1,7 +1,11 @@
 //! Replays a Mooncake-format trace against the index as a fleet would drive it.
 //!
-//! `cargo bench -p kvroute-indexer --bench trace_replay -- --trace FILE [--workers 8]
-//! [--block-size 16] [--trace-block-size 512] [--cache-blocks 16384] [--threads N] [--limit N]`
+//! `cargo bench -p kvroute-indexer --bench trace_replay -- (--trace FILE | --workload
+//! agentic|multi-turn [--seed N]) [--workers 8] [--block-size 16] [--trace-block-size 512]
+//! [--cache-blocks 16384] [--threads N] [--limit N]`
+//!
+//! `--workload` replays a seeded synthetic workload (`kvroute_protocols::synth`) instead of a
+//! recorded trace; its ids stand for 512-token blocks.
 //!
 //! Each request's `hash_ids` expand deterministically into engine blocks of synthetic tokens. A
 //! simulation (untimed, run first) routes each request to the worker with the longest cached
@@ -27,6 +31,8 @@ use kvroute_protocols::kv_events::{
 
 struct Args {
     trace: String,
+    workload: Option<String>,
+    seed: u64,
     workers: usize,
     block_size: usize,
     trace_block_size: usize,
@@ -38,6 +44,8 @@ struct Args {
 fn parse_args() -> anyhow::Result<Args> {
     let mut args = Args {
         trace: String::new(),
+        workload: None,
+        seed: 1,
         workers: 8,
         block_size: 16,
         trace_block_size: 512,
@@ -58,6 +66,8 @@ fn parse_args() -> anyhow::Result<Args> {
         };
         match flag.as_str() {
             "--trace" => args.trace = value.clone(),
+            "--workload" => args.workload = Some(value.clone()),
+            "--seed" => args.seed = num()? as u64,
             "--workers" => args.workers = num()?,
             "--block-size" => args.block_size = num()?,
             "--trace-block-size" => args.trace_block_size = num()?,
@@ -65,12 +75,12 @@ fn parse_args() -> anyhow::Result<Args> {
             "--threads" => args.threads = num()?.max(1),
             "--limit" => args.limit = num()?,
             _ => bail!(
-                "unknown flag {flag}; expected --trace, --workers, --block-size, --trace-block-size, --cache-blocks, --threads or --limit"
+                "unknown flag {flag}; expected --trace, --workload, --seed, --workers, --block-size, --trace-block-size, --cache-blocks, --threads or --limit"
             ),
         }
     }
-    if args.trace.is_empty() {
-        bail!("--trace FILE is required");
+    if args.trace.is_empty() == args.workload.is_none() {
+        bail!("give exactly one of --trace FILE and --workload agentic|multi-turn");
     }
     if args.block_size == 0 || !args.trace_block_size.is_multiple_of(args.block_size) {
         bail!("--trace-block-size must be a positive multiple of --block-size");
@@ -144,10 +154,17 @@ fn ext_of(seq: u64) -> ExternalSequenceBlockHash {
 
 /// The first `--limit` requests of the trace as `(input_length, hash_ids)`.
 fn load_trace(args: &Args) -> anyhow::Result<Vec<(usize, Vec<u64>)>> {
-    let text = std::fs::read_to_string(&args.trace)
-        .with_context(|| format!("reading trace {}", args.trace))?;
-    let records =
-        kvroute_protocols::trace::parse_jsonl(&text).with_context(|| args.trace.clone())?;
+    let records = if let Some(name) = &args.workload {
+        kvroute_protocols::synth::Workload::from_name(name)?
+            .generate(args.seed)
+            .into_iter()
+            .map(|r| r.record)
+            .collect()
+    } else {
+        let text = std::fs::read_to_string(&args.trace)
+            .with_context(|| format!("reading trace {}", args.trace))?;
+        kvroute_protocols::trace::parse_jsonl(&text).with_context(|| args.trace.clone())?
+    };
     Ok(records
         .into_iter()
         .take(args.limit)

@@ -9,8 +9,12 @@
 //! slower tiers, a worker leaving the device tier's walk goes on in the host tier, then the disk
 //! and external ones, so each tier is credited the blocks that continue the faster tiers' prefix.
 //!
+//! The nodes of a tier sit in segments along the chains they were stored in (see [`nodes`]): a
+//! query follows a long prompt along a segment comparing local hashes, and hashes and looks up
+//! only where the prompt leaves a segment.
+//!
 //! Per indexed block this costs one 16-byte lane entry plus, shared by every worker holding the
-//! block, one 16-byte node entry: no per-node allocation, no pointers to chase.
+//! block, one 16-byte location entry and one 24-byte segment position.
 
 use kvroute_protocols::kv_events::{
     ExternalSequenceBlockHash, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
@@ -26,13 +30,13 @@ use crate::scores::{OverlapScores, TierScore};
 use crate::table::U64Map;
 
 mod audit;
+mod nodes;
 #[cfg(test)]
 mod tests;
 
-const TIERS: usize = StorageTier::ALL.len();
+use nodes::{INLINE_SLOTS, TierNodes};
 
-/// Slots below this number live in a node's inline bitset.
-const INLINE_SLOTS: u32 = 64;
+const TIERS: usize = StorageTier::ALL.len();
 
 /// The KV cache index: apply events, answer overlap queries.
 ///
@@ -73,16 +77,6 @@ pub struct MemoryStats {
     pub table_bytes: usize,
 }
 
-/// Shared nodes of one tier: which slots hold each prefix.
-#[derive(Debug, Default)]
-struct TierNodes {
-    /// Sequence hash -> bits of slots 0..64. Present while any slot holds the node.
-    lo: U64Map,
-    /// Sequence hash -> bits of slots 64.. (word `j` covers slots `64 * (j + 1)..`). Present only
-    /// while a slot of 64 or above holds the node.
-    hi: FastMap<u64, Box<[u64]>>,
-}
-
 /// One worker rank's lanes, one per tier.
 #[derive(Debug, Default)]
 struct SlotState {
@@ -98,61 +92,6 @@ struct Lane {
     /// Sequence hash -> holders beyond the first, for engines that cache one prefix under two
     /// block ids. Empty in practice, so it costs one branch.
     aliases: FastMap<u64, u32>,
-}
-
-impl TierNodes {
-    /// Adds `slot` to the node; says whether it already held it.
-    fn add(&mut self, seq: u64, slot: u32) -> bool {
-        let (lo, _) = self.lo.get_or_insert(seq, 0);
-        if slot < INLINE_SLOTS {
-            let mask = 1u64 << slot;
-            let had = *lo & mask != 0;
-            *lo |= mask;
-            return had;
-        }
-        let word = (slot / 64 - 1) as usize;
-        let mask = 1u64 << (slot % 64);
-        let words = self
-            .hi
-            .entry(seq)
-            .or_insert_with(|| vec![0; word + 1].into_boxed_slice());
-        if words.len() <= word {
-            let mut grown = words.to_vec();
-            grown.resize(word + 1, 0);
-            *words = grown.into_boxed_slice();
-        }
-        let had = words[word] & mask != 0;
-        words[word] |= mask;
-        had
-    }
-
-    /// Removes `slot` from the node, dropping the node once nobody holds it.
-    fn remove(&mut self, seq: u64, slot: u32) {
-        if slot < INLINE_SLOTS {
-            if let Some(bits) = self.lo.get(seq) {
-                let bits = bits & !(1u64 << slot);
-                if bits == 0 && (self.hi.is_empty() || !self.hi.contains_key(&seq)) {
-                    self.lo.remove(seq);
-                } else {
-                    *self.lo.get_or_insert(seq, 0).0 = bits;
-                }
-            }
-            return;
-        }
-        let word = (slot / 64 - 1) as usize;
-        let Some(words) = self.hi.get_mut(&seq) else {
-            return;
-        };
-        if let Some(w) = words.get_mut(word) {
-            *w &= !(1u64 << (slot % 64));
-        }
-        if words.iter().all(|w| *w == 0) {
-            self.hi.remove(&seq);
-            if self.lo.get(seq) == Some(0) {
-                self.lo.remove(seq);
-            }
-        }
-    }
 }
 
 impl Lane {
@@ -287,8 +226,10 @@ impl KvIndex {
         let nodes = &mut self.tiers[tier.index()];
         let lane = &mut self.slots[slot as usize].lanes[tier.index()];
         lane.blocks.reserve(blocks.len());
+        nodes.expect_chain(blocks.len());
         let mut first_err = Ok(());
         for block in blocks {
+            let parent = prev.map(|p| p.0);
             let seq = next_seq_hash(prev, block.tokens_hash);
             prev = Some(seq);
             if !lane.blocks.insert_new(block.block_hash.0, seq.0) {
@@ -300,7 +241,7 @@ impl KvIndex {
                         block: block.block_hash,
                     });
                 }
-            } else if nodes.add(seq.0, slot) {
+            } else if nodes.add(parent, seq.0, block.tokens_hash.0, slot) {
                 *lane.aliases.entry(seq.0).or_insert(0) += 1;
             }
         }
@@ -408,10 +349,15 @@ impl KvIndex {
     ) -> OverlapScores {
         chain.clear();
         let mut out = OverlapScores::default();
-        if self.tiers[1..].iter().all(|nodes| nodes.lo.is_empty()) {
+        if self.tiers[1..].iter().all(|nodes| nodes.is_empty()) {
             // Nothing offloaded anywhere: the device walk alone, as fast as it was before tiers.
             let nodes = &self.tiers[StorageTier::Device.index()];
-            if !nodes.lo.is_empty() {
+            if nodes.is_empty() {
+            } else if self.slots.len() <= INLINE_SLOTS as usize {
+                self.walk_segments(nodes, local, |slot, depth| {
+                    self.report(&mut out, StorageTier::Device, slot, depth);
+                });
+            } else {
                 self.walk(nodes, local, chain, |slot, depth| {
                     self.report(&mut out, StorageTier::Device, slot, depth);
                 });
@@ -513,6 +459,78 @@ impl KvIndex {
         }
     }
 
+    /// The device walk for fleets within the inline bits (at most 64 slots): follows the prompt
+    /// along each segment by comparing local hashes, and hashes and looks up only where the
+    /// prompt leaves a segment. Reports what [`KvIndex::walk`] would.
+    fn walk_segments(
+        &self,
+        nodes: &TierNodes,
+        local: &[LocalBlockHash],
+        mut report: impl FnMut(u32, u32),
+    ) {
+        let mut emit = |mut bits: u64, depth: usize| {
+            if depth == 0 {
+                return;
+            }
+            while bits != 0 {
+                let slot = bits.trailing_zeros();
+                bits &= bits - 1;
+                if (slot as usize) < self.slots.len() {
+                    report(slot, depth as u32);
+                }
+            }
+        };
+        let Some(&first) = local.first() else {
+            return;
+        };
+        let mut active = u64::MAX;
+        let mut depth = 0;
+        let mut seq = next_seq_hash(None, first).0;
+        'walk: while let Some((seg, mut p)) = nodes.locate(seq) {
+            let segment = nodes.segment(seg);
+            let run = &segment.pos[..];
+            loop {
+                let kept = active & run[p].bits;
+                if kept != active {
+                    emit(active & !kept, depth);
+                    active = kept;
+                    if active == 0 {
+                        return;
+                    }
+                }
+                depth += 1;
+                // Skip the stretch where the prompt follows the segment and every slot still
+                // walking holds each block: local hashes and bits side by side, no hashing.
+                let same = run[p + 1..]
+                    .iter()
+                    .zip(&local[depth..])
+                    .take_while(|(at, want)| at.local == want.0 && at.bits & active == active)
+                    .count();
+                p += same;
+                depth += same;
+                let Some(&want) = local.get(depth) else {
+                    break 'walk;
+                };
+                match run.get(p + 1) {
+                    // The segment goes on with this block: its sequence hash is known. A dead
+                    // position (no bits) may live on elsewhere, so it is looked up.
+                    Some(next) if next.local == want.0 => {
+                        if next.bits == 0 {
+                            seq = segment.seqs[p + 1];
+                            continue 'walk;
+                        }
+                        p += 1;
+                    }
+                    _ => {
+                        seq = next_seq_hash(Some(SequenceHash(segment.seqs[p])), want).0;
+                        continue 'walk;
+                    }
+                }
+            }
+        }
+        emit(active, depth);
+    }
+
     /// Walks the request's chain through one tier, reporting each slot's match depth (> 0 only).
     fn walk(
         &self,
@@ -552,7 +570,7 @@ impl KvIndex {
                     s
                 }
             };
-            let Some(bits) = nodes.lo.get(seq) else {
+            let Some(bits) = nodes.bits(seq) else {
                 break;
             };
             let kept = active & bits;
@@ -618,9 +636,8 @@ impl KvIndex {
             ..MemoryStats::default()
         };
         for nodes in &self.tiers {
-            stats.live_nodes += nodes.lo.len();
-            stats.table_bytes += nodes.lo.bytes() + table_bytes(&nodes.hi);
-            stats.table_bytes += nodes.hi.values().map(|w| w.len() * 8).sum::<usize>();
+            stats.live_nodes += nodes.len();
+            stats.table_bytes += nodes.bytes();
         }
         for slot in &self.slots {
             for lane in &slot.lanes {
@@ -669,10 +686,10 @@ fn chain_at(chain: &mut Vec<u64>, local: &[LocalBlockHash], depth: usize) -> u64
 #[inline]
 fn word_bits(nodes: &TierNodes, seq: u64, word: usize) -> u64 {
     if word == 0 {
-        if nodes.lo.is_empty() {
+        if nodes.is_empty() {
             return 0;
         }
-        return nodes.lo.get(seq).unwrap_or(0);
+        return nodes.bits(seq).unwrap_or(0);
     }
     if nodes.hi.is_empty() {
         return 0;

@@ -51,6 +51,8 @@ pub struct NatsEventPlane {
 #[derive(Debug, Default)]
 struct Counters {
     published: AtomicU64,
+    /// Sent and not yet acknowledged (or failed).
+    unacked: AtomicU64,
     publish_failures: AtomicU64,
     duplicates: AtomicU64,
 }
@@ -117,6 +119,19 @@ impl NatsEventPlane {
         self.counters.duplicates.load(Ordering::Relaxed)
     }
 
+    /// Waits (up to `timeout`) until JetStream acknowledged (or refused) every KV event sent;
+    /// says whether it did. A worker calls it before it exits: events still on their way when
+    /// the connection closes are lost (the routers would have to repair the gap from a worker
+    /// that is gone).
+    pub async fn settle(&self, timeout: Duration) -> bool {
+        let settled = async {
+            while self.counters.unacked.load(Ordering::Relaxed) > 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        tokio::time::timeout(timeout, settled).await.is_ok()
+    }
+
     /// The connection.
     pub fn nats(&self) -> &Nats {
         &self.nats
@@ -147,6 +162,7 @@ impl NatsEventPlane {
                 }
             })?;
         self.counters.published.fetch_add(1, Ordering::Relaxed);
+        self.counters.unacked.fetch_add(1, Ordering::Relaxed);
         // Acks are awaited off the publishing path, so a worker's events stream at the rate the
         // connection takes them; a lost one shows up as a gap that consumers repair.
         let counters = self.counters.clone();
@@ -161,15 +177,13 @@ impl NatsEventPlane {
                     tracing::warn!(%error, "a KV event was not acknowledged by JetStream; routers will repair the gap");
                 }
             }
+            counters.unacked.fetch_sub(1, Ordering::Relaxed);
         });
         Ok(())
     }
 
-    /// An ordered consumer of the KV event stream from `start` (its oldest event when 0).
-    async fn kv_consumer(
-        &self,
-        start: u64,
-    ) -> Result<consumer::pull::Ordered, EventPlaneError> {
+    /// An ordered push consumer of the KV event stream from `start` (its oldest event when 0).
+    async fn kv_consumer(&self, start: u64) -> Result<consumer::push::Ordered, EventPlaneError> {
         let unavailable = |e: String| EventPlaneError::Unavailable { message: e };
         let stream = self
             .nats
@@ -185,7 +199,10 @@ impl NatsEventPlane {
             }
         };
         stream
-            .create_consumer(consumer::pull::OrderedConfig {
+            // A push consumer (flow control, idle heartbeats): the pull-based ordered consumer
+            // of async-nats stalls at batch boundaries against NATS 2.9 servers.
+            .create_consumer(consumer::push::OrderedConfig {
+                deliver_subject: self.nats.client.new_inbox(),
                 filter_subject: format!("{}.{KV_EVENT_SUBJECT}.>", self.nats.namespace),
                 deliver_policy,
                 ..Default::default()

@@ -32,5 +32,7 @@ mod sessions;
 pub use client::{ConnectError, DEFAULT_NAMESPACE, Nats, NatsConfig, NatsStatus};
 pub use discovery::{LEASE_TTL_METADATA, NatsDiscovery, NatsDiscoveryConfig};
 pub use event_plane::{EventStreamConfig, NatsEventPlane};
+/// The session types [`NatsAffinityStore`] speaks, from kvroute-sessions.
+pub use kvroute_sessions::{AffinityBinding, AffinityKind, AffinityStore};
 pub use sessions::{NatsAffinityStore, NatsAffinityStoreConfig};
 pub mod testing;

@@ -402,6 +402,11 @@ async fn run_worker<E: LlmEngine>(
         );
     }
     drop(server);
+    if let Some(shared) = &nats
+        && !shared.plane.settle(Duration::from_secs(2)).await
+    {
+        tracing::warn!("JetStream did not acknowledge every KV event before exit");
+    }
     tracing::info!("stopped");
     outcome
 }

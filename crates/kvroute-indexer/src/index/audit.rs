@@ -107,10 +107,11 @@ impl KvIndex {
                 }
             }
             let nodes = &self.tiers[tier.index()];
-            if nodes.lo.len() != expect.len() {
+            nodes.check().map_err(|e| format!("tier {tier:?}: {e}"))?;
+            if nodes.len() != expect.len() {
                 return Err(format!(
                     "tier {tier:?}: {} nodes, expected {}",
-                    nodes.lo.len(),
+                    nodes.len(),
                     expect.len()
                 ));
             }
@@ -135,7 +136,7 @@ impl KvIndex {
                         hi[w] |= 1 << (slot % 64);
                     }
                 }
-                if nodes.lo.get(*seq) != Some(lo) {
+                if nodes.bits(*seq) != Some(lo) {
                     return Err(format!("tier {tier:?} node {seq:#x}: wrong inline bits"));
                 }
                 let got: Vec<u64> = nodes.hi.get(seq).map(|w| w.to_vec()).unwrap_or_default();

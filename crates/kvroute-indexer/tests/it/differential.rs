@@ -222,3 +222,75 @@ proptest! {
         }
     }
 }
+
+/// Device-only streams with long chains over a few local hashes: what the segment walk sees
+/// (chains continuing a segment's end or branching off its middle, removals in the middle of a
+/// segment, prefixes stored again after they died elsewhere).
+fn device_op_strategy() -> impl Strategy<Value = Op> {
+    let store = (
+        1u64..4,
+        proptest::option::weighted(0.7, 1u64..40),
+        1u64..40,
+        proptest::collection::vec(1u64..3, 1..12),
+    )
+        .prop_map(|(w, parent, first, locals)| {
+            Op::Event(event(
+                w,
+                0,
+                StorageTier::Device,
+                0,
+                KvCacheEventData::Stored(KvCacheStoreData {
+                    parent_hash: parent.map(Ext),
+                    blocks: locals
+                        .into_iter()
+                        .enumerate()
+                        .map(|(k, l)| KvCacheStoredBlockData {
+                            block_hash: Ext(first + k as u64),
+                            tokens_hash: LocalBlockHash(l),
+                        })
+                        .collect(),
+                }),
+            ))
+        });
+    let remove = (1u64..4, proptest::collection::vec(1u64..40, 1..6)).prop_map(|(w, blocks)| {
+        Op::Event(event(
+            w,
+            0,
+            StorageTier::Device,
+            0,
+            KvCacheEventData::Removed(KvCacheRemoveData {
+                block_hashes: blocks.into_iter().map(Ext).collect(),
+            }),
+        ))
+    });
+    prop_oneof![
+        6 => store,
+        4 => remove,
+        1 => (1u64..4).prop_map(Op::RemoveWorker),
+        5 => proptest::collection::vec(1u64..3, 0..16).prop_map(Op::Query),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn device_walk_agrees_with_naive_model(ops in proptest::collection::vec(device_op_strategy(), 1..80)) {
+        let mut index = KvIndex::new();
+        let mut model = Model::default();
+        for op in &ops {
+            match op {
+                Op::Event(ev) => {
+                    let _ = index.apply_event_untracked(ev);
+                    model.apply(ev);
+                }
+                Op::RemoveWorker(id) => {
+                    index.remove_worker(*id);
+                    model.remove_worker(*id);
+                }
+                Op::Query(q) => prop_assert_eq!(index_query(&index, q), model.query(q)),
+            }
+            prop_assert_eq!(index.check_consistency(), Ok(()));
+        }
+    }
+}

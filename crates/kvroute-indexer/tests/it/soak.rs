@@ -52,7 +52,9 @@ fn churn_over_a_bounded_live_set_keeps_the_footprint() {
                     .is_ok()
             );
         }
-        if round == 1000 {
+        // After the last worker's turn every worker holds the same 64 chains, as at the end; in
+        // between, the union spans 65 chains and the nodes (now sized per node) differ.
+        if round == 1003 {
             steady = Some(index.memory());
         }
     }

@@ -176,3 +176,51 @@ fn other_subjects_are_plain_publish_subscribe_and_bad_input_is_refused() {
         );
     });
 }
+
+#[test]
+fn thousands_of_events_from_many_workers_reach_every_router_without_a_stall() {
+    let server = NatsServer::start();
+    run(async {
+        let config = EventStreamConfig::default();
+        let (workers, routers, n) = (8u64, 3usize, 1000u64);
+        let mut subscriptions = Vec::new();
+        for r in 0..routers {
+            let plane =
+                NatsEventPlane::start(connect(&server.url(), &format!("r{r}")).await, &config)
+                    .await
+                    .unwrap();
+            subscriptions.push((plane.subscribe(KV_EVENT_SUBJECT).await.unwrap(), plane));
+        }
+        let mut publishers = Vec::new();
+        for w in 0..workers {
+            let plane =
+                NatsEventPlane::start(connect(&server.url(), &format!("w{w}")).await, &config)
+                    .await
+                    .unwrap();
+            publishers.push(tokio::spawn(async move {
+                for id in 0..n {
+                    plane
+                        .publish(KV_EVENT_SUBJECT, encode_router_event(&cleared(w, id)))
+                        .await
+                        .unwrap();
+                }
+                assert!(plane.settle(BOUND).await, "every event acknowledged");
+                assert_eq!((plane.published(), plane.publish_failures()), (n, 0));
+            }));
+        }
+        for p in publishers {
+            p.await.unwrap();
+        }
+        for (subscription, _plane) in &mut subscriptions {
+            let got = next_events(subscription, (workers * n) as usize).await;
+            for w in 0..workers {
+                let ids: Vec<u64> = got
+                    .iter()
+                    .filter(|(x, _)| *x == w)
+                    .map(|(_, id)| *id)
+                    .collect();
+                assert_eq!(ids, (0..n).collect::<Vec<_>>(), "worker {w}");
+            }
+        }
+    });
+}

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use kvroute_protocols::WorkerWithDpRank;
-use kvroute_runtime::Discovery as _;
 use kvroute_router::{
     KvMode, KvPushRouter, KvPushRouterConfig, KvResponse, LoadSyncConfig, Policy,
 };
+use kvroute_runtime::Discovery as _;
 
 use crate::support::{BLOCK, Behaviour, Fleet, eventually, idle, request, run};
 

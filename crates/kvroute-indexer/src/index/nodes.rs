@@ -1,0 +1,290 @@
+//! The nodes of one storage tier: which slots hold each prefix, laid out along the chains they
+//! were stored in.
+//!
+//! A node is a prefix, keyed by its sequence hash. Nodes live in segments: runs of consecutive
+//! blocks of one stored chain, each position holding its block's local hash, its sequence hash
+//! and the bits of slots 0..64 that hold it. A chain stored after its parent goes on at the end
+//! of the parent's segment when the parent ends one, else it starts a segment. A query then walks
+//! a long prompt along a segment comparing local hashes in sequential memory, and needs a table
+//! lookup (and a hash) only where the segment ends or the prompt leaves it, the way the
+//! reference's radix tree compares the run of local hashes on one edge.
+//!
+//! Invariants (checked by the index's audit): `loc` maps every live node to its position, and a
+//! position is live exactly when `loc` maps its sequence hash to it; within a segment each
+//! position's sequence hash chains from the previous one (`seq[p] = next_seq_hash(seq[p - 1],
+//! local[p])`), so a walk that matched the local hash at `p` knows the sequence hash there
+//! without hashing; dead positions have no bits; a segment's last position is live (dead tails
+//! are cut off) and a segment without live positions is emptied and put on the free list.
+
+use crate::FastMap;
+use crate::hash::{SequenceHash, next_seq_hash};
+use crate::table::U64Map;
+use kvroute_protocols::kv_events::LocalBlockHash;
+
+/// What a walk reads of each block of a segment.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Pos {
+    /// The block's local hash.
+    pub(super) local: u64,
+    /// Slots 0..64 holding the prefix (0 once dead).
+    pub(super) bits: u64,
+}
+
+/// A run of consecutive blocks of one chain. The sequence hashes sit apart from what a walk
+/// scans, so a long prompt's walk streams 16 bytes a block through memory.
+#[derive(Debug, Default)]
+pub(super) struct Segment {
+    pub(super) pos: Vec<Pos>,
+    pub(super) seqs: Vec<u64>,
+    live: u32,
+}
+
+/// Shared nodes of one tier: which slots hold each prefix.
+#[derive(Debug, Default)]
+pub(super) struct TierNodes {
+    /// Sequence hash -> `segment << 32 | position`. Present while any slot holds the node.
+    loc: U64Map,
+    /// Sequence hash -> bits of slots 64.. (word `j` covers slots `64 * (j + 1)..`). Present only
+    /// while a slot of 64 or above holds the node.
+    pub(super) hi: FastMap<u64, Box<[u64]>>,
+    segs: Vec<Segment>,
+    free: Vec<u32>,
+    /// The node placed last and where: a stored chain's next block usually goes right after it,
+    /// so placing it needs no lookup of its parent.
+    last: Option<(u64, u32, usize)>,
+    /// Blocks of the chain being stored that may still need a place (see `expect_chain`).
+    room: usize,
+}
+
+/// Freed segments up to this capacity keep their memory for reuse.
+const REUSED_SEGMENT_BLOCKS: usize = 64;
+
+/// Slots below this number live in a position's inline bits.
+pub(super) const INLINE_SLOTS: u32 = 64;
+
+fn encode(seg: u32, pos: usize) -> u64 {
+    (u64::from(seg) << 32) | pos as u64
+}
+
+fn decode(loc: u64) -> (u32, usize) {
+    ((loc >> 32) as u32, (loc & 0xffff_ffff) as usize)
+}
+
+impl TierNodes {
+    /// Live nodes.
+    pub(super) fn len(&self) -> usize {
+        self.loc.len()
+    }
+
+    /// Whether no slot holds anything in this tier.
+    pub(super) fn is_empty(&self) -> bool {
+        self.loc.is_empty()
+    }
+
+    /// Where the live node `seq` is: its segment and position.
+    #[inline]
+    pub(super) fn locate(&self, seq: u64) -> Option<(u32, usize)> {
+        self.loc.get(seq).map(decode)
+    }
+
+    /// Segment `seg`.
+    #[inline]
+    pub(super) fn segment(&self, seg: u32) -> &Segment {
+        &self.segs[seg as usize]
+    }
+
+    /// Bits of slots 0..64 holding the live node `seq` (`None` when nobody holds it).
+    #[inline]
+    pub(super) fn bits(&self, seq: u64) -> Option<u64> {
+        self.locate(seq)
+            .map(|(seg, p)| self.segs[seg as usize].pos[p].bits)
+    }
+
+    /// Bytes reserved by the tier: the location table, the segments and the spill bits.
+    pub(super) fn bytes(&self) -> usize {
+        self.loc.bytes()
+            + super::table_bytes(&self.hi)
+            + self.hi.values().map(|w| w.len() * 8).sum::<usize>()
+            + self.segs.capacity() * std::mem::size_of::<Segment>()
+            + self
+                .segs
+                .iter()
+                .map(|s| s.pos.capacity() * std::mem::size_of::<Pos>() + s.seqs.capacity() * 8)
+                .sum::<usize>()
+            + self.free.capacity() * 4
+    }
+
+    /// Says that a chain of `blocks` blocks is about to be stored, so a segment it starts or
+    /// extends grows once for all of them.
+    pub(super) fn expect_chain(&mut self, blocks: usize) {
+        self.room = blocks;
+    }
+
+    /// Adds `slot` to the node `seq` (whose block has local hash `local` and continues the
+    /// prefix `prev`); says whether the slot already held it.
+    pub(super) fn add(&mut self, prev: Option<u64>, seq: u64, local: u64, slot: u32) -> bool {
+        // Where the node goes if it is new, worked out before the one probe that finds or claims
+        // its entry: after its parent when the parent ends a segment, else in a new segment. The
+        // parent is usually the node added just before, so that needs no lookup either.
+        let parent = match (prev, self.last) {
+            (Some(p), Some((last, seg, at))) if last == p => Some((seg, at)),
+            (Some(p), _) => self.locate(p),
+            (None, _) => None,
+        };
+        let after = parent
+            .filter(|&(seg, at)| at + 1 == self.segs[seg as usize].pos.len())
+            .map(|(seg, _)| seg);
+        let (new_seg, new_pos) = match after {
+            Some(seg) => (seg, self.segs[seg as usize].pos.len()),
+            None => (
+                self.free.last().copied().unwrap_or(self.segs.len() as u32),
+                0,
+            ),
+        };
+        let (at, fresh) = self.loc.get_or_insert(seq, encode(new_seg, new_pos));
+        let (seg, p) = decode(*at);
+        if fresh {
+            if after.is_none() && self.free.pop().is_none() {
+                self.segs.push(Segment::default());
+            }
+            let s = &mut self.segs[seg as usize];
+            if s.pos.len() == s.pos.capacity() {
+                // Room for the rest of the chain at once (still at least doubling).
+                let want = self.room.max(1);
+                s.pos.reserve(want);
+                s.seqs.reserve(want);
+            }
+            s.pos.push(Pos { local, bits: 0 });
+            s.seqs.push(seq);
+            s.live += 1;
+        }
+        self.room = self.room.saturating_sub(1);
+        self.last = Some((seq, seg, p));
+        if slot < INLINE_SLOTS {
+            let bits = &mut self.segs[seg as usize].pos[p].bits;
+            let mask = 1u64 << slot;
+            let had = *bits & mask != 0;
+            *bits |= mask;
+            return had;
+        }
+        let word = (slot / 64 - 1) as usize;
+        let mask = 1u64 << (slot % 64);
+        let words = self
+            .hi
+            .entry(seq)
+            .or_insert_with(|| vec![0; word + 1].into_boxed_slice());
+        if words.len() <= word {
+            let mut grown = words.to_vec();
+            grown.resize(word + 1, 0);
+            *words = grown.into_boxed_slice();
+        }
+        let had = words[word] & mask != 0;
+        words[word] |= mask;
+        had
+    }
+
+    /// Removes `slot` from the node, dropping the node once nobody holds it.
+    pub(super) fn remove(&mut self, seq: u64, slot: u32) {
+        let Some((seg, p)) = self.locate(seq) else {
+            return;
+        };
+        if slot < INLINE_SLOTS {
+            self.segs[seg as usize].pos[p].bits &= !(1u64 << slot);
+        } else {
+            let word = (slot / 64 - 1) as usize;
+            if let Some(words) = self.hi.get_mut(&seq) {
+                if let Some(w) = words.get_mut(word) {
+                    *w &= !(1u64 << (slot % 64));
+                }
+                if words.iter().all(|w| *w == 0) {
+                    self.hi.remove(&seq);
+                }
+            }
+        }
+        let held_hi = !self.hi.is_empty() && self.hi.contains_key(&seq);
+        if self.segs[seg as usize].pos[p].bits == 0 && !held_hi {
+            self.kill(seq, seg);
+        }
+    }
+
+    /// Forgets the node `seq` of segment `seg` (its bits are already clear), cutting dead tails
+    /// and freeing empty segments.
+    fn kill(&mut self, seq: u64, seg: u32) {
+        self.loc.remove(seq);
+        if self.last.is_some_and(|(last, _, _)| last == seq) {
+            self.last = None;
+        }
+        let s = &mut self.segs[seg as usize];
+        s.live -= 1;
+        if s.live == 0 {
+            // A small segment keeps its memory for the next chain (churn stores and frees them
+            // by the million); a large one gives it back.
+            if s.pos.capacity() > REUSED_SEGMENT_BLOCKS {
+                *s = Segment::default();
+            } else {
+                s.pos.clear();
+                s.seqs.clear();
+            }
+            self.free.push(seg);
+            return;
+        }
+        while let (Some(last), Some(&last_seq)) = (s.pos.last(), s.seqs.last()) {
+            let at = encode(seg, s.pos.len() - 1);
+            if last.bits != 0 || self.loc.get(last_seq) == Some(at) {
+                break;
+            }
+            s.pos.pop();
+            s.seqs.pop();
+        }
+        // Give memory back once a segment is a quarter full, to the power of two pushing would
+        // have reached (shrinking at every halving would copy back and forth at a boundary).
+        let fit = s.pos.len().next_power_of_two().max(4);
+        if s.pos.capacity() >= 4 * fit {
+            s.pos.shrink_to(fit);
+            s.seqs.shrink_to(fit);
+        }
+    }
+
+    /// Checks the invariants in the module docs.
+    pub(super) fn check(&self) -> Result<(), String> {
+        for (seq, loc) in self.loc.iter() {
+            let (seg, p) = decode(loc);
+            let at = self.segs.get(seg as usize).and_then(|s| s.seqs.get(p));
+            if at != Some(&seq) {
+                return Err(format!("node {seq:#x} is not where its location says"));
+            }
+        }
+        for (i, s) in self.segs.iter().enumerate() {
+            if s.pos.len() != s.seqs.len() {
+                return Err(format!(
+                    "segment {i}: blocks and sequence hashes differ in number"
+                ));
+            }
+            let mut live = 0;
+            for (p, (at, &seq)) in s.pos.iter().zip(&s.seqs).enumerate() {
+                let here = self.loc.get(seq) == Some(encode(i as u32, p));
+                live += u32::from(here);
+                if !here && at.bits != 0 {
+                    return Err(format!("segment {i} position {p} is dead but has bits"));
+                }
+                let prev = p.checked_sub(1).map(|q| SequenceHash(s.seqs[q]));
+                if p > 0 && next_seq_hash(prev, LocalBlockHash(at.local)).0 != seq {
+                    return Err(format!("segment {i} position {p} does not chain"));
+                }
+            }
+            if live != s.live {
+                return Err(format!(
+                    "segment {i}: {live} live positions, counted {}",
+                    s.live
+                ));
+            }
+            let end = s.seqs.len().checked_sub(1);
+            if let Some(last) = end
+                && self.loc.get(s.seqs[last]) != Some(encode(i as u32, last))
+            {
+                return Err(format!("segment {i} ends with a dead position"));
+            }
+        }
+        Ok(())
+    }
+}

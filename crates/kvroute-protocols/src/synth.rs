@@ -1,0 +1,402 @@
+//! Seeded synthetic workloads in the Mooncake trace shape ([`crate::trace::TraceRecord`]), so that
+//! no benchmark figure depends on one recorded trace.
+//!
+//! Two families:
+//! - [`AgenticConfig`]: agent sessions whose context grows turn by turn from about 20k to 200k
+//!   tokens (tool results and model output appended), compacts to a fresh summary when it reaches
+//!   its limit, and forks sub-agents that start from the parent's whole context plus a task of
+//!   their own. Many sessions run at once, so a fleet's caches are under eviction pressure.
+//! - [`MultiTurnConfig`]: chat sessions over a handful of shared system prompts, each turn
+//!   resending the whole conversation.
+//!
+//! Every hash id stands for one [`MOONCAKE_BLOCK_TOKENS`]-token block of a prompt and, with the
+//! ids before it, for the whole prefix: a full block keeps its id for the rest of a session (and in
+//! the sub-agents forked from it); a partial trailing block gets a fresh id each time it is sent.
+//! The same config and seed always give the same records. Records come in timestamp order.
+
+use crate::trace::{MOONCAKE_BLOCK_TOKENS, TraceRecord};
+
+/// One generated request and the session it belongs to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SynthRequest {
+    /// The request as a trace line.
+    pub record: TraceRecord,
+    /// Session (agent, sub-agent or chat) that sent it; unique within one generated workload.
+    pub session_id: u64,
+    /// The session a sub-agent was forked from.
+    pub parent_session: Option<u64>,
+}
+
+/// A named workload with its default shape, as chosen on a command line.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Workload {
+    /// Long-context agent sessions with sub-agents ([`AgenticConfig`]).
+    Agentic(AgenticConfig),
+    /// Multi-turn chat over shared system prompts ([`MultiTurnConfig`]).
+    MultiTurn(MultiTurnConfig),
+}
+
+/// A workload name that is not one of [`Workload::NAMES`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown workload `{0}`: expected one of agentic, multi-turn")]
+pub struct UnknownWorkload(pub String);
+
+impl Workload {
+    /// The names [`Workload::from_name`] accepts.
+    pub const NAMES: &'static [&'static str] = &["agentic", "multi-turn"];
+
+    /// The workload called `name` with its default config.
+    pub fn from_name(name: &str) -> Result<Self, UnknownWorkload> {
+        match name {
+            "agentic" => Ok(Self::Agentic(AgenticConfig::default())),
+            "multi-turn" => Ok(Self::MultiTurn(MultiTurnConfig::default())),
+            other => Err(UnknownWorkload(other.to_owned())),
+        }
+    }
+
+    /// The requests of this workload for `seed`, in timestamp order.
+    pub fn generate(&self, seed: u64) -> Vec<SynthRequest> {
+        match self {
+            Self::Agentic(config) => agentic(config, seed),
+            Self::MultiTurn(config) => multi_turn(config, seed),
+        }
+    }
+}
+
+/// Shape of [`agentic`] workloads. Token ranges are inclusive `(min, max)`, drawn uniformly.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgenticConfig {
+    /// Top-level agent sessions in the whole workload.
+    pub sessions: u32,
+    /// Sessions running at the same time; a new one starts when one ends.
+    pub concurrency: u32,
+    /// Tokens of the system prompt and tool definitions every agent shares.
+    pub shared_prefix_tokens: u32,
+    /// Tokens of a session's own task and first files, after the shared prefix.
+    pub task_tokens: (u32, u32),
+    /// Tokens a turn appends (tool output plus the next instruction).
+    pub turn_tokens: (u32, u32),
+    /// Tokens the model generates per turn (appended to the context too).
+    pub output_tokens: (u32, u32),
+    /// A session's context limit: a turn that would pass it compacts the context first.
+    pub max_context_tokens: u32,
+    /// Tokens of the summary a compaction leaves after the shared prefix.
+    pub summary_tokens: (u32, u32),
+    /// Compactions after which a session ends.
+    pub compactions: u32,
+    /// Chance that a turn also forks a sub-agent from the context so far.
+    pub fork_probability: f64,
+    /// Turns of one sub-agent.
+    pub subagent_turns: (u32, u32),
+    /// Milliseconds between a session's turns (tool calls and generation).
+    pub turn_gap_ms: (u32, u32),
+}
+
+impl Default for AgenticConfig {
+    fn default() -> Self {
+        Self {
+            sessions: 12,
+            concurrency: 6,
+            shared_prefix_tokens: 8_000,
+            task_tokens: (8_000, 16_000),
+            turn_tokens: (1_000, 12_000),
+            output_tokens: (100, 1_500),
+            max_context_tokens: 200_000,
+            summary_tokens: (4_000, 12_000),
+            compactions: 1,
+            fork_probability: 0.12,
+            subagent_turns: (1, 4),
+            turn_gap_ms: (2_000, 20_000),
+        }
+    }
+}
+
+/// Shape of [`multi_turn`] workloads. Token ranges are inclusive `(min, max)`, drawn uniformly.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MultiTurnConfig {
+    /// Chat sessions in the whole workload.
+    pub sessions: u32,
+    /// Distinct system prompts; session `k` mostly picks the first ones (weight `1 / (i + 1)`).
+    pub system_prompts: u32,
+    /// Tokens of each system prompt.
+    pub system_tokens: (u32, u32),
+    /// Turns per session.
+    pub turns: (u32, u32),
+    /// Tokens of one user message.
+    pub user_tokens: (u32, u32),
+    /// Tokens of one answer.
+    pub output_tokens: (u32, u32),
+    /// Mean milliseconds between session starts (exponential gaps).
+    pub session_gap_ms: f64,
+    /// Milliseconds between a session's turns.
+    pub turn_gap_ms: (u32, u32),
+}
+
+impl Default for MultiTurnConfig {
+    fn default() -> Self {
+        Self {
+            sessions: 600,
+            system_prompts: 8,
+            system_tokens: (2_000, 8_000),
+            turns: (2, 12),
+            user_tokens: (200, 2_500),
+            output_tokens: (100, 1_000),
+            session_gap_ms: 500.0,
+            turn_gap_ms: (5_000, 60_000),
+        }
+    }
+}
+
+/// Agent sessions with growing long contexts, compaction and sub-agents (see the module docs).
+pub fn agentic(config: &AgenticConfig, seed: u64) -> Vec<SynthRequest> {
+    let mut rng = SplitMix64::new(seed);
+    let mut ids = IdSource::default();
+    let shared = Context::fresh(&mut ids, config.shared_prefix_tokens);
+    let mut out = Vec::new();
+    let mut next_session = 0u64;
+    // Each running session (or sub-agent): when its next turn is due.
+    let mut running: Vec<Agent> = Vec::new();
+    let mut started = 0u32;
+    let mut now = 0.0f64;
+    let concurrency = config.concurrency.max(1);
+    loop {
+        while started < config.sessions && count_top(&running) < concurrency as usize {
+            let mut context = shared.clone();
+            context.append(&mut ids, rng.range(config.task_tokens));
+            running.push(Agent {
+                session: next_session,
+                parent: None,
+                context,
+                due: now + rng.range(config.turn_gap_ms) as f64,
+                turns_left: None,
+                compactions_left: config.compactions,
+            });
+            next_session += 1;
+            started += 1;
+        }
+        let Some(i) = (0..running.len()).min_by(|&a, &b| running[a].due.total_cmp(&running[b].due))
+        else {
+            break;
+        };
+        now = running[i].due;
+        let turn = rng.range(config.turn_tokens);
+        let agent = &mut running[i];
+        if agent.context.tokens.saturating_add(turn) > config.max_context_tokens {
+            if agent.turns_left.is_some() || agent.compactions_left == 0 {
+                running.swap_remove(i);
+                continue;
+            }
+            agent.compactions_left -= 1;
+            agent.context = shared.clone();
+            agent
+                .context
+                .append(&mut ids, rng.range(config.summary_tokens));
+        }
+        agent.context.append(&mut ids, turn);
+        let output = rng.range(config.output_tokens);
+        out.push(SynthRequest {
+            record: agent.context.record(&mut ids, now, output),
+            session_id: agent.session,
+            parent_session: agent.parent,
+        });
+        agent.context.append(&mut ids, output);
+        agent.due = now + rng.range(config.turn_gap_ms) as f64;
+        let mut finished = false;
+        if let Some(left) = &mut agent.turns_left {
+            *left -= 1;
+            finished = *left == 0;
+        }
+        let fork = agent.turns_left.is_none() && rng.chance(config.fork_probability);
+        if fork {
+            let mut context = agent.context.clone();
+            let parent = agent.session;
+            context.append(&mut ids, rng.range(config.task_tokens) / 4);
+            running.push(Agent {
+                session: next_session,
+                parent: Some(parent),
+                context,
+                due: now + rng.range(config.turn_gap_ms) as f64 / 4.0,
+                turns_left: Some(rng.range(config.subagent_turns).max(1)),
+                compactions_left: 0,
+            });
+            next_session += 1;
+        }
+        if finished {
+            running.swap_remove(i);
+        }
+    }
+    out
+}
+
+/// Chat sessions over shared system prompts (see the module docs).
+pub fn multi_turn(config: &MultiTurnConfig, seed: u64) -> Vec<SynthRequest> {
+    let mut rng = SplitMix64::new(seed);
+    let mut ids = IdSource::default();
+    let prompts: Vec<Context> = (0..config.system_prompts.max(1))
+        .map(|_| {
+            let tokens = rng.range(config.system_tokens);
+            Context::fresh(&mut ids, tokens)
+        })
+        .collect();
+    let weights: Vec<f64> = (0..prompts.len()).map(|i| 1.0 / (i + 1) as f64).collect();
+    let total: f64 = weights.iter().sum();
+    let mut out = Vec::new();
+    let mut start = 0.0f64;
+    for session in 0..u64::from(config.sessions) {
+        start += rng.exponential(config.session_gap_ms);
+        let mut pick = rng.unit() * total;
+        let prompt = weights
+            .iter()
+            .position(|w| {
+                pick -= w;
+                pick < 0.0
+            })
+            .unwrap_or(prompts.len() - 1);
+        let mut context = prompts[prompt].clone();
+        let mut now = start;
+        for _ in 0..rng.range(config.turns).max(1) {
+            context.append(&mut ids, rng.range(config.user_tokens));
+            let output = rng.range(config.output_tokens);
+            out.push(SynthRequest {
+                record: context.record(&mut ids, now, output),
+                session_id: session,
+                parent_session: None,
+            });
+            context.append(&mut ids, output);
+            now += rng.range(config.turn_gap_ms) as f64;
+        }
+    }
+    out.sort_by(|a, b| a.record.timestamp.total_cmp(&b.record.timestamp));
+    out
+}
+
+/// The requests as a Mooncake JSONL trace (what [`crate::trace::parse_jsonl`] reads), with the
+/// session as an extra `session_id` field (and `parent_session_id` for sub-agents).
+pub fn to_jsonl(requests: &[SynthRequest]) -> String {
+    let mut out = String::new();
+    for r in requests {
+        let mut line = serde_json::json!({
+            "timestamp": r.record.timestamp,
+            "input_length": r.record.input_length,
+            "output_length": r.record.output_length,
+            "hash_ids": r.record.hash_ids,
+            "session_id": r.session_id,
+        });
+        if let (Some(parent), Some(map)) = (r.parent_session, line.as_object_mut()) {
+            map.insert("parent_session_id".to_owned(), parent.into());
+        }
+        out.push_str(&line.to_string());
+        out.push('\n');
+    }
+    out
+}
+
+/// One running agent or sub-agent.
+struct Agent {
+    session: u64,
+    parent: Option<u64>,
+    context: Context,
+    due: f64,
+    /// Turns left for a sub-agent; `None` for a top-level session.
+    turns_left: Option<u32>,
+    compactions_left: u32,
+}
+
+fn count_top(running: &[Agent]) -> usize {
+    running.iter().filter(|a| a.parent.is_none()).count()
+}
+
+/// Hands out hash ids, each standing for a block content never seen before.
+#[derive(Default)]
+struct IdSource {
+    next: u64,
+}
+
+impl IdSource {
+    fn fresh(&mut self) -> u64 {
+        self.next += 1;
+        self.next
+    }
+}
+
+/// A prompt so far: the ids of its full blocks and its length in tokens.
+#[derive(Debug, Clone)]
+struct Context {
+    full: Vec<u64>,
+    tokens: u32,
+}
+
+impl Context {
+    fn fresh(ids: &mut IdSource, tokens: u32) -> Self {
+        let mut c = Self {
+            full: Vec::new(),
+            tokens: 0,
+        };
+        c.append(ids, tokens);
+        c
+    }
+
+    /// Appends new content; every block it completes gets a fresh id (a block that was partial
+    /// before is new content as a whole).
+    fn append(&mut self, ids: &mut IdSource, tokens: u32) {
+        self.tokens = self.tokens.saturating_add(tokens);
+        let full = self.tokens as usize / MOONCAKE_BLOCK_TOKENS;
+        while self.full.len() < full {
+            self.full.push(ids.fresh());
+        }
+    }
+
+    fn record(&self, ids: &mut IdSource, timestamp: f64, output: u32) -> TraceRecord {
+        let mut hash_ids = self.full.clone();
+        if !(self.tokens as usize).is_multiple_of(MOONCAKE_BLOCK_TOKENS) {
+            hash_ids.push(ids.fresh());
+        }
+        TraceRecord {
+            timestamp: timestamp.round(),
+            input_length: self.tokens,
+            output_length: output,
+            hash_ids,
+        }
+    }
+}
+
+/// SplitMix64: tiny, seedable and stable across platforms and releases, which a generator whose
+/// output feeds recorded benchmark figures needs more than statistical quality.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn new(seed: u64) -> Self {
+        Self(seed ^ 0x6a09_e667_f3bc_c908)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in the inclusive range (bounds in either order).
+    fn range(&mut self, (a, b): (u32, u32)) -> u32 {
+        let (lo, hi) = (a.min(b), a.max(b));
+        lo + (self.next() % (u64::from(hi - lo) + 1)) as u32
+    }
+
+    fn chance(&mut self, p: f64) -> bool {
+        self.unit() < p
+    }
+
+    fn exponential(&mut self, mean: f64) -> f64 {
+        -mean * (1.0 - self.unit()).ln()
+    }
+}
+
+#[cfg(test)]
+mod tests;
