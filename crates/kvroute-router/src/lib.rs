@@ -87,6 +87,6 @@ pub use kvroute_indexer::hash::HashSalt;
 pub use kvroute_indexer::{ApproxConfig, EventGap};
 pub use kvroute_prefill::{DisaggMode, PrefillRouterConfig};
 pub use kvroute_scheduler::{
-    CandidateCost, LoadError, RequestId, SchedulerConfig, WorkerLoad, WorkerSpec,
+    CandidateCost, LoadError, RequestId, RequestLoad, SchedulerConfig, WorkerLoad, WorkerSpec,
 };
 pub use kvroute_sessions::{InMemoryAffinityStore, SessionCommand, WorkerLossMode};

@@ -272,3 +272,69 @@ fn engine_profiles_size_the_engines_and_flags_override_them() {
         (Some("h100-8b".into()), Some(32), Some(99))
     );
 }
+
+#[test]
+fn router_replicas_that_sync_at_once_route_as_one_router_and_late_sync_still_drains() {
+    let dir = scratch("replicas");
+    let trace = write_fixture(&dir);
+    let figures = |json: &Value| -> Vec<(String, String)> {
+        json["policies"]
+            .as_array()
+            .expect("policies")
+            .iter()
+            .map(|p| (p["policy"].to_string(), p["hit_rate"].to_string()))
+            .collect()
+    };
+    let one = replay_json(&trace, &dir.join("one.json"), &["--policy", "kv"]);
+    let instant = replay_json(
+        &trace,
+        &dir.join("instant.json"),
+        &[
+            "--policy",
+            "kv",
+            "--routers",
+            "3",
+            "--router-sync-delay",
+            "0ms",
+        ],
+    );
+    // With no delay, three replicas that see everything at once make the single router's
+    // decisions: the same hit rate.
+    assert_eq!(figures(&one), figures(&instant));
+    // With a delay the run completes, every replica drains (the binary checks it and fails
+    // otherwise), and the hit rate stays within 2 points of the single router's.
+    let late = replay_json(
+        &trace,
+        &dir.join("late.json"),
+        &[
+            "--policy",
+            "kv",
+            "--routers",
+            "3",
+            "--router-sync-delay",
+            "50ms",
+        ],
+    );
+    let hit = |json: &Value| policy(json, "kv")["hit_rate"].as_f64().expect("hit_rate");
+    assert!(
+        (hit(&one) - hit(&late)).abs() < 0.02,
+        "one {} vs three late replicas {}",
+        hit(&one),
+        hit(&late)
+    );
+    let refused = kvroute(&[
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--routers",
+        "2",
+        "--prefill-workers",
+        "1",
+    ]);
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused).1.contains("aggregated serving only"),
+        "{}",
+        text(&refused).1
+    );
+}
