@@ -116,6 +116,9 @@ async fn connect(url: &str, name: &str) -> Nats {
         .expect("connect to the bench's nats-server")
 }
 
+/// Per (worker, event id): how many routers indexed it, and when the last one did.
+type Indexed = HashMap<(u64, u64), (usize, Instant)>;
+
 fn pct(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
         return Duration::ZERO;
@@ -132,7 +135,7 @@ async fn fan_out(url: &str, a: &Args, rate: Option<f64>, first_id: u64) {
     let total = a.workers * a.events;
     let published: Arc<Mutex<HashMap<(u64, u64), Instant>>> = Arc::default();
     // Per event: how many routers indexed it, and when the last one did.
-    let indexed: Arc<Mutex<HashMap<(u64, u64), (usize, Instant)>>> = Arc::default();
+    let indexed: Arc<Mutex<Indexed>> = Arc::default();
     let mut routers = Vec::new();
     for r in 0..a.routers {
         let plane = NatsEventPlane::start(
@@ -321,7 +324,7 @@ async fn catch_up(url: &str, a: &Args) {
         let message = subscription.next().await.expect("subscription open");
         let _ = index.apply_event(&decode_router_event(&message.payload).unwrap());
         applied += 1;
-        if applied % 100_000 == 0 {
+        if applied.is_multiple_of(100_000) {
             eprintln!("caught up {applied} of {total_events}");
         }
     }

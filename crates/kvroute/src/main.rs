@@ -44,7 +44,7 @@ enum Command {
     Serve(Box<serve::ServeArgs>),
     /// Run a worker that registers with a router and publishes KV events: a simulated engine
     /// (`--mock`) or a real one behind its HTTP API (`--engine KIND --engine-url URL`).
-    Worker(worker::WorkerArgs),
+    Worker(Box<worker::WorkerArgs>),
 }
 
 fn main() -> ExitCode {
@@ -53,7 +53,7 @@ fn main() -> ExitCode {
         Command::Replay(args) => replay::run(&args),
         Command::Demo(args) => demo::run(&args),
         Command::Serve(args) => serve::run(*args),
-        Command::Worker(args) => worker::run(args),
+        Command::Worker(args) => worker::run(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
