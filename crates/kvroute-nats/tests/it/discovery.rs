@@ -106,9 +106,10 @@ fn a_killed_worker_disappears_within_the_lease_ttl() {
         })
         .await;
         let took = killed.elapsed();
-        // The TTL plus one reaper tick (a quarter of it), with room for a loaded machine.
+        // The TTL plus one reaper tick (a quarter of it), with room for a loaded machine (the
+        // server drops the key itself, silently, so only the watcher's reaping removes it).
         assert!(
-            took <= ttl * 2,
+            took <= ttl * 3,
             "dropped {took:?} after the last renewal could have happened; TTL {ttl:?}"
         );
     });
