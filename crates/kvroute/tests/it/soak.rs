@@ -3,7 +3,8 @@
 //! prompt, sessions opened, bound and closed, bad JSON, streams the client drops after the first
 //! chunk) while a chaos loop SIGKILLs one worker every few seconds and restarts it with the same
 //! id. Every request is counted by outcome and the counts must account for all of them; at the
-//! end the router holds no load, no live worker holds a session and the router's RSS is flat.
+//! end the router holds no load, no live worker holds a session and, on runs of five minutes or
+//! more, the router's RSS is flat.
 //!
 //! It runs for `KVROUTE_SOAK_SECONDS` seconds (15 by default, the CI run); `cargo xtask soak
 //! --minutes N` runs it in release mode for longer.
@@ -26,6 +27,10 @@ const DEFAULT_SECONDS: u64 = 15;
 const CLIENTS: usize = 8;
 /// The longest any one request may take; a request that takes longer fails the test.
 const REQUEST_BOUND: Duration = Duration::from_secs(20);
+/// The shortest soak whose RSS after warm-up says anything about growth (see the end of the
+/// soak).
+const RSS_TREND_SECONDS: u64 = 300;
+
 /// How often the chaos loop kills (and restarts) a worker.
 const KILL_EVERY: Duration = Duration::from_secs(3);
 /// Engine speedup, so that requests are short.
@@ -435,9 +440,19 @@ async fn a_bounded_soak_accounts_for_every_request_and_ends_idle() {
 
     let rss_end = rss_kib(serve_pid);
     println!("soak: {tally}; router RSS {rss_warm} -> {rss_end} KiB; {kills} worker kills");
-    // Flat: within 5%, or 4 MiB for a small process whose RSS jitters.
-    assert!(
-        rss_end <= rss_warm + (rss_warm / 20).max(4 * 1024),
-        "the router's RSS grew from {rss_warm} KiB after warm-up to {rss_end} KiB"
-    );
+    // Flat: within 5%, or 4 MiB for a small process whose RSS jitters. Judged on runs of
+    // RSS_TREND_SECONDS or more only: in CI's 15 s run the allocator is still settling after its
+    // 3 s warm-up (it moved by 0.6 to 5.9 MiB there, run to run), which says nothing about a
+    // trend. `cargo xtask soak --minutes N` judges it; the 30-minute run currently fails it
+    // (docs/benchmarks.md, "Soak").
+    if seconds >= RSS_TREND_SECONDS {
+        assert!(
+            rss_end <= rss_warm + (rss_warm / 20).max(4 * 1024),
+            "the router's RSS grew from {rss_warm} KiB after warm-up to {rss_end} KiB"
+        );
+    } else {
+        println!(
+            "soak: RSS not judged on a {seconds} s run (at least {RSS_TREND_SECONDS} s shows a trend)"
+        );
+    }
 }
