@@ -9,7 +9,8 @@ use bytes::Bytes;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use kvroute_runtime::{
-    EventPlane, EventPlaneError, KV_EVENT_SUBJECT, Message, Subscription, decode_router_event,
+    EventPlane, EventPlaneError, KV_EVENT_SUBJECT, Message, Subscription, check_subject,
+    decode_router_event,
 };
 
 use crate::client::{ConnectError, Nats};
@@ -283,40 +284,6 @@ impl NatsEventPlane {
     }
 }
 
-/// Checks a subject or pattern as the in-process plane does (dot-separated non-empty tokens;
-/// wildcards only in patterns).
-fn check(subject: &str, pattern: bool) -> Result<(), EventPlaneError> {
-    let invalid = |reason| EventPlaneError::InvalidSubject {
-        subject: subject.to_owned(),
-        reason,
-    };
-    if subject.is_empty() {
-        return Err(invalid("empty"));
-    }
-    let tokens: Vec<&str> = subject.split('.').collect();
-    for (i, token) in tokens.iter().enumerate() {
-        if token.is_empty() {
-            return Err(invalid("empty token"));
-        }
-        if token.chars().any(char::is_whitespace) {
-            return Err(invalid("whitespace in a token"));
-        }
-        let wildcard = *token == "*" || *token == ">";
-        if wildcard && !pattern {
-            return Err(invalid(
-                "wildcards are only allowed in subscription patterns",
-            ));
-        }
-        if *token == ">" && i + 1 != tokens.len() {
-            return Err(invalid("'>' must be the last token"));
-        }
-        if !wildcard && (token.contains('*') || token.contains('>')) {
-            return Err(invalid("wildcards must be whole tokens"));
-        }
-    }
-    Ok(())
-}
-
 impl EventPlane for NatsEventPlane {
     fn publish<'a>(
         &'a self,
@@ -324,7 +291,7 @@ impl EventPlane for NatsEventPlane {
         payload: Bytes,
     ) -> BoxFuture<'a, Result<(), EventPlaneError>> {
         Box::pin(async move {
-            check(subject, false)?;
+            check_subject(subject, false)?;
             if subject == KV_EVENT_SUBJECT {
                 return self.publish_kv_event(payload).await;
             }
@@ -343,7 +310,7 @@ impl EventPlane for NatsEventPlane {
         pattern: &'a str,
     ) -> BoxFuture<'a, Result<Subscription, EventPlaneError>> {
         Box::pin(async move {
-            check(pattern, true)?;
+            check_subject(pattern, true)?;
             if pattern == KV_EVENT_SUBJECT {
                 self.subscribe_kv_events().await
             } else {
@@ -359,6 +326,7 @@ mod tests {
 
     #[test]
     fn subjects_and_patterns_are_checked_like_the_in_process_plane() {
+        let check = check_subject;
         assert!(check("kv_events", false).is_ok());
         assert!(check("load.router-1", false).is_ok());
         assert!(check("load.*", true).is_ok());

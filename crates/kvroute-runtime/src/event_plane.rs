@@ -173,8 +173,18 @@ fn tokens(subject: &str, pattern: bool) -> Result<Vec<&str>, EventPlaneError> {
         if *part == ">" && i + 1 != parts.len() {
             return Err(invalid("'>' must be the last token"));
         }
+        if !wildcard && (part.contains('*') || part.contains('>')) {
+            return Err(invalid("wildcards must be whole tokens"));
+        }
     }
     Ok(parts)
+}
+
+/// Checks a subject (`pattern` false) or a subscription pattern as every event plane must:
+/// dot-separated non-empty tokens without whitespace, `*` and a trailing `>` as whole tokens and
+/// only in patterns. Planes outside this crate (NATS) call it so all refuse the same input.
+pub fn check_subject(subject: &str, pattern: bool) -> Result<(), EventPlaneError> {
+    tokens(subject, pattern).map(|_| ())
 }
 
 fn matches(pattern: &[String], subject: &[&str]) -> bool {

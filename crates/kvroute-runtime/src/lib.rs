@@ -83,7 +83,7 @@ pub use engine::{Engine, EngineError, RequestContext, ResponseStream};
 pub use error::RequestError;
 pub use event_plane::{
     DEFAULT_SUBSCRIBER_CAPACITY, EventPlane, EventPlaneError, InProcessEventPlane, Message,
-    Subscription, decode_router_event, encode_router_event,
+    Subscription, check_subject, decode_router_event, encode_router_event,
 };
 pub use frame::{DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION};
 pub use kv_bridge::{KV_EVENTS_METADATA, KvEventBridge, KvEventBridgeConfig};

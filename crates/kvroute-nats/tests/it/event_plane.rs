@@ -4,11 +4,10 @@
 use bytes::Bytes;
 use futures::StreamExt;
 use kvroute_nats::testing::NatsServer;
-use kvroute_nats::{EventStreamConfig, NatsEventPlane};
 use kvroute_protocols::kv_events::{KvCacheEvent, KvCacheEventData, RouterEvent, StorageTier};
 use kvroute_runtime::{EventPlane, KV_EVENT_SUBJECT, decode_router_event, encode_router_event};
 
-use crate::{BOUND, connect, eventually, run};
+use crate::{BOUND, eventually, plane, run};
 
 fn cleared(worker_id: u64, event_id: u64) -> RouterEvent {
     RouterEvent {
@@ -43,18 +42,8 @@ async fn next_events(
 fn kv_events_reach_every_router_in_order_and_a_late_router_replays_them() {
     let server = NatsServer::start();
     run(async {
-        let worker = NatsEventPlane::start(
-            connect(&server.url(), "worker").await,
-            &EventStreamConfig::default(),
-        )
-        .await
-        .unwrap();
-        let early = NatsEventPlane::start(
-            connect(&server.url(), "router-a").await,
-            &EventStreamConfig::default(),
-        )
-        .await
-        .unwrap();
+        let worker = plane(&server.url(), "worker").await;
+        let early = plane(&server.url(), "router-a").await;
         let mut live = early.subscribe(KV_EVENT_SUBJECT).await.unwrap();
         for id in 0..50 {
             worker
@@ -77,12 +66,7 @@ fn kv_events_reach_every_router_in_order_and_a_late_router_replays_them() {
         assert_eq!(of(7), expected, "worker 7's events in order");
         assert_eq!(of(8), expected, "worker 8's events in order");
         // A router that starts now replays the stream from its oldest event.
-        let late = NatsEventPlane::start(
-            connect(&server.url(), "router-b").await,
-            &EventStreamConfig::default(),
-        )
-        .await
-        .unwrap();
+        let late = plane(&server.url(), "router-b").await;
         let mut replay = late.subscribe(KV_EVENT_SUBJECT).await.unwrap();
         let replayed = next_events(&mut replay, 100).await;
         assert_eq!(replayed, got, "the late router sees the same stream");
@@ -94,12 +78,7 @@ fn kv_events_reach_every_router_in_order_and_a_late_router_replays_them() {
 fn a_re_published_event_is_stored_once() {
     let server = NatsServer::start();
     run(async {
-        let worker = NatsEventPlane::start(
-            connect(&server.url(), "worker").await,
-            &EventStreamConfig::default(),
-        )
-        .await
-        .unwrap();
+        let worker = plane(&server.url(), "worker").await;
         for id in [0, 1, 1, 2, 2, 2, 3] {
             worker
                 .publish(KV_EVENT_SUBJECT, encode_router_event(&cleared(3, id)))
@@ -124,18 +103,8 @@ fn a_re_published_event_is_stored_once() {
 fn other_subjects_are_plain_publish_subscribe_and_bad_input_is_refused() {
     let server = NatsServer::start();
     run(async {
-        let a = NatsEventPlane::start(
-            connect(&server.url(), "a").await,
-            &EventStreamConfig::default(),
-        )
-        .await
-        .unwrap();
-        let b = NatsEventPlane::start(
-            connect(&server.url(), "b").await,
-            &EventStreamConfig::default(),
-        )
-        .await
-        .unwrap();
+        let a = plane(&server.url(), "a").await;
+        let b = plane(&server.url(), "b").await;
         let mut load = b.subscribe("load.*").await.unwrap();
         a.nats().flush().await.unwrap();
         b.nats().flush().await.unwrap();
@@ -181,22 +150,15 @@ fn other_subjects_are_plain_publish_subscribe_and_bad_input_is_refused() {
 fn thousands_of_events_from_many_workers_reach_every_router_without_a_stall() {
     let server = NatsServer::start();
     run(async {
-        let config = EventStreamConfig::default();
         let (workers, routers, n) = (8u64, 3usize, 1000u64);
         let mut subscriptions = Vec::new();
         for r in 0..routers {
-            let plane =
-                NatsEventPlane::start(connect(&server.url(), &format!("r{r}")).await, &config)
-                    .await
-                    .unwrap();
+            let plane = plane(&server.url(), &format!("r{r}")).await;
             subscriptions.push((plane.subscribe(KV_EVENT_SUBJECT).await.unwrap(), plane));
         }
         let mut publishers = Vec::new();
         for w in 0..workers {
-            let plane =
-                NatsEventPlane::start(connect(&server.url(), &format!("w{w}")).await, &config)
-                    .await
-                    .unwrap();
+            let plane = plane(&server.url(), &format!("w{w}")).await;
             publishers.push(tokio::spawn(async move {
                 for id in 0..n {
                     plane

@@ -6,7 +6,7 @@ mod sessions;
 
 use std::time::Duration;
 
-use kvroute_nats::{Nats, NatsConfig};
+use kvroute_nats::{EventStreamConfig, Nats, NatsConfig, NatsEventPlane};
 
 /// The longest any test waits for something to happen (far beyond what it takes).
 const BOUND: Duration = Duration::from_secs(15);
@@ -40,4 +40,11 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// An event plane on its own connection named `name`, with the default stream.
+async fn plane(url: &str, name: &str) -> NatsEventPlane {
+    NatsEventPlane::start(connect(url, name).await, &EventStreamConfig::default())
+        .await
+        .unwrap()
 }
