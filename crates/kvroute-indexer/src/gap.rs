@@ -64,6 +64,12 @@ impl GapTracker {
         self.next.get(&worker).copied()
     }
 
+    /// Sets the next id expected from `worker` (a restored snapshot, or a worker's new life
+    /// whose first id it announced): `next` is then in order, lower ids are late.
+    pub fn expect(&mut self, worker: WorkerWithDpRank, next: u64) {
+        self.next.insert(worker, next);
+    }
+
     /// Forgets one worker rank (it left, or restarted and will count from scratch).
     pub fn forget(&mut self, worker: WorkerWithDpRank) {
         self.next.remove(&worker);

@@ -183,6 +183,31 @@ impl NatsEventPlane {
         Ok(())
     }
 
+    /// `start`, or 0 (the oldest retained event) when the stream no longer holds it: a consumer
+    /// asked to start before the first retained sequence would wait for it forever.
+    async fn clamp_start(&self, start: u64) -> Result<u64, EventPlaneError> {
+        if start == 0 {
+            return Ok(0);
+        }
+        let mut stream = self
+            .nats
+            .jetstream
+            .get_stream(self.stream.as_ref())
+            .await
+            .map_err(|e| EventPlaneError::Unavailable {
+                message: e.to_string(),
+            })?;
+        let first = stream
+            .info()
+            .await
+            .map_err(|e| EventPlaneError::Unavailable {
+                message: e.to_string(),
+            })?
+            .state
+            .first_sequence;
+        Ok(if start < first { 0 } else { start })
+    }
+
     /// An ordered push consumer of the KV event stream from `start` (its oldest event when 0).
     async fn kv_consumer(&self, start: u64) -> Result<consumer::push::Ordered, EventPlaneError> {
         let unavailable = |e: String| EventPlaneError::Unavailable { message: e };
@@ -215,17 +240,19 @@ impl NatsEventPlane {
             .map_err(|e| unavailable(e.to_string()))
     }
 
-    /// The KV event stream from its oldest retained event, followed for as long as the
-    /// subscription lives: when the consumer fails (NATS restarted, connection lost) it is
-    /// re-created from the event after the last one delivered, so nothing is skipped or repeated
-    /// (events the stream no longer holds show up as gaps, which the router repairs).
-    async fn subscribe_kv_events(&self) -> Result<Subscription, EventPlaneError> {
-        let first = self.kv_consumer(0).await?;
+    /// The KV event stream from sequence `start` (its oldest retained event when 0 or when
+    /// `start` is no longer held), followed for as long as the subscription lives: when the
+    /// consumer fails (NATS restarted, connection lost) it is re-created from the event after
+    /// the last one delivered, so nothing is skipped or repeated (events the stream no longer
+    /// holds show up as gaps, which the router repairs).
+    async fn subscribe_kv_events(&self, start: u64) -> Result<Subscription, EventPlaneError> {
+        let start = self.clamp_start(start).await?;
+        let first = self.kv_consumer(start).await?;
         let plane = self.clone();
         let subject: Arc<str> = KV_EVENT_SUBJECT.into();
         Ok(Box::pin(async_stream::stream! {
             let mut messages = Some(first);
-            let mut next: u64 = 0;
+            let mut next: u64 = start;
             let mut backoff = Duration::from_millis(100);
             loop {
                 let mut current = match messages.take() {
@@ -247,12 +274,14 @@ impl NatsEventPlane {
                 while let Some(message) = current.next().await {
                     match message {
                         Ok(message) => {
-                            if let Ok(info) = message.info() {
-                                next = info.stream_sequence + 1;
+                            let sequence = message.info().ok().map(|info| info.stream_sequence);
+                            if let Some(sequence) = sequence {
+                                next = sequence + 1;
                             }
                             yield Message {
                                 subject: subject.clone(),
                                 payload: message.payload.clone(),
+                                sequence,
                             };
                         }
                         Err(error) => {
@@ -280,6 +309,7 @@ impl NatsEventPlane {
         Ok(Box::pin(subscriber.map(move |message| Message {
             subject: message.subject.as_str()[prefix_len..].into(),
             payload: message.payload,
+            sequence: None,
         })))
     }
 }
@@ -312,10 +342,30 @@ impl EventPlane for NatsEventPlane {
         Box::pin(async move {
             check_subject(pattern, true)?;
             if pattern == KV_EVENT_SUBJECT {
-                self.subscribe_kv_events().await
+                self.subscribe_kv_events(0).await
             } else {
                 self.subscribe_core(pattern).await
             }
+        })
+    }
+
+    fn keeps_history(&self) -> bool {
+        true
+    }
+
+    fn subscribe_after<'a>(
+        &'a self,
+        pattern: &'a str,
+        sequence: u64,
+    ) -> BoxFuture<'a, Result<Subscription, EventPlaneError>> {
+        Box::pin(async move {
+            check_subject(pattern, true)?;
+            if pattern != KV_EVENT_SUBJECT {
+                return Err(EventPlaneError::Unsupported {
+                    what: "resuming a subject other than the KV events (only they are kept)",
+                });
+            }
+            self.subscribe_kv_events(sequence.saturating_add(1)).await
         })
     }
 }

@@ -17,6 +17,11 @@
 //!   router keeps a local mirror and writes every change through, so a session bound through
 //!   one router is honoured by all of them.
 //!
+//! - [`NatsSnapshotStore`] implements the runtime's
+//!   [`SnapshotStore`](kvroute_runtime::SnapshotStore) on a JetStream object store: the routers'
+//!   periodic index snapshot, with the stream position it reflects, so a router that starts or
+//!   restarts loads it and replays only the events after it.
+//!
 //! [`Nats::connect`] opens the connection both share and keeps its state (connected or not,
 //! reconnects) for the caller's logs and metrics. Names are scoped by a namespace
 //! ([`NatsConfig::namespace`]), so several fleets can share one server.
@@ -28,6 +33,7 @@ mod client;
 mod discovery;
 mod event_plane;
 mod sessions;
+mod snapshots;
 
 pub use client::{ConnectError, DEFAULT_NAMESPACE, Nats, NatsConfig, NatsStatus};
 pub use discovery::{LEASE_TTL_METADATA, NatsDiscovery, NatsDiscoveryConfig};
@@ -35,4 +41,5 @@ pub use event_plane::{EventStreamConfig, NatsEventPlane};
 /// The session types [`NatsAffinityStore`] speaks, from kvroute-sessions.
 pub use kvroute_sessions::{AffinityBinding, AffinityKind, AffinityStore};
 pub use sessions::{NatsAffinityStore, NatsAffinityStoreConfig};
+pub use snapshots::NatsSnapshotStore;
 pub mod testing;

@@ -39,6 +39,9 @@ pub struct KvRouterCore<S: AffinityStore = InMemoryAffinityStore> {
     /// Event ids per worker: the runtime's publisher numbers one sequence per worker, over all
     /// of its dp ranks, so gaps are detected per worker rather than per rank.
     gaps: GapTracker,
+    /// Per worker, the first event id from which its blocks are known completely (0 after a
+    /// dump or a snapshot; the first id seen when its events arrived before anything else).
+    origin: FastMap<WorkerId, u64>,
     scheduler: Scheduler,
     sessions: SessionCoordinator<S>,
     active: FastMap<RequestId, Active>,
@@ -117,6 +120,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
             approx: ApproxIndex::new(config.approx),
             modes: FastMap::default(),
             gaps: GapTracker::new(),
+            origin: FastMap::default(),
             scheduler,
             sessions: SessionCoordinator::new(store, config.session_loss),
             active: FastMap::default(),
@@ -171,6 +175,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
         self.index.remove_worker(worker_id);
         self.approx.remove_worker(worker_id);
         self.gaps.forget_worker(worker_id);
+        self.origin.remove(&worker_id);
         let dropped = self.scheduler.remove_worker(worker_id);
         tracing::info!(
             worker = worker_id,
@@ -202,8 +207,14 @@ impl<S: AffinityStore> KvRouterCore<S> {
             return None;
         }
         let key = WorkerWithDpRank::from_worker_id(event.worker_id);
+        let first = self.gaps.expected(key).is_none();
         let gap = match self.gaps.observe(key, event.event.event_id) {
-            EventOrder::InOrder => None,
+            EventOrder::InOrder => {
+                if first {
+                    self.origin.insert(event.worker_id, event.event.event_id);
+                }
+                None
+            }
             EventOrder::Gap(gap) => {
                 self.stats.gaps_detected += 1;
                 tracing::warn!(worker = event.worker_id, missing = ?gap.missing, "KV event gap");
@@ -241,6 +252,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
     ) {
         self.index.remove_worker(worker_id);
         self.gaps.forget_worker(worker_id);
+        self.origin.insert(worker_id, 0);
         for event in events.iter().filter(|e| e.worker_id == worker_id) {
             let _ = self.index.apply_event_untracked(event);
             self.stats.events_recovered += 1;
@@ -656,6 +668,10 @@ impl<S: AffinityStore> KvRouterCore<S> {
             .expected(WorkerWithDpRank::from_worker_id(worker_id))
     }
 }
+
+mod snapshot;
+
+pub use snapshot::{IndexSnapshot, LaneSnapshot, SnapshotError, WorkerSnapshot};
 
 #[cfg(test)]
 mod tests;

@@ -65,7 +65,9 @@ mod request;
 pub mod tokenizer;
 
 pub use config::{KvMode, RouterConfig};
-pub use core::{CoreStats, Expired, KvRouterCore};
+pub use core::{
+    CoreStats, Expired, IndexSnapshot, KvRouterCore, LaneSnapshot, SnapshotError, WorkerSnapshot,
+};
 pub use error::RouteError;
 pub use guard::{KvRoutedStream, RequestGuard};
 pub use load_sync::{LOAD_SUBJECT_PREFIX, LoadSyncConfig};
@@ -78,7 +80,7 @@ pub use phase::{KvPhaseRouter, role_filtered};
 pub use policy::{Policy, UnknownPolicy};
 pub use push::{
     KV_EVENTS_METADATA_KEY, KvPushRouter, KvPushRouterConfig, KvResponse, KvRouterError,
-    LoadSyncStats, QUERY_INSTANCE_ID, QueryAnswer, SharedAffinityStore, StartError,
+    LoadSyncStats, QUERY_INSTANCE_ID, QueryAnswer, SharedAffinityStore, SnapshotStats, StartError,
 };
 pub use request::{PhaseTimings, RouteRequest, RouteSource, Routed};
 

@@ -8,7 +8,7 @@
 //! [`RouteMode::Direct`] to the chosen worker; a [`RequestGuard`] rides the response stream.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -17,8 +17,9 @@ use kvroute_protocols::{
     PreprocessedRequest, RequestPhase, SessionAction, SessionControl, WorkerId, WorkerWithDpRank,
 };
 use kvroute_runtime::{
-    DiscoveryEvent, EventPlane, EventPlaneError, InstanceInfo, InstanceSet, KV_EVENT_SUBJECT,
-    LlmPushRouter, PushRouterConfig, RouteMode, Subscription, decode_router_event, diff_instances,
+    DiscoveryEvent, EventPlane, EventPlaneError, InstanceInfo, InstanceSet, KV_EVENT_BASE_METADATA,
+    KV_EVENT_SUBJECT, LlmPushRouter, PushRouterConfig, RouteMode, SnapshotStore, Subscription,
+    decode_router_event, diff_instances,
 };
 use kvroute_scheduler::{ConfigError, RequestId, WorkerSpec};
 use kvroute_sessions::{AffinityStore, InMemoryAffinityStore, SessionCommand};
@@ -29,7 +30,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::config::{KvMode, RouterConfig};
-use crate::core::KvRouterCore;
+use crate::core::{IndexSnapshot, KvRouterCore};
 use crate::error::RouteError;
 use crate::guard::{KvRoutedStream, RequestGuard};
 use crate::load_sync::{self, LOAD_SUBJECT_PREFIX, LoadSync, LoadSyncConfig, Local};
@@ -63,6 +64,10 @@ pub struct KvPushRouterConfig {
     /// Share active load with other router replicas over the event plane (see
     /// [`LoadSyncConfig`]); `None` for a router that serves its fleet alone.
     pub load_sync: Option<LoadSyncConfig>,
+    /// How often the index snapshot is saved, when the router has a [`SnapshotStore`] (see
+    /// [`KvPushRouter::start_shared`]); a replica skips its turn while another's snapshot is
+    /// younger than 80% of this.
+    pub snapshot_interval: Duration,
 }
 
 impl KvPushRouterConfig {
@@ -75,6 +80,7 @@ impl KvPushRouterConfig {
             seed: 0x6b76_726f_7574_6572,
             expire_interval: Duration::from_secs(1),
             load_sync: None,
+            snapshot_interval: Duration::from_secs(30),
         }
     }
 }
@@ -120,6 +126,36 @@ pub struct LoadSyncStats {
     pub undecodable: u64,
 }
 
+/// See [`KvPushRouter::snapshot_stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SnapshotStats {
+    /// Blocks restored from the snapshot loaded at start (0 when there was none).
+    pub restored_blocks: u64,
+    /// The stream position the router resumed after (that snapshot's), if it restored one.
+    pub resumed_after: Option<u64>,
+    /// Snapshots this router saved.
+    pub saved: u64,
+    /// Turns skipped because another replica's snapshot was fresh.
+    pub skipped_fresh: u64,
+    /// Turns skipped because a gap repair or dump was in flight (a cut then would miss it).
+    pub skipped_recovering: u64,
+    /// Loads or saves that failed.
+    pub failures: u64,
+    /// Size of the last snapshot saved, in bytes.
+    pub last_bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct SnapshotCounters {
+    restored_blocks: AtomicU64,
+    resumed_after: Mutex<Option<u64>>,
+    saved: AtomicU64,
+    skipped_fresh: AtomicU64,
+    skipped_recovering: AtomicU64,
+    failures: AtomicU64,
+    last_bytes: AtomicU64,
+}
+
 /// The answer to a query-only request: where it would go, and its tokens.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QueryAnswer {
@@ -156,6 +192,15 @@ pub(crate) struct Inner {
     next_id: AtomicU64,
     pub(crate) config: KvPushRouterConfig,
     pub(crate) load_sync: Option<LoadSync>,
+    /// The event plane replays retained KV events to new subscribers: a worker that states its
+    /// first event id is caught up from the stream rather than dumped.
+    history: bool,
+    snapshots: Option<Arc<dyn SnapshotStore>>,
+    snapshot_counters: SnapshotCounters,
+    /// Gap repairs and dumps in flight.
+    recovering: AtomicUsize,
+    /// The event-plane position of the last KV event applied (0: none with a position).
+    applied_sequence: AtomicU64,
 }
 
 pub(crate) struct State {
@@ -202,9 +247,35 @@ impl KvPushRouter {
         events: Arc<dyn EventPlane>,
         store: SharedAffinityStore,
     ) -> Result<Self, StartError> {
-        let core = KvRouterCore::with_store(config.core.clone(), store)?;
+        Self::start_shared(config, instances, events, store, None).await
+    }
+
+    /// [`Self::start_with_store`] with an index snapshot shared by the router replicas of a
+    /// fleet. When the event plane keeps history ([`EventPlane::keeps_history`]), the router
+    /// first restores the stored snapshot (if any, and of its block size) and reads only the
+    /// KV events after it; then it saves its own every [`KvPushRouterConfig::snapshot_interval`]
+    /// unless another replica's is fresh. A snapshot that cannot be loaded or decoded is logged
+    /// and ignored: the router replays the whole retained stream instead.
+    pub async fn start_shared(
+        config: KvPushRouterConfig,
+        instances: watch::Receiver<InstanceSet>,
+        events: Arc<dyn EventPlane>,
+        store: SharedAffinityStore,
+        snapshots: Option<Arc<dyn SnapshotStore>>,
+    ) -> Result<Self, StartError> {
+        let mut core = KvRouterCore::with_store(config.core.clone(), store)?;
+        let history = events.keeps_history();
+        let snapshots = snapshots.filter(|_| history);
+        let counters = SnapshotCounters::default();
+        let mut resume_after = None;
+        if let Some(snapshots) = &snapshots {
+            resume_after = restore(&mut core, snapshots.as_ref(), &counters).await;
+        }
         // Subscribe before the first dumps so that no event falls between a dump and the feed.
-        let subscription = events.subscribe(KV_EVENT_SUBJECT).await?;
+        let subscription = match resume_after {
+            Some(sequence) => events.subscribe_after(KV_EVENT_SUBJECT, sequence).await?,
+            None => events.subscribe(KV_EVENT_SUBJECT).await?,
+        };
         let load_subscription = match &config.load_sync {
             Some(_) => Some(
                 events
@@ -224,17 +295,34 @@ impl KvPushRouter {
             next_id: AtomicU64::new(1),
             load_sync: config.load_sync.map(LoadSync::new),
             config,
+            history,
+            snapshots,
+            snapshot_counters: counters,
+            recovering: AtomicUsize::new(0),
+            applied_sequence: AtomicU64::new(resume_after.unwrap_or(0)),
         });
         let mut instances = instances;
         let initial = instances.borrow_and_update().clone();
         for event in diff_instances(&Default::default(), &initial) {
             inner.on_discovery(event).await;
         }
+        if resume_after.is_some() {
+            let gone = inner.state.lock().core.forget_unregistered();
+            if gone > 0 {
+                tracing::info!(
+                    workers = gone,
+                    "dropped snapshot workers that are no longer registered"
+                );
+            }
+        }
         let mut tasks = vec![
             tokio::spawn(event_loop(inner.clone(), subscription)),
             tokio::spawn(discovery_loop(inner.clone(), instances, initial)),
             tokio::spawn(expire_loop(inner.clone())),
         ];
+        if inner.snapshots.is_some() {
+            tasks.push(tokio::spawn(snapshot_loop(inner.clone())));
+        }
         if let Some(subscription) = load_subscription {
             tasks.push(tokio::spawn(load_sync::publish_loop(
                 inner.clone(),
@@ -374,6 +462,95 @@ impl KvPushRouter {
         })
     }
 
+    /// The index snapshot's counters; `None` without a snapshot store (or when the event plane
+    /// keeps no history, which makes snapshots useless).
+    pub fn snapshot_stats(&self) -> Option<SnapshotStats> {
+        self.inner.snapshots.as_ref().map(|_| {
+            let c = &self.inner.snapshot_counters;
+            SnapshotStats {
+                restored_blocks: c.restored_blocks.load(Ordering::Relaxed),
+                resumed_after: *c.resumed_after.lock(),
+                saved: c.saved.load(Ordering::Relaxed),
+                skipped_fresh: c.skipped_fresh.load(Ordering::Relaxed),
+                skipped_recovering: c.skipped_recovering.load(Ordering::Relaxed),
+                failures: c.failures.load(Ordering::Relaxed),
+                last_bytes: c.last_bytes.load(Ordering::Relaxed),
+            }
+        })
+    }
+
+    /// Saves an index snapshot now (if the router has a snapshot store and no gap repair is in
+    /// flight), whether or not another replica's is fresh; says whether it did. The periodic
+    /// task does this by itself; this is for tests, benches and a graceful stop.
+    pub async fn save_snapshot(&self) -> bool {
+        self.inner.save_snapshot().await
+    }
+
+    /// OpenMetrics text of what this router shares with other replicas: load sync (other
+    /// replicas' requests counted here, those freed because their replica went silent, load
+    /// messages dropped) and the index snapshot. Empty for a router that uses neither.
+    pub fn replica_metrics_text(&self) -> String {
+        let mut out = String::new();
+        let mut family = |name: &str, kind: &str, help: &str, value: u64| {
+            let sample = if kind == "counter" {
+                format!("{name}_total")
+            } else {
+                name.to_owned()
+            };
+            out.push_str(&format!(
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{sample} {value}\n"
+            ));
+        };
+        let p = crate::metrics::METRIC_PREFIX;
+        if let Some(s) = self.load_sync_stats() {
+            family(
+                &format!("{p}_replica_remote_requests"),
+                "gauge",
+                "Other router replicas' requests counted in this router's worker load.",
+                s.remote_requests as u64,
+            );
+            family(
+                &format!("{p}_replica_remote_freed"),
+                "counter",
+                "Other replicas' requests freed because their replica went silent or stopped listing them.",
+                s.remote_freed,
+            );
+            family(
+                &format!("{p}_replica_undecodable"),
+                "counter",
+                "Load messages from other replicas dropped as undecodable.",
+                s.undecodable,
+            );
+        }
+        if let Some(s) = self.snapshot_stats() {
+            family(
+                &format!("{p}_snapshot_restored_blocks"),
+                "gauge",
+                "Blocks restored from the index snapshot at start.",
+                s.restored_blocks,
+            );
+            family(
+                &format!("{p}_snapshots_saved"),
+                "counter",
+                "Index snapshots this router saved.",
+                s.saved,
+            );
+            family(
+                &format!("{p}_snapshot_failures"),
+                "counter",
+                "Index snapshot loads or saves that failed.",
+                s.failures,
+            );
+            family(
+                &format!("{p}_snapshot_bytes"),
+                "gauge",
+                "Size of the last index snapshot this router saved.",
+                s.last_bytes,
+            );
+        }
+        out
+    }
+
     /// Time since the router started: the `now` the core sees.
     pub fn now(&self) -> Duration {
         self.inner.now()
@@ -483,8 +660,65 @@ impl Inner {
                     }
                 }
                 if mode == KvMode::Events {
-                    self.dump(info.id).await;
+                    match self.event_base(&info) {
+                        Some(base) => {
+                            let gap = self.state.lock().core.expect_events_from(info.id, base);
+                            if let Some(gap) = gap {
+                                self.recover(gap).await;
+                            }
+                        }
+                        None => self.dump(info.id).await,
+                    }
                 }
+            }
+        }
+    }
+
+    /// Where the worker's current life numbers its KV events from, when the event plane replays
+    /// them (so the router catches up from the stream instead of asking for a dump).
+    fn event_base(&self, info: &InstanceInfo) -> Option<u64> {
+        if !self.history {
+            return None;
+        }
+        let value = info.metadata.get(KV_EVENT_BASE_METADATA)?;
+        match value.parse() {
+            Ok(base) => Some(base),
+            Err(_) => {
+                tracing::warn!(worker = info.id, %value, "ignoring an unparsable {KV_EVENT_BASE_METADATA}; dumping the worker instead");
+                None
+            }
+        }
+    }
+
+    /// Saves a snapshot of the index as of the last applied event's position; see
+    /// [`KvPushRouter::save_snapshot`].
+    async fn save_snapshot(&self) -> bool {
+        let Some(store) = &self.snapshots else {
+            return false;
+        };
+        let c = &self.snapshot_counters;
+        if self.recovering.load(Ordering::Acquire) > 0 {
+            c.skipped_recovering.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        // Read the position before the cut: the cut then reflects at least the events up to it
+        // (later ones it may also hold are skipped by id when replayed after a restore).
+        let sequence = self.applied_sequence.load(Ordering::Acquire);
+        let snapshot = self.state.lock().core.snapshot(sequence);
+        let blocks = snapshot.blocks();
+        let bytes = bytes::Bytes::from(snapshot.encode());
+        let size = bytes.len() as u64;
+        match store.save(bytes).await {
+            Ok(()) => {
+                c.saved.fetch_add(1, Ordering::Relaxed);
+                c.last_bytes.store(size, Ordering::Relaxed);
+                tracing::debug!(sequence, blocks, bytes = size, "index snapshot saved");
+                true
+            }
+            Err(error) => {
+                c.failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%error, "index snapshot not saved");
+                false
             }
         }
     }
@@ -521,6 +755,7 @@ impl Inner {
 
     /// Rebuilds one worker's blocks from its dump.
     async fn dump(&self, worker: WorkerId) {
+        let _recovering = Recovering::new(&self.recovering);
         let dump = match self.push.client(worker).await {
             Ok(client) => client.kv_dump().await.map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
@@ -541,6 +776,7 @@ impl Inner {
     /// Fills a gap from the worker's event ring, or rebuilds from a dump when it no longer holds
     /// the missing events.
     async fn recover(&self, gap: EventGap) {
+        let _recovering = Recovering::new(&self.recovering);
         let worker = gap.worker.worker_id;
         let (from, to) = (gap.missing.start, gap.missing.end.saturating_sub(1));
         let fetched = match self.push.client(worker).await {
@@ -570,6 +806,102 @@ impl Inner {
     }
 }
 
+/// Counts a gap repair or dump in flight while it lives.
+struct Recovering<'a>(&'a AtomicUsize);
+
+impl<'a> Recovering<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        Self(count)
+    }
+}
+
+impl Drop for Recovering<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Loads and restores the stored snapshot; returns the position to resume after.
+async fn restore(
+    core: &mut KvRouterCore<SharedAffinityStore>,
+    store: &dyn SnapshotStore,
+    counters: &SnapshotCounters,
+) -> Option<u64> {
+    let started = Instant::now();
+    let bytes = match store.load().await {
+        Ok(Some(bytes)) => bytes,
+        Ok(None) => {
+            tracing::info!("no index snapshot yet; replaying the retained KV event stream");
+            return None;
+        }
+        Err(error) => {
+            counters.failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%error, "cannot load the index snapshot; replaying the retained KV event stream");
+            return None;
+        }
+    };
+    let restored = IndexSnapshot::decode(&bytes).and_then(|snapshot| {
+        core.restore(&snapshot)
+            .map(|blocks| (blocks, snapshot.sequence))
+    });
+    match restored {
+        Ok((blocks, sequence)) => {
+            counters
+                .restored_blocks
+                .store(blocks as u64, Ordering::Relaxed);
+            *counters.resumed_after.lock() = Some(sequence);
+            tracing::info!(
+                blocks,
+                after = sequence,
+                bytes = bytes.len(),
+                took = ?started.elapsed(),
+                "index snapshot restored; reading the KV events after it"
+            );
+            Some(sequence)
+        }
+        Err(error) => {
+            counters.failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%error, "ignoring the index snapshot; replaying the retained KV event stream");
+            None
+        }
+    }
+}
+
+async fn snapshot_loop(inner: Arc<Inner>) {
+    let every = inner
+        .config
+        .snapshot_interval
+        .max(Duration::from_millis(100));
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(store) = &inner.snapshots else {
+            return;
+        };
+        match store.age().await {
+            Ok(Some(age)) if age < every.mul_f64(0.8) => {
+                inner
+                    .snapshot_counters
+                    .skipped_fresh
+                    .fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            Ok(_) => {}
+            Err(error) => {
+                inner
+                    .snapshot_counters
+                    .failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%error, "cannot read the index snapshot's age; skipping this turn");
+                continue;
+            }
+        }
+        inner.save_snapshot().await;
+    }
+}
+
 async fn event_loop(inner: Arc<Inner>, mut subscription: Subscription) {
     while let Some(message) = subscription.next().await {
         let event = match decode_router_event(&message.payload) {
@@ -580,6 +912,9 @@ async fn event_loop(inner: Arc<Inner>, mut subscription: Subscription) {
             }
         };
         let gap = inner.state.lock().core.apply_event(&event);
+        if let Some(sequence) = message.sequence {
+            inner.applied_sequence.store(sequence, Ordering::Release);
+        }
         if let Some(gap) = gap {
             let inner = inner.clone();
             tokio::spawn(async move { inner.recover(gap).await });

@@ -22,6 +22,9 @@ pub struct Message {
     pub subject: Arc<str>,
     /// The payload, opaque to the plane.
     pub payload: Bytes,
+    /// Where the message sits in the plane's durable history (the JetStream stream sequence of
+    /// a KV event), for planes that keep one ([`EventPlane::subscribe_after`]); `None` otherwise.
+    pub sequence: Option<u64>,
 }
 
 /// The messages matching one subscription, in publish order, until the plane is dropped.
@@ -38,6 +41,12 @@ pub enum EventPlaneError {
         subject: String,
         /// What is wrong with it.
         reason: &'static str,
+    },
+    /// The plane cannot do this (for example resume from a position: it keeps no history).
+    #[error("this event plane does not support {what}")]
+    Unsupported {
+        /// The operation refused.
+        what: &'static str,
     },
     /// The backing service is unreachable.
     #[error("event plane unavailable: {message}")]
@@ -62,6 +71,75 @@ pub trait EventPlane: Send + Sync + 'static {
         &'a self,
         pattern: &'a str,
     ) -> BoxFuture<'a, Result<Subscription, EventPlaneError>>;
+
+    /// Whether a subscription to [`KV_EVENT_SUBJECT`](crate::KV_EVENT_SUBJECT) starts from the
+    /// plane's retained history rather than from now (a durable stream, such as JetStream):
+    /// a router then learns a worker's blocks from the stream instead of asking it for a dump.
+    fn keeps_history(&self) -> bool {
+        false
+    }
+
+    /// Like [`EventPlane::subscribe`], from the message after position `sequence` of the
+    /// plane's history (a [`Message::sequence`]); when the history no longer reaches back that
+    /// far, from its oldest retained message (consumers of numbered events see the loss as a
+    /// gap). Planes without history refuse with [`EventPlaneError::Unsupported`].
+    fn subscribe_after<'a>(
+        &'a self,
+        pattern: &'a str,
+        sequence: u64,
+    ) -> BoxFuture<'a, Result<Subscription, EventPlaneError>> {
+        let _ = (pattern, sequence);
+        Box::pin(async {
+            Err(EventPlaneError::Unsupported {
+                what: "resuming a subscription from a stream position",
+            })
+        })
+    }
+}
+
+/// One slot that keeps the newest snapshot of a router's index, shared by the router replicas
+/// of a fleet (a JetStream object in kvroute-nats), so that a router that starts or restarts
+/// loads it and reads only the events after it ([`EventPlane::subscribe_after`]).
+pub trait SnapshotStore: Send + Sync + 'static {
+    /// The stored snapshot, if any.
+    fn load(&self) -> BoxFuture<'_, Result<Option<Bytes>, EventPlaneError>>;
+
+    /// Replaces the stored snapshot.
+    fn save(&self, snapshot: Bytes) -> BoxFuture<'_, Result<(), EventPlaneError>>;
+
+    /// How long ago the stored snapshot was saved (by any replica), if there is one: replicas
+    /// skip their turn while a fresh one exists.
+    fn age(&self) -> BoxFuture<'_, Result<Option<std::time::Duration>, EventPlaneError>>;
+}
+
+/// A [`SnapshotStore`] in this process's memory (tests, and routers that share one process).
+#[derive(Debug, Default)]
+pub struct InMemorySnapshotStore {
+    slot: Mutex<Option<(Bytes, std::time::Instant)>>,
+}
+
+impl InMemorySnapshotStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl SnapshotStore for InMemorySnapshotStore {
+    fn load(&self) -> BoxFuture<'_, Result<Option<Bytes>, EventPlaneError>> {
+        let snapshot = self.slot.lock().as_ref().map(|(b, _)| b.clone());
+        Box::pin(async move { Ok(snapshot) })
+    }
+
+    fn save(&self, snapshot: Bytes) -> BoxFuture<'_, Result<(), EventPlaneError>> {
+        *self.slot.lock() = Some((snapshot, std::time::Instant::now()));
+        Box::pin(async { Ok(()) })
+    }
+
+    fn age(&self) -> BoxFuture<'_, Result<Option<std::time::Duration>, EventPlaneError>> {
+        let age = self.slot.lock().as_ref().map(|(_, at)| at.elapsed());
+        Box::pin(async move { Ok(age) })
+    }
 }
 
 /// The in-process event plane: a broadcast channel per subscription.
@@ -99,6 +177,7 @@ impl InProcessEventPlane {
                 let _ = tx.send(Message {
                     subject: subject.clone(),
                     payload: payload.clone(),
+                    sequence: None,
                 });
             }
         }

@@ -23,6 +23,21 @@ pub const DEFAULT_RING_CAPACITY: usize = 1024;
 /// The event-plane subject workers publish their KV events on.
 pub const KV_EVENT_SUBJECT: &str = "kv_events";
 
+/// The discovery metadata key under which a worker states the id of its publisher's first event
+/// ([`KvEventPublisher::starting_at`]). A restarted worker keeps its id but starts from a larger
+/// base, so its events never collide with its previous life's (JetStream de-duplicates by worker
+/// and event id), and a router reading a durable stream knows where this life's events begin
+/// without asking the worker for a dump.
+pub const KV_EVENT_BASE_METADATA: &str = "kv_event_base";
+
+/// A first event id for a worker process starting at `now`: microseconds since the Unix epoch.
+/// Each restart starts above every id its previous life used, as long as that life published
+/// fewer than a million events per second on average (no engine comes near).
+pub fn incarnation_event_base(now: std::time::SystemTime) -> u64 {
+    now.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
 /// A worker's KV event publisher. Cheap to clone; every clone numbers events from one counter.
 ///
 /// Event ids start at 0 and increase by one per event, so a subscriber that sees a jump knows how
@@ -40,12 +55,21 @@ pub struct KvEventPublisher {
 }
 
 struct Ring {
+    /// The id of the first event this publisher numbers (0 unless
+    /// [`KvEventPublisher::starting_at`] said otherwise).
+    first_id: u64,
     next_id: u64,
     capacity: usize,
     events: VecDeque<RouterEvent>,
     /// The held blocks, for publishers that answer dumps themselves
     /// ([`KvEventPublisher::tracking_blocks`]).
     blocks: Option<BlockState>,
+}
+
+impl Ring {
+    fn last_id(&self) -> Option<u64> {
+        (self.next_id > self.first_id).then(|| self.next_id - 1)
+    }
 }
 
 /// The requested range of events is not held.
@@ -90,6 +114,7 @@ impl KvEventPublisher {
         Self {
             worker_id,
             state: Arc::new(Mutex::new(Ring {
+                first_id: 0,
                 next_id: 0,
                 capacity: capacity.max(1),
                 events: VecDeque::with_capacity(capacity.clamp(1, 4096)),
@@ -108,6 +133,26 @@ impl KvEventPublisher {
         let publisher = Self::new(worker_id, capacity);
         publisher.state.lock().blocks = Some(BlockState::default());
         publisher
+    }
+
+    /// Numbers events from `first` instead of 0 (see [`incarnation_event_base`] and
+    /// [`KV_EVENT_BASE_METADATA`]). Only before the first event: a publisher that has numbered
+    /// events keeps its numbering (and a debug build panics).
+    pub fn starting_at(self, first: u64) -> Self {
+        {
+            let mut ring = self.state.lock();
+            debug_assert_eq!(ring.next_id, ring.first_id, "events were already published");
+            if ring.next_id == ring.first_id {
+                ring.first_id = first;
+                ring.next_id = first;
+            }
+        }
+        self
+    }
+
+    /// The id of the first event this publisher numbers.
+    pub fn first_event_id(&self) -> u64 {
+        self.state.lock().first_id
     }
 
     /// How many blocks a [`KvEventPublisher::tracking_blocks`] publisher holds (`None` for one
@@ -229,7 +274,7 @@ impl KvEventPublisher {
 
     /// The id of the newest event, or `None` before the first.
     pub fn last_event_id(&self) -> Option<u64> {
-        self.state.lock().next_id.checked_sub(1)
+        self.state.lock().last_id()
     }
 
     /// The held events with ids in `from..=to` (clipped to the newest published event).
@@ -265,7 +310,7 @@ impl KvEventPublisher {
         {
             let ring = self.state.lock();
             if let Some(blocks) = &ring.blocks {
-                let last_event_id = ring.next_id.checked_sub(1);
+                let last_event_id = ring.last_id();
                 let events = blocks
                     .dump()
                     .into_iter()

@@ -82,13 +82,15 @@ pub use discovery::{
 pub use engine::{Engine, EngineError, RequestContext, ResponseStream};
 pub use error::RequestError;
 pub use event_plane::{
-    DEFAULT_SUBSCRIBER_CAPACITY, EventPlane, EventPlaneError, InProcessEventPlane, Message,
-    Subscription, check_subject, decode_router_event, encode_router_event,
+    DEFAULT_SUBSCRIBER_CAPACITY, EventPlane, EventPlaneError, InMemorySnapshotStore,
+    InProcessEventPlane, Message, SnapshotStore, Subscription, check_subject, decode_router_event,
+    encode_router_event,
 };
 pub use frame::{DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION};
 pub use kv_bridge::{KV_EVENTS_METADATA, KvEventBridge, KvEventBridgeConfig};
 pub use kv_publisher::{
-    DEFAULT_RING_CAPACITY, KV_EVENT_SUBJECT, KvDump, KvEventPublisher, RangeError,
+    DEFAULT_RING_CAPACITY, KV_EVENT_BASE_METADATA, KV_EVENT_SUBJECT, KvDump, KvEventPublisher,
+    RangeError, incarnation_event_base,
 };
 pub use llm::{LlmClient, LlmClientStream, LlmEngine, LlmPushRouter, LlmResponse, LlmRoutedStream};
 pub use push_router::{PushRouter, PushRouterConfig, RouteError, RouteMode, RoutedStream};

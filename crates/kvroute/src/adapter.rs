@@ -77,7 +77,10 @@ impl Adapter {
                 .with_context(|| format!("engine {} at {}", spec.engine, spec.engine_url))?,
         );
         wait_healthy(&engine, &spec.engine_url, wait).await?;
-        let publisher = KvEventPublisher::tracking_blocks(id, DEFAULT_RING_CAPACITY);
+        // Numbered from this process's start time, so a restart never reuses an event id.
+        let publisher = KvEventPublisher::tracking_blocks(id, DEFAULT_RING_CAPACITY).starting_at(
+            kvroute_runtime::incarnation_event_base(std::time::SystemTime::now()),
+        );
         let listener = match &spec.kv_events {
             None => None,
             Some(endpoint) => {

@@ -25,7 +25,7 @@ use kvroute_router::{
 };
 use kvroute_runtime::{
     Discovery as _, EventPlane, InProcessDiscovery, InProcessEventPlane, KvEventBridge,
-    KvEventBridgeConfig, RegistryServer, WorkerRole,
+    KvEventBridgeConfig, RegistryServer, SnapshotStore, WorkerRole,
 };
 
 use config::{Discovery, FleetSource, ServeConfig};
@@ -68,16 +68,41 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     // The registry (kept alive for the whole run) or the static fleet; both give a watch.
     let mut static_fleet = None;
     let mut nats = None;
+    // Beside NATS, a registry's workers are registered in NATS by this router and their KV
+    // events bridged to JetStream (both stop with the process).
+    let mut _proxied = None;
     let (instances, registry) = match &config.discovery {
         Discovery::Nats {
             url,
             namespace,
             lease_ttl,
+            registry_listen,
         } => {
             let shared = nats::connect(url, namespace, *lease_ttl).await?;
             let watch = shared.discovery.watch();
+            let registry = match registry_listen {
+                None => None,
+                Some(listen) => {
+                    let registry = RegistryServer::bind_with_block_size(
+                        listen,
+                        InProcessDiscovery::new(*lease_ttl),
+                        config.router.core.block_size(),
+                    )
+                    .await
+                    .with_context(|| format!("binding the worker registry on {listen}"))?;
+                    let local = registry.discovery().watch();
+                    let proxy = nats::proxy_registrations(local.clone(), shared.discovery.clone());
+                    let bridge = KvEventBridge::start(
+                        local,
+                        Arc::new(shared.plane.clone()),
+                        KvEventBridgeConfig::default(),
+                    );
+                    _proxied = Some((AbortOnDrop(proxy), bridge));
+                    Some(registry)
+                }
+            };
             nats = Some(shared);
-            (watch, None)
+            (watch, registry)
         }
         Discovery::Static { fleet } => {
             let workers = match fleet {
@@ -135,37 +160,62 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             anyhow::Ok(store)
         }
     };
+    // On NATS the replicas that index the same workers share one index snapshot (a restarted
+    // router loads it and reads only the KV events after it).
+    let snapshots = |name: &'static str| {
+        let nats = nats.clone();
+        async move {
+            let store: Option<Arc<dyn SnapshotStore>> = match &nats {
+                Some(shared) => Some(Arc::new(shared.snapshot_store(name).await?)),
+                None => None,
+            };
+            anyhow::Ok(store)
+        }
+    };
+    let mut replica_routers = Vec::new();
     let state = match config.disagg {
         None => {
             let (id, router_config) = replica(());
-            let router = KvPushRouter::start_with_store(
+            let router = KvPushRouter::start_shared(
                 router_config,
                 instances,
                 plane,
                 sessions(id).await?,
+                snapshots("aggregated").await?,
             )
             .await
             .context("starting the KV router")?;
+            replica_routers.push(router.clone());
             AppState::new(router, models, config.http.clone())
         }
         Some(mode) => {
-            let start = |roles: &'static [WorkerRole]| {
+            let start = |roles: &'static [WorkerRole], name: &'static str| {
                 let (id, router_config) = replica(());
                 let instances = role_filtered(instances.clone(), roles);
                 let plane = plane.clone();
                 let store = sessions(id);
+                let snapshots = snapshots(name);
                 async move {
-                    KvPushRouter::start_with_store(router_config, instances, plane, store.await?)
-                        .await
-                        .map_err(anyhow::Error::from)
+                    KvPushRouter::start_shared(
+                        router_config,
+                        instances,
+                        plane,
+                        store.await?,
+                        snapshots.await?,
+                    )
+                    .await
+                    .map_err(anyhow::Error::from)
                 }
             };
-            let prefill = start(&[WorkerRole::Prefill])
+            let prefill = start(&[WorkerRole::Prefill], "prefill")
                 .await
                 .context("starting the KV router of the prefill phase")?;
-            let decode = start(&[WorkerRole::Decode, WorkerRole::Aggregated])
+            let decode = start(&[WorkerRole::Decode, WorkerRole::Aggregated], "decode")
                 .await
                 .context("starting the KV router of the decode phase")?;
+            // One set of replica metrics (the names carry no phase label): the decode phase's,
+            // which serves every aggregated request too.
+            replica_routers.push(decode.clone());
             let disagg = Disagg::new(
                 KvPhaseRouter::new(prefill, decode.clone()),
                 instances,
@@ -177,7 +227,13 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     let state = match &nats {
         Some(shared) => {
             let status = shared.nats.status().clone();
-            state.with_extra_metrics(Arc::new(move || status.metrics_text()))
+            state.with_extra_metrics(Arc::new(move || {
+                let mut text = status.metrics_text();
+                for router in &replica_routers {
+                    text.push_str(&router.replica_metrics_text());
+                }
+                text
+            }))
         }
         None => state,
     };
@@ -230,4 +286,13 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     drop(static_fleet);
     tracing::info!("stopped");
     failure.map_or(Ok(()), Err)
+}
+
+/// Aborts a background task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }

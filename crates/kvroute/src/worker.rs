@@ -178,7 +178,10 @@ pub(crate) fn run(args: WorkerArgs) -> anyhow::Result<()> {
 async fn serve(args: WorkerArgs, mocker: MockerConfig) -> anyhow::Result<()> {
     let id = args.id.unwrap_or_else(|| u64::from(rand::random::<u32>()));
     let block_size = mocker.block_size;
-    let publisher = KvEventPublisher::new(id, DEFAULT_RING_CAPACITY);
+    // Numbered from this process's start time, so a restart never reuses an event id.
+    let publisher = KvEventPublisher::new(id, DEFAULT_RING_CAPACITY).starting_at(
+        kvroute_runtime::incarnation_event_base(std::time::SystemTime::now()),
+    );
     let (role, worker_role) = match args.role {
         RoleArg::Aggregated => (None, WorkerRole::Aggregated),
         RoleArg::Prefill => (
@@ -270,6 +273,7 @@ async fn run_worker<E: LlmEngine>(
         publisher,
         adapter,
     } = worker;
+    let publisher_first_id = publisher.first_event_id();
     let stats = Arc::new(WorkerStats::default());
     let engine = Arc::new(CountingEngine {
         inner: engine,
@@ -307,6 +311,12 @@ async fn run_worker<E: LlmEngine>(
 
     let mut info = InstanceInfo::new(id, address.clone(), block_size).with_role(worker_role);
     info.metadata = metadata;
+    // Where this life's KV events start: a router reading them from a durable stream (NATS)
+    // catches up from there without asking for a dump.
+    info.metadata.insert(
+        kvroute_runtime::KV_EVENT_BASE_METADATA.to_owned(),
+        publisher_first_id.to_string(),
+    );
     let registration = match (&args.router, &args.nats) {
         (None, None) => None,
         (_, Some(url)) => {
@@ -526,6 +536,8 @@ struct WorkerStats {
     finished: AtomicU64,
     session_opens: AtomicU64,
     session_closes: AtomicU64,
+    /// KV dumps asked by routers (a router that catches up from a durable stream asks none).
+    kv_dumps: AtomicU64,
     sessions: Mutex<BTreeSet<String>>,
     /// 1 while the engine answers its health checks (always 1 for the simulator).
     engine_up: AtomicU64,
@@ -538,6 +550,7 @@ impl Default for WorkerStats {
             finished: AtomicU64::new(0),
             session_opens: AtomicU64::new(0),
             session_closes: AtomicU64::new(0),
+            kv_dumps: AtomicU64::new(0),
             sessions: Mutex::default(),
             engine_up: AtomicU64::new(1),
         }
@@ -579,6 +592,12 @@ impl WorkerStats {
                 "Session close calls received",
                 "counter",
                 self.session_closes.load(Ordering::SeqCst),
+            ),
+            line(
+                "kv_dumps_total",
+                "KV cache dumps routers asked for",
+                "counter",
+                self.kv_dumps.load(Ordering::SeqCst),
             ),
             line(
                 "sessions_open",
@@ -651,6 +670,7 @@ impl<E: LlmEngine> Engine for CountingEngine<E> {
     }
 
     fn kv_dump(&self) -> Vec<KvCacheEvent> {
+        self.stats.kv_dumps.fetch_add(1, Ordering::SeqCst);
         self.inner.kv_dump()
     }
 }

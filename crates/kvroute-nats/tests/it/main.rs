@@ -3,6 +3,7 @@
 mod discovery;
 mod event_plane;
 mod sessions;
+mod snapshots;
 
 use std::time::Duration;
 

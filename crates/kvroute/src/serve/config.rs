@@ -158,6 +158,10 @@ pub(crate) struct NatsOptions {
     /// (default kvroute).
     #[arg(long = "nats-namespace", value_name = "NAME")]
     pub(crate) namespace: Option<String>,
+    /// With NATS: how often the routers save their shared index snapshot, which a starting or
+    /// restarting router loads before reading the KV events after it (default 30s).
+    #[arg(long, value_name = "DURATION")]
+    pub(crate) snapshot_interval: Option<HumanDuration>,
 }
 
 /// One `[[models]]` entry.
@@ -285,6 +289,10 @@ pub(crate) enum Discovery {
         namespace: String,
         /// The lease time to live.
         lease_ttl: Duration,
+        /// A registry for workers that register with this router rather than with NATS
+        /// (`kvroute worker --router`): the router registers them in NATS on their behalf and
+        /// forwards their KV events to JetStream, so every replica serves them.
+        registry_listen: Option<SocketAddr>,
     },
     /// A fixed fleet.
     Static {
@@ -377,6 +385,7 @@ impl ServeOptions {
             nats: NatsOptions {
                 url: pick(n.url, fnats.url),
                 namespace: pick(n.namespace, fnats.namespace),
+                snapshot_interval: pick(n.snapshot_interval, fnats.snapshot_interval),
             },
             models: if flags.models.is_empty() {
                 self.models
@@ -596,8 +605,27 @@ impl ServeOptions {
                 nats.namespace,
             ));
         }
+        if let Some(interval) = nats.snapshot_interval {
+            if nats.url.is_none() {
+                return Err(invalid(
+                    "nats.snapshot_interval",
+                    "snapshot-interval",
+                    "a snapshot interval only together with nats.url (--nats)",
+                    interval,
+                ));
+            }
+            if interval.0 < Duration::from_secs(1) {
+                return Err(invalid(
+                    "nats.snapshot_interval",
+                    "snapshot-interval",
+                    "at least 1s",
+                    interval,
+                ));
+            }
+            router.snapshot_interval = interval.0;
+        }
         let discovery = match (nats.url, fleet, d.registry_listen) {
-            (Some(url), None, None) => {
+            (Some(url), None, registry_listen) => {
                 let namespace = nats.namespace.unwrap_or_else(|| "kvroute".to_owned());
                 if namespace.is_empty()
                     || !namespace
@@ -614,10 +642,21 @@ impl ServeOptions {
                 if url.trim().is_empty() {
                     return Err(invalid("nats.url", "nats", "nats://HOST:PORT", url));
                 }
+                // A registry beside NATS only when asked for: several routers on one host.
+                let registry_listen = match registry_listen {
+                    Some(listen) => Some(parse_addr(
+                        "discovery.registry_listen",
+                        "registry-listen",
+                        Some(&listen),
+                        "",
+                    )?),
+                    None => None,
+                };
                 Discovery::Nats {
                     url,
                     namespace,
                     lease_ttl,
+                    registry_listen,
                 }
             }
             (Some(_), Some(_), _) => {
@@ -626,14 +665,6 @@ impl ServeOptions {
                     "nats",
                     "either NATS discovery or a static fleet (discovery.fleet / [[discovery.workers]]), not both",
                     "both",
-                ));
-            }
-            (Some(_), None, Some(listen)) => {
-                return Err(invalid(
-                    "discovery.registry_listen",
-                    "registry-listen",
-                    "no registry address with NATS: workers register through NATS (`kvroute worker --nats URL`)",
-                    listen,
                 ));
             }
             (None, fleet, listen) => match (fleet, listen) {

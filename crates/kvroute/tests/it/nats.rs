@@ -28,6 +28,8 @@ fn start_router(url: &str, dir: &std::path::Path, name: &str) -> Router {
             url,
             "--lease-ttl",
             "2s",
+            "--snapshot-interval",
+            "1s",
         ],
         &dir.join(format!("{name}.log")),
     );
@@ -282,7 +284,37 @@ async fn three_routers_share_the_fleets_kv_events_and_a_restarted_router_catches
         );
     }
 
-    // Router B dies and comes back: it catches up from the stream and routes as before.
+    // Router B dies and comes back: it loads the shared index snapshot, reads the events after
+    // it from the stream (asking no worker for a dump), and routes as before.
+    let dumps = || async {
+        let mut total = 0.0;
+        for worker in &workers {
+            let url = format!("http://{}/metrics", worker.field("metrics"));
+            let text = http.get(&url).send().await.unwrap().text().await.unwrap();
+            total += counter(&text, "kvroute_worker_kv_dumps_total");
+        }
+        total
+    };
+    let dumps_before = dumps().await;
+    // Replicas take turns: any of them may have saved it.
+    let deadline = tokio::time::Instant::now() + BOUND;
+    loop {
+        let mut saved = 0.0;
+        for router in &routers {
+            saved += counter(
+                &metrics(&http, router).await,
+                "kvroute_router_snapshots_saved",
+            );
+        }
+        if saved > 0.0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no router saved an index snapshot"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     routers[1].proc.kill();
     routers[1] = start_router(&url, &dir, "b-restarted");
     eventually(
@@ -309,6 +341,15 @@ async fn three_routers_share_the_fleets_kv_events_and_a_restarted_router_catches
     assert!(
         counter(&text, "kvroute_router_predicted_cached_tokens") > 0.0,
         "the restarted router predicted no cached tokens:\n{text}"
+    );
+    assert!(
+        counter(&text, "kvroute_router_snapshot_restored_blocks") > 0.0,
+        "the restarted router restored no snapshot:\n{text}"
+    );
+    assert_eq!(
+        dumps().await,
+        dumps_before,
+        "the restarted router asked workers for dumps instead of using the snapshot and stream"
     );
     assert!(text.contains("kvroute_nats_connected 1"), "{text}");
     for router in &routers {
