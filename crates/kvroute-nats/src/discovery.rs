@@ -113,6 +113,17 @@ async fn follow(inner: std::sync::Weak<Inner>, loaded: tokio::sync::oneshot::Sen
         };
         let ttl = strong.ttl;
         let watch = strong.store.watch_with_history(">").await;
+        // An empty bucket sends no entry, so the first listing is complete at once; otherwise
+        // it is when the watch reports no entry pending (`delta == 0`).
+        if watch.is_ok() && loaded.is_some() {
+            let mut stream = strong.store.stream.clone();
+            if let Ok(info) = stream.info().await
+                && info.state.messages == 0
+                && let Some(done) = loaded.take()
+            {
+                let _ = done.send(());
+            }
+        }
         drop(strong);
         let mut watch = match watch {
             Ok(watch) => watch,
@@ -150,11 +161,6 @@ async fn follow(inner: std::sync::Weak<Inner>, loaded: tokio::sync::oneshot::Sen
                         return;
                     }
                     reap(&inner);
-                    // An empty bucket sends no entry: the listing is complete once the watch
-                    // is up and a tick has passed.
-                    if let Some(done) = loaded.take() {
-                        let _ = done.send(());
-                    }
                 }
             }
         }
