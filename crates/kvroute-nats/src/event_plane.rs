@@ -183,6 +183,23 @@ impl NatsEventPlane {
         Ok(())
     }
 
+    /// The stream position of the newest KV event the stream holds (0 when it is empty).
+    pub async fn last_sequence(&self) -> Result<u64, EventPlaneError> {
+        let unavailable = |e: String| EventPlaneError::Unavailable { message: e };
+        let mut stream = self
+            .nats
+            .jetstream
+            .get_stream(self.stream.as_ref())
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
+        Ok(stream
+            .info()
+            .await
+            .map_err(|e| unavailable(e.to_string()))?
+            .state
+            .last_sequence)
+    }
+
     /// `start`, or 0 (the oldest retained event) when the stream no longer holds it: a consumer
     /// asked to start before the first retained sequence would wait for it forever.
     async fn clamp_start(&self, start: u64) -> Result<u64, EventPlaneError> {

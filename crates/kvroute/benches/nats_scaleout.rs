@@ -11,8 +11,12 @@
 //! - session visibility: a binding put on one router's `NatsAffinityStore` until another
 //!   router's store returns it (`--sessions` samples, default 300; p50, p99);
 //! - restart catch-up: a stream holding `--catchup-blocks` blocks (default 1,000,000) of KV
-//!   events, read from its start into a fresh `KvIndex` by a router that just started (no
-//!   snapshot: the stream is the durable log); reported: time to caught up, blocks per second.
+//!   events. A router core reads it all and saves an index snapshot (`NatsSnapshotStore`);
+//!   `--tail-events` more events (default 10,000) follow. Then two fresh routers catch up, each
+//!   timed until it has applied the last event: one replays the whole stream from its start,
+//!   the other loads the snapshot and reads only the events after it (what `kvroute serve
+//!   --nats` does); both must end with the same index. Reported: snapshot size and save time,
+//!   and both times to caught up.
 //!
 //! The publishers, the routers and the server share the machine's cores.
 //!
@@ -28,13 +32,16 @@ use kvroute_indexer::KvIndex;
 use kvroute_nats::testing::NatsServer;
 use kvroute_nats::{AffinityBinding, AffinityKind, AffinityStore};
 use kvroute_nats::{
-    EventStreamConfig, Nats, NatsAffinityStore, NatsAffinityStoreConfig, NatsConfig, NatsEventPlane,
+    EventStreamConfig, Nats, NatsAffinityStore, NatsAffinityStoreConfig, NatsConfig,
+    NatsEventPlane, NatsSnapshotStore,
 };
 use kvroute_protocols::WorkerWithDpRank;
 use kvroute_protocols::kv_events::{
     ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData,
     KvCacheStoredBlockData, LocalBlockHash, RouterEvent, StorageTier,
 };
+use kvroute_router::{IndexSnapshot, KvMode, KvRouterCore, RouterConfig, WorkerSpec};
+use kvroute_runtime::SnapshotStore;
 use kvroute_runtime::{EventPlane, KV_EVENT_SUBJECT, decode_router_event, encode_router_event};
 use parking_lot::Mutex;
 
@@ -45,6 +52,7 @@ struct Args {
     blocks: u64,
     sessions: usize,
     catchup_blocks: u64,
+    tail_events: u64,
     paced_rate: f64,
 }
 
@@ -56,6 +64,7 @@ fn args() -> Args {
         blocks: 4,
         sessions: 300,
         catchup_blocks: 1_000_000,
+        tail_events: 10_000,
         paced_rate: 2_000.0,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -73,6 +82,7 @@ fn args() -> Args {
             "--blocks" => a.blocks = value(),
             "--sessions" => a.sessions = value() as usize,
             "--catchup-blocks" => a.catchup_blocks = value(),
+            "--tail-events" => a.tail_events = value(),
             "--paced-rate" => a.paced_rate = value() as f64,
             "--bench" => {
                 i += 1;
@@ -80,7 +90,7 @@ fn args() -> Args {
             }
             other => panic!(
                 "unknown argument {other}: expected --workers, --routers, --events, --blocks, \
-                 --sessions, --catchup-blocks or --paced-rate"
+                 --sessions, --catchup-blocks, --tail-events or --paced-rate"
             ),
         }
         i += 2;
@@ -282,10 +292,8 @@ async fn sessions(url: &str, a: &Args) {
     );
 }
 
-async fn catch_up(url: &str, a: &Args) {
-    let blocks_per_event = 16u64;
-    let events = a.catchup_blocks.div_ceil(blocks_per_event);
-    let per_worker = events.div_ceil(a.workers);
+/// Publishes `count` 16-block events per worker (ids from `first`), and waits for the acks.
+async fn publish_history(url: &str, a: &Args, first: u64, count: u64) {
     let config = EventStreamConfig::default();
     let mut publishers = Vec::new();
     for w in 0..a.workers {
@@ -294,10 +302,8 @@ async fn catch_up(url: &str, a: &Args) {
                 .await
                 .unwrap();
         publishers.push(tokio::spawn(async move {
-            // Ids after the fan-out's, so that the stream holds one long history per worker.
-            for id in 0..per_worker {
-                let mut event = stored(w + 1000, id, blocks_per_event);
-                event.event.event_id = id;
+            for id in first..first + count {
+                let event = stored(w + 1000, id, 16);
                 plane
                     .publish(KV_EVENT_SUBJECT, encode_router_event(&event))
                     .await
@@ -312,37 +318,130 @@ async fn catch_up(url: &str, a: &Args) {
     for p in publishers {
         p.await.unwrap();
     }
-    let total_events = 2 * a.workers * a.events + a.workers * per_worker;
-    let plane = NatsEventPlane::start(connect(url, "restarted-router").await, &config)
+}
+
+/// A router core serving every worker the bench publishes for.
+fn router_core(a: &Args) -> KvRouterCore {
+    let mut core = KvRouterCore::new(RouterConfig::new(16)).unwrap();
+    for w in (1..=a.workers).chain(1000..1000 + a.workers) {
+        core.add_worker(&WorkerSpec::new(w), KvMode::Events)
+            .unwrap();
+    }
+    core
+}
+
+/// Applies events from `subscription` to `core` until the one at stream position `last`;
+/// returns how many.
+async fn apply_until(
+    core: &mut KvRouterCore,
+    subscription: &mut kvroute_runtime::Subscription,
+    last: u64,
+) -> u64 {
+    let mut applied = 0u64;
+    loop {
+        let message = subscription.next().await.expect("subscription open");
+        core.apply_event(&decode_router_event(&message.payload).unwrap());
+        applied += 1;
+        if applied.is_multiple_of(250_000) {
+            eprintln!("  applied {applied} events");
+        }
+        if message.sequence == Some(last) {
+            return applied;
+        }
+    }
+}
+
+async fn catch_up(url: &str, a: &Args) {
+    let blocks_per_event = 16u64;
+    let events = a.catchup_blocks.div_ceil(blocks_per_event);
+    let per_worker = events.div_ceil(a.workers);
+    let config = EventStreamConfig::default();
+    publish_history(url, a, 0, per_worker).await;
+
+    // The running router: reads everything, then saves its snapshot.
+    let running = NatsEventPlane::start(connect(url, "running-router").await, &config)
+        .await
+        .unwrap();
+    let snapshot_at = running.last_sequence().await.unwrap();
+    let mut core = router_core(a);
+    let mut subscription = running.subscribe(KV_EVENT_SUBJECT).await.unwrap();
+    apply_until(&mut core, &mut subscription, snapshot_at).await;
+    let store = NatsSnapshotStore::start(running.nats(), "bench")
         .await
         .unwrap();
     let started = Instant::now();
-    let mut subscription = plane.subscribe(KV_EVENT_SUBJECT).await.unwrap();
-    let mut index = KvIndex::new();
-    let mut applied = 0u64;
-    while applied < total_events {
-        let message = subscription.next().await.expect("subscription open");
-        let _ = index.apply_event(&decode_router_event(&message.payload).unwrap());
-        applied += 1;
-        if applied.is_multiple_of(100_000) {
-            eprintln!("caught up {applied} of {total_events}");
-        }
-    }
-    let elapsed = started.elapsed();
+    let snapshot = core.snapshot(snapshot_at);
+    let snapshot_blocks = snapshot.blocks();
+    let bytes = bytes::Bytes::from(snapshot.encode());
+    let size = bytes.len();
+    store.save(bytes).await.unwrap();
+    let save = started.elapsed();
+    drop(core);
+
+    // More events after the snapshot.
+    publish_history(url, a, per_worker, a.tail_events).await;
+    let end = running.last_sequence().await.unwrap();
+
+    // A fresh router replaying the whole stream.
+    let replayer = NatsEventPlane::start(connect(url, "replaying-router").await, &config)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let mut replayed = router_core(a);
+    let mut subscription = replayer.subscribe(KV_EVENT_SUBJECT).await.unwrap();
+    let replay_events = apply_until(&mut replayed, &mut subscription, end).await;
+    let replay = started.elapsed();
+
+    // A fresh router restoring the snapshot, then reading only what follows it.
+    let restarter = NatsEventPlane::start(connect(url, "restarted-router").await, &config)
+        .await
+        .unwrap();
+    let store = NatsSnapshotStore::start(restarter.nats(), "bench")
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let mut restored = router_core(a);
+    let loaded = store
+        .load()
+        .await
+        .unwrap()
+        .expect("the snapshot saved above");
+    let snapshot = IndexSnapshot::decode(&loaded).unwrap();
+    restored.restore(&snapshot).unwrap();
+    let loaded_in = started.elapsed();
+    let mut subscription = restarter
+        .subscribe_after(KV_EVENT_SUBJECT, snapshot.sequence)
+        .await
+        .unwrap();
+    let tail = apply_until(&mut restored, &mut subscription, end).await;
+    let restart = started.elapsed();
+    assert!(
+        restored.index().same_content(replayed.index()),
+        "the restored router and the replaying one disagree"
+    );
     let blocks: usize = (0..a.workers)
         .map(|w| {
-            index.block_count(
+            restored.index().block_count(
                 WorkerWithDpRank::from_worker_id(w + 1000),
                 StorageTier::Device,
             )
         })
         .sum();
     println!(
-        "restart catch-up: a fresh router read {applied} events from the stream's start and \
-         indexed {blocks} blocks of the catch-up workers (plus the fan-out's) in {:.2} s \
-         ({:.0} events/s)",
-        elapsed.as_secs_f64(),
-        applied as f64 / elapsed.as_secs_f64()
+        "restart catch-up: index snapshot of {snapshot_blocks} blocks, {:.1} MB, saved in {:.2} s",
+        size as f64 / 1e6,
+        save.as_secs_f64()
+    );
+    println!(
+        "restart catch-up: replaying the stream from its start, {replay_events} events: \
+         caught up in {:.2} s",
+        replay.as_secs_f64()
+    );
+    println!(
+        "restart catch-up: from the snapshot ({:.2} s to load and restore) plus {tail} events \
+         after it: caught up in {:.2} s ({blocks} catch-up blocks, same index as the replay)",
+        loaded_in.as_secs_f64(),
+        restart.as_secs_f64()
     );
 }
 

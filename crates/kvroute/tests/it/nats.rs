@@ -360,3 +360,93 @@ async fn three_routers_share_the_fleets_kv_events_and_a_restarted_router_catches
     }
     drop(server);
 }
+
+/// `--registry-listen` beside `--nats`: workers that register with router A over the request
+/// plane are registered in NATS by A and their KV events bridged to JetStream, so router B,
+/// which only knows NATS, serves them too and follows their caches; when A stops, they leave.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routers_own_registry_serves_its_workers_to_every_replica() {
+    let server = NatsServer::start();
+    let url = server.url();
+    let dir = scratch("nats-registry-beside");
+    let a = Proc::start(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--nats",
+            &url,
+            "--registry-listen",
+            "127.0.0.1:0",
+            "--lease-ttl",
+            "2s",
+        ],
+        &dir.join("a.log"),
+    );
+    let registry = a.field("registry").to_owned();
+    assert_ne!(registry, "nats", "router A listens for registrations");
+    let a = Router {
+        base: format!("http://{}", a.field("http")),
+        proc: a,
+    };
+    let b = start_router(&url, &dir, "b");
+    let _workers: Vec<Proc> = (1..=2u64)
+        .map(|id| {
+            let id = id.to_string();
+            Proc::start(
+                &[
+                    "worker",
+                    "--mock",
+                    "--id",
+                    &id,
+                    "--router",
+                    &registry,
+                    "--speedup",
+                    "100",
+                ],
+                &dir.join(format!("worker-{id}.log")),
+            )
+        })
+        .collect();
+    let http = reqwest::Client::builder().timeout(BOUND).build().unwrap();
+    for router in [&a, &b] {
+        eventually(&http, router, "both workers listed", |m| {
+            (1..=2).all(|w| active_requests(m, w).is_some())
+        })
+        .await;
+    }
+    let want = json!({"extra_fields": ["worker_id"]});
+    let mut homes = Vec::new();
+    for c in 0..4 {
+        let first = chat(&http, &a, &chat_body(conversation(c, 1), 4, want.clone())).await;
+        homes.push(decode_worker(&first));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for (c, home) in homes.iter().enumerate() {
+        let later = chat(&http, &b, &chat_body(conversation(c, 2), 4, want.clone())).await;
+        assert_eq!(
+            decode_worker(&later),
+            *home,
+            "router B sent conversation {c} away from the worker holding its prefix"
+        );
+    }
+    let text = metrics(&http, &b).await;
+    assert!(
+        counter(&text, "kvroute_router_predicted_cached_tokens") > 0.0,
+        "router B predicted no cached tokens for the registry's workers:\n{text}"
+    );
+    for router in [&a, &b] {
+        eventually(&http, router, "zero load", |m| {
+            (1..=2).all(|w| active_requests(m, w) == Some(0))
+        })
+        .await;
+    }
+    // Router A goes: the registrations it made lapse, and B stops listing the workers.
+    let Router { mut proc, .. } = a;
+    proc.kill();
+    eventually(&http, &b, "the registry's workers gone with it", |m| {
+        (1..=2).all(|w| active_requests(m, w).is_none())
+    })
+    .await;
+    drop(server);
+}

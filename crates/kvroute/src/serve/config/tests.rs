@@ -41,7 +41,12 @@ fn render(c: &ServeConfig) -> String {
             url,
             namespace,
             lease_ttl,
-        } => format!("nats {url} ns {namespace} ttl {lease_ttl:?}"),
+            registry_listen,
+        } => format!(
+            "nats {url} ns {namespace} ttl {lease_ttl:?}{}; snapshots every {:?}",
+            registry_listen.map_or(String::new(), |r| format!(" + registry {r}")),
+            c.router.snapshot_interval
+        ),
         Discovery::Static {
             fleet: FleetSource::File(path),
         } => format!("fleet {}", path.display()),
@@ -82,7 +87,15 @@ fn nats_replaces_the_registry_and_takes_the_lease_ttl() {
         "[nats]\nurl = \"nats://10.0.0.5:4222\"\n[discovery]\nlease_ttl = \"2s\"",
         &["--nats-namespace", "fleet-1"],
         Ok(
-            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-adaptive migrations 3; nats nats://10.0.0.5:4222 ns fleet-1 ttl 2s; models [\"mock\"]",
+            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-adaptive migrations 3; nats nats://10.0.0.5:4222 ns fleet-1 ttl 2s; snapshots every 30s; models [\"mock\"]",
+        ),
+    );
+    // A registry beside NATS only when asked for, and the snapshot interval from either side.
+    check(
+        "[nats]\nurl = \"nats://10.0.0.5:4222\"\nsnapshot_interval = \"5s\"",
+        &["--registry-listen", "127.0.0.1:7101"],
+        Ok(
+            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-adaptive migrations 3; nats nats://10.0.0.5:4222 ns kvroute ttl 5s + registry 127.0.0.1:7101; snapshots every 5s; models [\"mock\"]",
         ),
     );
 }
@@ -179,11 +192,23 @@ fn bad_values_name_the_key_the_flag_and_what_was_expected() {
         Err("`nats.url` (flag --nats): expected either NATS discovery or a static fleet"),
     );
     check(
-        "[discovery]\nregistry_listen = \"127.0.0.1:7100\"",
+        "[discovery]\nregistry_listen = \"127.0.0.1\"",
         &["--nats", "nats://127.0.0.1:4222"],
         Err(
-            "`discovery.registry_listen` (flag --registry-listen): expected no registry address with NATS",
+            "`discovery.registry_listen` (flag --registry-listen): expected an ip:port address such as 127.0.0.1:8000, got \"127.0.0.1\"",
         ),
+    );
+    check(
+        "",
+        &["--snapshot-interval", "5s"],
+        Err(
+            "`nats.snapshot_interval` (flag --snapshot-interval): expected a snapshot interval only together with nats.url",
+        ),
+    );
+    check(
+        "[nats]\nurl = \"nats://n:4222\"\nsnapshot_interval = \"10ms\"",
+        &[],
+        Err("`nats.snapshot_interval` (flag --snapshot-interval): expected at least 1s"),
     );
     check(
         "[nats]\nnamespace = \"a.b\"\nurl = \"nats://n:4222\"",
