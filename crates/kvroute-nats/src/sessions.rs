@@ -54,7 +54,9 @@ impl NatsAffinityStoreConfig {
 ///   worker loss, a rolled-back open) removes it everywhere.
 /// - Consistency: last writer wins, in the bucket's order, which every replica converges to; two
 ///   replicas binding one session in the same instant end with the later binding. While NATS is
-///   unreachable a replica works on its mirror alone and its writes are lost (counted).
+///   unreachable a replica works on its mirror alone; its writes are kept (the latest per
+///   session) and re-sent every second until NATS takes them, unless the bucket meanwhile holds
+///   a newer write of that session from another replica.
 #[derive(Debug, Clone)]
 pub struct NatsAffinityStore {
     inner: Arc<Inner>,
@@ -64,7 +66,7 @@ pub struct NatsAffinityStore {
 struct Inner {
     local: InMemoryAffinityStore,
     origin: u64,
-    writes: mpsc::UnboundedSender<(String, Bytes)>,
+    writes: mpsc::UnboundedSender<Write>,
     /// Other replicas' changes, applied at the next call (which brings the caller's clock).
     pending: Mutex<Vec<Remote>>,
     meta: Mutex<HashMap<String, Meta>>,
@@ -83,7 +85,17 @@ impl Drop for Inner {
 #[derive(Debug, Default)]
 struct Counters {
     write_failures: AtomicU64,
+    resent: AtomicU64,
+    superseded: AtomicU64,
     remote_applied: AtomicU64,
+}
+
+/// One change to write to the bucket.
+#[derive(Debug)]
+struct Write {
+    key: String,
+    value: Bytes,
+    written_unix_ms: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -111,6 +123,9 @@ enum Remote {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Stored {
     origin: u64,
+    /// When it was written (Unix ms): a write held back by an outage yields to a newer one.
+    #[serde(default)]
+    written_unix_ms: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     binding: Option<StoredBinding>,
 }
@@ -167,20 +182,9 @@ impl NatsAffinityStore {
                     what: format!("the session bucket {bucket}"),
                     message: e,
                 })?;
-        let (writes, mut rx) = mpsc::unbounded_channel::<(String, Bytes)>();
+        let (writes, rx) = mpsc::unbounded_channel::<Write>();
         let counters = Arc::new(Counters::default());
-        let writer_store = store.clone();
-        let writer_counters = counters.clone();
-        let writer = tokio::spawn(async move {
-            while let Some((key, value)) = rx.recv().await {
-                if let Err(error) = writer_store.put(&key, value).await {
-                    writer_counters
-                        .write_failures
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(%error, "a session binding was not written to NATS; other routers will not see it");
-                }
-            }
-        });
+        let writer = tokio::spawn(write_loop(store.clone(), rx, counters.clone()));
         let inner = Arc::new_cyclic(|weak: &std::sync::Weak<Inner>| {
             let watcher = tokio::spawn(watch(store, config.origin, weak.clone()));
             Inner {
@@ -201,9 +205,72 @@ impl NatsAffinityStore {
         self.inner.counters.write_failures.load(Ordering::Relaxed)
     }
 
+    /// Writes re-sent after NATS came back.
+    pub fn resent(&self) -> u64 {
+        self.inner.counters.resent.load(Ordering::Relaxed)
+    }
+
+    /// Writes held back by an outage and dropped because another replica wrote that session
+    /// later.
+    pub fn superseded(&self) -> u64 {
+        self.inner.counters.superseded.load(Ordering::Relaxed)
+    }
+
     /// Other replicas' changes applied here.
     pub fn remote_applied(&self) -> u64 {
         self.inner.counters.remote_applied.load(Ordering::Relaxed)
+    }
+}
+
+/// Writes changes to the bucket in order; what NATS does not take is kept (the latest per
+/// session) and re-sent every second, unless the bucket meanwhile holds a newer write.
+async fn write_loop(
+    store: kv::Store,
+    mut rx: mpsc::UnboundedReceiver<Write>,
+    counters: Arc<Counters>,
+) {
+    let mut unsent: HashMap<String, Write> = HashMap::new();
+    let mut retry = tokio::time::interval(Duration::from_secs(1));
+    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            write = rx.recv() => {
+                let Some(write) = write else { return };
+                unsent.remove(&write.key);
+                if let Err(error) = store.put(&write.key, write.value.clone()).await {
+                    counters.write_failures.fetch_add(1, Ordering::Relaxed);
+                    if unsent.is_empty() {
+                        tracing::warn!(%error, "a session binding was not written to NATS; keeping it to re-send when NATS is back");
+                    }
+                    unsent.insert(write.key.clone(), write);
+                }
+            }
+            _ = retry.tick(), if !unsent.is_empty() => {
+                let keys: Vec<String> = unsent.keys().cloned().collect();
+                for key in keys {
+                    let newer = match store.entry(&key).await {
+                        Ok(Some(entry)) => serde_json::from_slice::<Stored>(&entry.value)
+                            .is_ok_and(|s| s.written_unix_ms > unsent[&key].written_unix_ms),
+                        Ok(None) => false,
+                        // Still unreachable: try again at the next tick.
+                        Err(_) => break,
+                    };
+                    if newer {
+                        counters.superseded.fetch_add(1, Ordering::Relaxed);
+                        unsent.remove(&key);
+                        continue;
+                    }
+                    if store.put(&key, unsent[&key].value.clone()).await.is_err() {
+                        break;
+                    }
+                    unsent.remove(&key);
+                    counters.resent.fetch_add(1, Ordering::Relaxed);
+                }
+                if unsent.is_empty() {
+                    tracing::info!("session bindings written during the NATS outage are shared again");
+                }
+            }
+        }
     }
 }
 
@@ -268,18 +335,24 @@ async fn watch(store: kv::Store, origin: u64, inner: std::sync::Weak<Inner>) {
 
 impl Inner {
     fn write(&self, session: &str, binding: Option<(AffinityBinding, Duration)>) {
+        let written_unix_ms = unix_ms();
         let stored = Stored {
             origin: self.origin,
+            written_unix_ms,
             binding: binding.map(|(b, ttl)| StoredBinding {
                 worker_id: b.worker.worker_id,
                 dp_rank: b.worker.dp_rank,
                 engine_backed: b.kind == AffinityKind::EngineBacked,
                 ttl_ms: ttl.as_millis() as u64,
-                written_unix_ms: unix_ms(),
+                written_unix_ms,
             }),
         };
         let value = serde_json::to_vec(&stored).unwrap_or_default();
-        let _ = self.writes.send((key_of(session), Bytes::from(value)));
+        let _ = self.writes.send(Write {
+            key: key_of(session),
+            value: Bytes::from(value),
+            written_unix_ms,
+        });
     }
 
     /// Applies the other replicas' changes that arrived since the last call.

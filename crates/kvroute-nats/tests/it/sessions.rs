@@ -91,3 +91,31 @@ fn only_the_last_writer_reports_an_expired_binding() {
         assert!(a.is_empty() && b.is_empty());
     });
 }
+
+#[test]
+fn a_binding_written_while_nats_is_down_reaches_the_others_when_it_returns() {
+    let mut server = NatsServer::start();
+    run(async {
+        let a = store(&server.url(), 1).await;
+        let b = store(&server.url(), 2).await;
+        let ttl = Duration::from_secs(60);
+        let now = Duration::from_secs(1);
+        server.stop();
+        // The router keeps serving the session from its own mirror meanwhile.
+        a.put("during-outage", binding(7), ttl, now).unwrap();
+        assert_eq!(
+            a.peek("during-outage", now).map(|t| t.binding),
+            Some(binding(7))
+        );
+        until("the write fails while NATS is down", || {
+            a.write_failures() > 0
+        })
+        .await;
+        server.restart();
+        until("b sees the binding once NATS is back", || {
+            b.peek("during-outage", now).map(|t| t.binding) == Some(binding(7))
+        })
+        .await;
+        assert!(a.resent() >= 1, "resent {}", a.resent());
+    });
+}
