@@ -220,7 +220,8 @@ fn venv_dir(root: &Path) -> std::path::PathBuf {
     }
 }
 
-fn home_cache() -> std::path::PathBuf {
+/// `~/.cache/kvroute`: what xtask keeps outside the clone.
+pub(crate) fn home_cache() -> std::path::PathBuf {
     let home = std::env::var_os("HOME").unwrap_or_else(|| ".".into());
     Path::new(&home).join(".cache").join("kvroute")
 }

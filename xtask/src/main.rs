@@ -10,6 +10,7 @@ mod examples;
 mod fuzz;
 mod package;
 mod python;
+mod replay_vs_reference;
 mod tidy;
 
 use std::path::{Path, PathBuf};
@@ -38,7 +39,10 @@ enum Command {
         /// Which bench: `indexer` (trace replay through the KV index), `indexer-soak`, `mocker`
         /// (simulation speed), `request-plane` (TCP round trips), `router-overhead` or
         /// `engine-adapter` (what kvroute adds in front of an engine's HTTP API),
-        /// `indexer-compare` (kvroute's indexer against the reference's, side by side).
+        /// `indexer-compare` (kvroute's indexer against the reference's, side by side),
+        /// `replay-vs-reference` (a trace through the reference's replay and kvroute's, side by
+        /// side: `--trace FILE [--trace-block-size T] [--workers N] [--reference-runs K]`; installs
+        /// the reference, ~700 MB, into ~/.cache/kvroute/reference-venv once).
         which: String,
         /// Arguments passed through to the bench binary.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -104,6 +108,9 @@ pub(crate) const OWN_WORKSPACE_BENCHES: &[(&str, &str, &str)] = &[(
 )];
 
 fn bench(root: &Path, which: &str, args: &[String]) -> Result<()> {
+    if which == replay_vs_reference::NAME {
+        return replay_vs_reference::run(root, args);
+    }
     if let Some((_, dir, bench)) = OWN_WORKSPACE_BENCHES.iter().find(|(n, _, _)| *n == which) {
         let manifest = root.join(dir).join("Cargo.toml");
         let mut cmd = std::process::Command::new(cargo());
@@ -119,6 +126,7 @@ fn bench(root: &Path, which: &str, args: &[String]) -> Result<()> {
             .iter()
             .chain(OWN_WORKSPACE_BENCHES)
             .map(|(name, _, _)| *name)
+            .chain([replay_vs_reference::NAME])
             .collect();
         anyhow::bail!(
             "unknown bench `{which}`: expected one of {}",

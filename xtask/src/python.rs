@@ -7,6 +7,9 @@
 //! `tests/python/requirements-nodeps.txt` (the engines' wheels: only a few pure-Python modules of
 //! them are loaded). A stamp of both files' contents skips pip when nothing changed. Tests find
 //! the interpreter in `KVROUTE_PYTHON`.
+//!
+//! A second venv holds the reference itself (NVIDIA Dynamo 1.6.1's Python packages, ~700 MB) for
+//! `cargo xtask bench replay-vs-reference`; CI never builds it. See [`ensure_reference`].
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -24,23 +27,40 @@ const REQUIREMENTS: &[(&str, bool)] = &[
     ("tests/python/requirements-nodeps.txt", true),
 ];
 
+/// The reference's pinned install, in order: what each step installs, whether without
+/// dependencies, and the requirements. `pip install ai-dynamo` itself fails (it requires
+/// `aisimulate==0.13.0`, a placeholder that downloads from elsewhere, and a `certifi` newer than
+/// any published), so its dependencies that replay imports are installed by hand.
+const REFERENCE_INSTALL: &[(&str, bool, &[&str])] = &[
+    (
+        "the reference's runtime wheel (75 MB) with its dependencies",
+        false,
+        &["ai-dynamo-runtime==1.6.1"],
+    ),
+    (
+        "the reference's Python package, without its dependencies",
+        true,
+        &["ai-dynamo==1.6.1"],
+    ),
+    (
+        "the pure-Python packages the reference imports",
+        false,
+        &[
+            "aiohttp==3.14.5",
+            "certifi==2026.10.18",
+            "msgspec==0.22.0",
+            "prometheus-client==0.26.0",
+            "pyzmq==27.3.0",
+            "tqdm==4.70.1",
+            "typing-extensions==4.16.0",
+            "zstandard==0.25.0",
+        ],
+    ),
+];
+
 /// Creates or updates the venv; returns its interpreter.
 pub(crate) fn ensure(root: &Path, venv: &Path) -> Result<PathBuf> {
-    let python_ok = Command::new("python3")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !python_ok {
-        bail!(
-            "the tests need python3 with the venv module on PATH \
-             (e.g. `apt-get install python3 python3-venv`)"
-        );
-    }
-    let python = venv.join("bin").join("python");
-    if !python.exists() {
-        run_command(Command::new("python3").arg("-m").arg("venv").arg(venv))
-            .context("creating the test venv (is the python3 venv module installed?)")?;
-    }
+    let python = create_venv(venv, "the tests")?;
     let mut wanted = String::new();
     for (file, _) in REQUIREMENTS {
         let path = root.join(file);
@@ -80,5 +100,89 @@ pub(crate) fn ensure(root: &Path, venv: &Path) -> Result<PathBuf> {
         })?;
     }
     std::fs::write(&stamp, wanted).with_context(|| format!("writing {}", stamp.display()))?;
+    Ok(python)
+}
+
+/// Creates the reference's venv at `venv` once (pinned: [`REFERENCE_INSTALL`]) and checks that
+/// its replay imports; returns its interpreter. A stamp of the install list skips all of it on
+/// later runs.
+pub(crate) fn ensure_reference(venv: &Path) -> Result<PathBuf> {
+    let python = create_venv(venv, "the reference")?;
+    let wanted: String = REFERENCE_INSTALL
+        .iter()
+        .map(|(_, no_deps, reqs)| {
+            let flag = if *no_deps { "--no-deps " } else { "" };
+            format!("{flag}{}\n", reqs.join(" "))
+        })
+        .collect();
+    let stamp = venv.join("kvroute-reference.stamp");
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(wanted.as_str()) {
+        return Ok(python);
+    }
+    eprintln!(
+        "installing the reference (Dynamo 1.6.1, about 700 MB) into {}; this happens once",
+        venv.display()
+    );
+    for (i, (what, no_deps, reqs)) in REFERENCE_INSTALL.iter().enumerate() {
+        eprintln!("[{}/{}] installing {what}", i + 1, REFERENCE_INSTALL.len());
+        let mut pip = Command::new(&python);
+        pip.args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ]);
+        if *no_deps {
+            pip.arg("--no-deps");
+        }
+        pip.args(*reqs);
+        run_command(&mut pip).with_context(|| {
+            format!(
+                "installing {what} into {} (the Python package registry must be reachable)",
+                venv.display()
+            )
+        })?;
+    }
+    let import = Command::new(&python)
+        .args(["-c", "import dynamo.replay, dynamo.llm"])
+        .env("DYN_LOG", "warn")
+        .output()
+        .with_context(|| format!("could not start {}", python.display()))?;
+    if !import.status.success() {
+        bail!(
+            "the reference installed into {} but its replay does not import:\n{}",
+            venv.display(),
+            String::from_utf8_lossy(&import.stderr)
+        );
+    }
+    std::fs::write(&stamp, wanted).with_context(|| format!("writing {}", stamp.display()))?;
+    Ok(python)
+}
+
+/// Makes `venv` with the system's python3 unless it exists; returns its interpreter. `purpose`
+/// names who needs it in errors.
+fn create_venv(venv: &Path, purpose: &str) -> Result<PathBuf> {
+    let python_ok = Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !python_ok {
+        bail!(
+            "python3 with the venv module must be on PATH for {purpose} \
+             (e.g. `apt-get install python3 python3-venv`)"
+        );
+    }
+    let python = venv.join("bin").join("python");
+    if !python.exists() {
+        run_command(Command::new("python3").arg("-m").arg("venv").arg(venv)).with_context(
+            || {
+                format!(
+                    "creating the venv of {purpose} at {} (is the python3 venv module installed?)",
+                    venv.display()
+                )
+            },
+        )?;
+    }
     Ok(python)
 }

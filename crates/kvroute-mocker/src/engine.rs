@@ -20,13 +20,13 @@ use kvroute_indexer::hash::{
 };
 use kvroute_protocols::kv_events::LocalBlockHash;
 
-use crate::config::{ConfigError, MockerConfig};
+use crate::config::{Admission, ConfigError, MockerConfig};
 use crate::kv::{BlockId, BlockPool, FullBlock};
 use crate::request::{
     EngineStats, FinishReason, Finished, KvUsage, Request, RequestError, RequestId, StepOutput,
     TokenOutput,
 };
-use crate::timing::{StepShape, TimingModel};
+use crate::timing::{SeqWork, StepShape, TimingModel};
 
 /// The simulated engine.
 #[derive(Debug)]
@@ -60,6 +60,8 @@ struct Seq {
     /// Tokens of the trailing partial block.
     tail: Vec<u32>,
     num_tokens: usize,
+    /// Tokens of the original prompt; `num_tokens` grows past it with the output.
+    prompt_len: usize,
     num_computed: usize,
     blocks: Vec<BlockId>,
     /// Leading entries of `blocks` already in the prefix cache (hits or registered).
@@ -95,7 +97,7 @@ impl Engine {
         config.validate()?;
         Ok(Self {
             block_size: config.block_size as usize,
-            timing: TimingModel::new(config.timing.clone(), config.speedup),
+            timing: TimingModel::for_engine(&config),
             pool: BlockPool::new(config.num_blocks, dp_rank),
             config,
             clock: Duration::ZERO,
@@ -400,6 +402,7 @@ impl Engine {
             hashes,
             tail,
             num_tokens,
+            prompt_len: num_tokens,
             num_computed: 0,
             blocks: Vec::new(),
             num_cached: 0,
@@ -539,7 +542,11 @@ impl Engine {
         };
         let n = (seq.num_tokens - computed).min(budget);
         let need = self.blocks_for(computed + n) - hits.len();
-        if need + hits_free > self.pool.free() {
+        let reserve = match self.config.admission {
+            Admission::FirstChunk => need,
+            Admission::WholePrompt => self.blocks_for(seq.num_tokens) - hits.len(),
+        };
+        if reserve + hits_free > self.pool.free() {
             return None;
         }
         for &b in &hits {
@@ -712,12 +719,13 @@ impl Engine {
 }
 
 fn add_to_shape(shape: &mut StepShape, seq: &Seq, n: usize) {
-    let decoding = seq.generated > 0 && n == 1 && seq.num_computed + 1 == seq.num_tokens;
-    if decoding {
-        shape.add_decode(seq.num_tokens as u64);
-    } else {
-        shape.add_prefill(seq.num_computed as u64, n as u64);
-    }
+    shape.add(SeqWork {
+        prompt_len: seq.prompt_len as u64,
+        len: seq.num_tokens as u64,
+        computed: seq.num_computed as u64,
+        new_tokens: n as u64,
+        generated: u64::from(seq.generated),
+    });
 }
 
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;

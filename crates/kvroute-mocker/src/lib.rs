@@ -24,7 +24,9 @@ pub mod sim;
 pub mod timing;
 pub mod trace;
 
-pub use config::{ConfigError, MockerConfig, TimingConfig};
+pub use config::{
+    Admission, ConfigError, MockerConfig, PolynomialTiming, RooflineTiming, TimingConfig,
+};
 pub use engine::Engine;
 pub use request::{
     EngineStats, FinishReason, Finished, KvUsage, Request, RequestError, RequestId, StepOutput,

@@ -58,9 +58,10 @@ pub(crate) struct ReplayArgs {
     /// Replay speed: 2.0 makes requests arrive twice as fast as the trace says.
     #[arg(long, default_value_t = 1.0, value_name = "X")]
     speed: f64,
-    /// Engine sizing before --block-size and --cache-blocks: `reference` (Dynamo's mocker
-    /// defaults, 16,384 blocks of 64 tokens per engine, so figures compare with the reference's)
-    /// or `h100-8b` (kvroute's mocker model of an 8B BF16 model on one H100: 25,000 blocks of 16).
+    /// Engine sizing and step timing: `reference` (Dynamo 1.6.1's mocker: 16,384 blocks of 64
+    /// tokens per engine and its polynomial step times, so figures compare with the reference's
+    /// replay) or `h100-8b` (kvroute's model of an 8B BF16 model on one H100: 25,000 blocks of 16
+    /// tokens, roofline step times). --block-size and --cache-blocks override the sizing.
     #[arg(long, value_enum, default_value_t = EngineProfile::Reference, value_name = "P")]
     engine_profile: EngineProfile,
     /// Engine (and router) KV block size in tokens [default: the profile's].
@@ -95,29 +96,29 @@ pub(crate) struct ReplayArgs {
     json: Option<PathBuf>,
 }
 
-/// How each simulated engine is sized when --block-size and --cache-blocks are not given.
+/// How each simulated engine is sized and timed; --block-size and --cache-blocks override the
+/// sizing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub(crate) enum EngineProfile {
-    /// Dynamo's mocker defaults (`MockEngineArgs`: `num_gpu_blocks = 16384`, `block_size = 64`;
-    /// ~1M tokens of KV per engine): the basis of the reference's own replay figures.
+    /// [`MockerConfig::reference`]: the reference's own simulated engine (Dynamo 1.6.1's mocker
+    /// defaults: 16,384 blocks of 64 tokens, ~1M tokens of KV, and its polynomial step timing),
+    /// so that figures compare with the reference's replay.
     Reference,
     /// [`MockerConfig::default`]: an 8B BF16 model on one H100, ~400k tokens of KV per engine
-    /// (25,000 blocks of vLLM's default 16 tokens; derivation in the mocker's config module).
+    /// (25,000 blocks of vLLM's default 16 tokens) and kvroute's roofline step timing
+    /// (derivation in the mocker's config module).
     #[value(name = "h100-8b")]
     #[serde(rename = "h100-8b")]
     H100Llama8b,
 }
 
 impl EngineProfile {
-    /// `(block_size, cache_blocks)` of one engine.
-    fn sizing(self) -> (u32, u32) {
+    /// The engine configuration before the command line's overrides.
+    fn mocker(self) -> MockerConfig {
         match self {
-            Self::Reference => (64, 16_384),
-            Self::H100Llama8b => {
-                let d = MockerConfig::default();
-                (d.block_size, d.num_blocks)
-            }
+            Self::Reference => MockerConfig::reference(),
+            Self::H100Llama8b => MockerConfig::default(),
         }
     }
 }
@@ -169,8 +170,8 @@ impl Plan {
         if !(args.speed.is_finite() && args.speed > 0.0) {
             bail!("--speed must be a finite number > 0, got {}", args.speed);
         }
-        let (profile_block_size, profile_cache_blocks) = args.engine_profile.sizing();
-        let block_size = args.block_size.unwrap_or(profile_block_size);
+        let profile = args.engine_profile.mocker();
+        let block_size = args.block_size.unwrap_or(profile.block_size);
         if block_size == 0 {
             bail!("--block-size must be at least 1, got 0");
         }
@@ -181,7 +182,7 @@ impl Plan {
                 args.trace_block_size
             );
         }
-        let num_blocks = args.cache_blocks.unwrap_or(profile_cache_blocks);
+        let num_blocks = args.cache_blocks.unwrap_or(profile.num_blocks);
         if num_blocks == 0 {
             bail!("--cache-blocks must be at least 1, got 0");
         }
@@ -189,7 +190,7 @@ impl Plan {
             block_size,
             num_blocks,
             seed: args.seed,
-            ..MockerConfig::default()
+            ..profile
         };
         mocker.validate().context("invalid engine settings")?;
         let asked: &[ReplayPolicy] = if args.policies.is_empty() {

@@ -1,5 +1,6 @@
 use super::*;
-use crate::config::TimingConfig;
+use crate::config::{Admission, PolynomialTiming, RooflineTiming, TimingConfig};
+use crate::timing::SeqWork;
 use kvroute_protocols::kv_events::{KvCacheEvent, KvCacheEventData};
 
 fn config(num_blocks: u32, max_batched: u32) -> MockerConfig {
@@ -67,7 +68,7 @@ fn one_request_prefills_then_decodes_and_caches_output_blocks() {
 #[test]
 fn tokens_are_emitted_at_the_modelled_step_ends() {
     let cfg = config(64, 64);
-    let timing = TimingModel::new(cfg.timing.clone(), cfg.speedup);
+    let timing = TimingModel::for_engine(&cfg);
     let mut engine = Engine::new(cfg, 0).expect("valid config");
     let start = Duration::from_secs(5);
     engine
@@ -254,10 +255,16 @@ fn config_json_overrides_only_what_it_states() {
         .expect("valid config");
     assert_eq!(cfg.num_blocks, 10);
     assert_eq!(cfg.block_size, 16);
-    assert_eq!(cfg.timing.overhead_ms, 2.5);
+    let TimingConfig::Roofline(roofline) = &cfg.timing else {
+        panic!(
+            "an untagged timing table is the roofline, got {:?}",
+            cfg.timing
+        );
+    };
+    assert_eq!(roofline.overhead_ms, 2.5);
     assert_eq!(
-        cfg.timing.weights_read_ms,
-        TimingConfig::default().weights_read_ms
+        roofline.weights_read_ms,
+        RooflineTiming::default().weights_read_ms
     );
 
     let check = |text: &str, expect: &str| {
@@ -280,7 +287,10 @@ fn config_json_overrides_only_what_it_states() {
 
     let toml = MockerConfig::from_toml_str("speedup = 4.0\n[timing]\nper_sequence_ms = 0.0\n")
         .expect("valid TOML config");
-    assert_eq!((toml.speedup, toml.timing.per_sequence_ms), (4.0, 0.0));
+    let TimingConfig::Roofline(roofline) = &toml.timing else {
+        panic!("expected the roofline, got {:?}", toml.timing);
+    };
+    assert_eq!((toml.speedup, roofline.per_sequence_ms), (4.0, 0.0));
     let err = MockerConfig::from_toml_str("num_blocks = 0").expect_err("out of range");
     assert!(
         err.to_string().contains("num_blocks must be at least 1"),
@@ -293,9 +303,210 @@ fn speedup_divides_step_time() {
     let timing = TimingConfig::default();
     let mut shape = StepShape::default();
     shape.add_prefill(0, 8192);
-    let normal = TimingModel::new(timing.clone(), 1.0).step_duration(&shape);
-    let fast = TimingModel::new(timing, 10.0).step_duration(&shape);
+    let normal = TimingModel::new(timing.clone(), 1.0, 1 << 20).step_duration(&shape);
+    let fast = TimingModel::new(timing, 10.0, 1 << 20).step_duration(&shape);
     assert_eq!(normal.as_micros() / 10, fast.as_micros());
     // The documented default: ~282 ms for 8192 fresh tokens.
     assert_eq!(normal.as_millis(), 282);
+}
+
+/// The reference's fits, written out with its literal coefficients (`polynomial_prefill_time`
+/// and `polynomial_decode_time`, aisimulate-core 0.13.0 `src/engine/common/perf_model.rs`).
+fn reference_prefill_ms(tokens: f64) -> f64 {
+    4.209989e-07 * tokens * tokens + 1.518344e-02 * tokens + 1.650142e+01
+}
+
+fn reference_decode_ms(used: f64) -> f64 {
+    (-25.74 * used * used + 54.01 * used + 5.74).max(1.0)
+}
+
+fn work(prompt_len: u64, len: u64, computed: u64, new_tokens: u64, generated: u64) -> SeqWork {
+    SeqWork {
+        prompt_len,
+        len,
+        computed,
+        new_tokens,
+        generated,
+    }
+}
+
+#[test]
+fn polynomial_timing_reproduces_the_reference_step_costs() {
+    const CAPACITY: u64 = 1 << 20;
+    let model = TimingModel::new(
+        TimingConfig::Polynomial(PolynomialTiming::default()),
+        1.0,
+        CAPACITY,
+    );
+    let check = |batch: &[SeqWork], expect_ms: f64| {
+        let mut shape = StepShape::default();
+        for &w in batch {
+            shape.add(w);
+        }
+        let got = model.step_ms(&shape);
+        assert!(
+            (got - expect_ms).abs() < 1e-9,
+            "{batch:?}: {got} ms, expected {expect_ms} ms"
+        );
+    };
+    // A fresh 8192-token prompt: one prefill pass; its first token needs no decode pass.
+    check(
+        &[work(8192, 8192, 0, 8192, 0)],
+        reference_prefill_ms(8192.0),
+    );
+    // A chunk after cached tokens costs only its new tokens.
+    check(
+        &[work(3000, 3000, 2048, 952, 0)],
+        reference_prefill_ms(952.0),
+    );
+    // Two chunks of 5 and 8 new tokens: the reference's integer means give 2 * (13/2 - 0) = 12.
+    check(
+        &[work(5, 5, 0, 5, 0), work(8, 8, 0, 8, 0)],
+        reference_prefill_ms(12.0),
+    );
+    // Decoding only: the utilisation is the decoding contexts over the capacity, capped at 1.
+    check(
+        &[work(100, CAPACITY / 2, CAPACITY / 2 - 1, 1, 7)],
+        reference_decode_ms(0.5),
+    );
+    check(
+        &[
+            work(100, CAPACITY, CAPACITY - 1, 1, 7),
+            work(100, 4096, 4095, 1, 7),
+        ],
+        reference_decode_ms(1.0),
+    );
+    // A mixed step is the prefill pass plus the decode pass.
+    check(
+        &[
+            work(1512, 1512, 512, 1000, 0),
+            work(200, CAPACITY / 4, CAPACITY / 4 - 1, 1, 3),
+        ],
+        reference_prefill_ms(1000.0) + reference_decode_ms(0.25),
+    );
+    // A preempted sequence recomputing prompt and output: its prompt part is prefill, and
+    // finishing the recompute samples a token as a decoding sequence does.
+    check(
+        &[work(100, 110, 0, 110, 10)],
+        reference_prefill_ms(100.0) + reference_decode_ms(110.0 / CAPACITY as f64),
+    );
+    // A middle chunk of a long prompt: prefill only.
+    check(
+        &[work(20_000, 20_000, 8192, 8192, 0)],
+        reference_prefill_ms(8192.0),
+    );
+    // An empty step costs nothing (the engine never runs one).
+    check(&[], 0.0);
+}
+
+#[test]
+fn reference_engine_emits_tokens_at_the_reference_step_ends() {
+    let cfg = MockerConfig::reference();
+    let capacity = f64::from(cfg.num_blocks) * f64::from(cfg.block_size);
+    let mut engine = Engine::new(cfg, 0).expect("valid config");
+    let start = Duration::from_secs(3);
+    engine
+        .add_request(start, request(1, 0..100, 3))
+        .expect("accepted");
+    let out = drain(&mut engine);
+    let ms = |v: f64| Duration::from_nanos((v * 1e6).round() as u64);
+    let first = start + ms(reference_prefill_ms(100.0));
+    let second = first + ms(reference_decode_ms(101.0 / capacity));
+    let third = second + ms(reference_decode_ms(102.0 / capacity));
+    let times: Vec<Duration> = out.tokens.iter().map(|t| t.at).collect();
+    assert_eq!(times, vec![first, second, third]);
+}
+
+#[test]
+fn whole_prompt_admission_waits_for_room_for_the_whole_prompt() {
+    // 10 blocks of 4 tokens, 8 tokens a step. Request 1 (16 prompt tokens) holds 5 blocks once
+    // it decodes; request 2's 24-token prompt needs 6 blocks in all but 2 for its first chunk.
+    let first_step_after_arrival = |admission: Admission| {
+        let cfg = MockerConfig {
+            admission,
+            ..config(10, 8)
+        };
+        let mut engine = Engine::new(cfg, 0).expect("valid config");
+        engine
+            .add_request(Duration::ZERO, request(1, 0..16, 20))
+            .expect("accepted");
+        let mut out = StepOutput::default();
+        while out.tokens.len() < 2 {
+            let t = engine.next_wakeup().expect("request 1 runs");
+            engine.advance_into(t, &mut out);
+        }
+        engine
+            .add_request(engine.clock(), request(2, 100..124, 1))
+            .expect("accepted");
+        // The step already running ends; the next one is planned with request 2 waiting.
+        let t = engine.next_wakeup().expect("request 1 runs");
+        engine.advance_to(t);
+        let waiting = engine.num_waiting();
+        drain_until_idle_requests(&mut engine);
+        assert_eq!(
+            engine.kv_usage().used,
+            0,
+            "{admission:?}: every block freed"
+        );
+        waiting
+    };
+    assert_eq!(first_step_after_arrival(Admission::FirstChunk), 0);
+    assert_eq!(first_step_after_arrival(Admission::WholePrompt), 1);
+}
+
+#[test]
+fn timing_config_names_its_model() {
+    let cfg =
+        MockerConfig::from_json_str(r#"{"timing": {"model": "polynomial", "decode_c0": 6.0}}"#)
+            .expect("valid config");
+    assert_eq!(
+        cfg.timing,
+        TimingConfig::Polynomial(PolynomialTiming {
+            decode_c0: 6.0,
+            ..PolynomialTiming::default()
+        })
+    );
+    let roofline =
+        MockerConfig::from_toml_str("[timing]\nmodel = \"roofline\"\noverhead_ms = 2.0\n")
+            .expect("valid TOML config");
+    assert_eq!(
+        roofline.timing,
+        TimingConfig::Roofline(RooflineTiming {
+            overhead_ms: 2.0,
+            ..RooflineTiming::default()
+        })
+    );
+    // The reference preset survives both file formats.
+    let reference = MockerConfig::reference();
+    let json = serde_json::to_string(&reference).expect("serializable");
+    assert_eq!(
+        MockerConfig::from_json_str(&json).expect("round trip"),
+        reference
+    );
+    let toml_text = toml::to_string(&reference).expect("serializable");
+    assert_eq!(
+        MockerConfig::from_toml_str(&toml_text).expect("round trip"),
+        reference
+    );
+
+    let check = |text: &str, expect: &str| {
+        let err = MockerConfig::from_json_str(text).expect_err("invalid config");
+        assert!(
+            err.to_string().contains(expect),
+            "{err} should mention {expect}"
+        );
+    };
+    check(
+        r#"{"timing": {"model": "gpu"}}"#,
+        r#"timing.model must be "roofline" or "polynomial", got "gpu""#,
+    );
+    check(
+        r#"{"timing": {"model": "polynomial", "overhead_ms": 1.0}}"#,
+        "unknown field `overhead_ms`",
+    );
+    check(
+        r#"{"timing": {"model": "polynomial", "decode_floor_ms": -1.0}}"#,
+        "timing.decode_floor_ms must be a finite number >= 0",
+    );
+    check(r#"{"admission": "eager"}"#, "unknown variant `eager`");
 }
