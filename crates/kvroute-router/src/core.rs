@@ -567,10 +567,19 @@ impl<S: AffinityStore> KvRouterCore<S> {
         commands
     }
 
-    /// Drops requests nobody finished within the scheduler's expiry, predictions past their TTL
-    /// and sessions past theirs. Call it periodically with a clock that never goes backwards.
+    /// Drops the load nobody owns any more after the scheduler's expiry (another replica's
+    /// request its replica never ended), predictions past their TTL and sessions past theirs.
+    /// Call it periodically with a clock that never goes backwards.
+    ///
+    /// A request this core routed is never dropped by age: its caller owns it until
+    /// [`Self::on_finished`] or [`Self::on_failed`] (the live router's guard calls one of them on
+    /// every path, replay's simulator when the engine ends it), so a request waiting long in a
+    /// saturated engine's queue stays load, as it is.
     pub fn expire(&mut self, now: Duration) -> Expired {
-        let requests = self.scheduler.expire(now);
+        let active = &self.active;
+        let requests = self
+            .scheduler
+            .expire_unowned(now, |id| active.contains_key(&id));
         let mut session_closes = Vec::new();
         for id in &requests {
             if let Some(active) = self.active.remove(id) {

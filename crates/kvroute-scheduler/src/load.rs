@@ -361,23 +361,36 @@ impl Requests {
     }
 
     /// Frees every request that started at or before `now - ttl`; returns their ids.
+    /// Frees the requests tracked for `ttl` or longer at `now`, except those `owned` says
+    /// someone still owns: their tracking restarts at `now`.
     pub(crate) fn expire(
         &mut self,
         workers: &mut Workers,
         now: Duration,
         ttl: Duration,
+        mut owned: impl FnMut(RequestId) -> bool,
     ) -> Vec<RequestId> {
         let mut expired = Vec::new();
+        let mut kept = Vec::new();
         while let Some(&(started, id, ri)) = self.arrivals.front() {
             if started.saturating_add(ttl) > now {
                 break;
             }
             self.arrivals.pop_front();
-            if self.is_live(started, id, ri) && self.free(workers, id).is_ok() {
+            if !self.is_live(started, id, ri) {
+                continue;
+            }
+            if owned(id) {
+                if let Some(Some(state)) = self.slab.get_mut(ri as usize) {
+                    state.started_at = now;
+                }
+                kept.push((now, id, ri));
+            } else if self.free(workers, id).is_ok() {
                 tracing::warn!(request = %id, "expiring a request nobody freed");
                 expired.push(id);
             }
         }
+        self.arrivals.extend(kept);
         // Freed requests leave their arrival entries behind; drop them once they dominate.
         if self.arrivals.len() > 2 * self.by_id.len() + 1024 {
             let mut arrivals = std::mem::take(&mut self.arrivals);

@@ -133,9 +133,20 @@ impl Scheduler {
     /// Frees requests older than the configured expiry at `now` (time must not go backwards);
     /// returns them. Call it periodically: it costs O(1) when nothing expired.
     pub fn expire(&mut self, now: Duration) -> Vec<RequestId> {
-        let expired = self
-            .requests
-            .expire(&mut self.workers, now, self.config.request_expiry);
+        self.expire_unowned(now, |_| false)
+    }
+
+    /// Like [`Self::expire`], but a request `owned` says is still owned (its caller will free
+    /// it: a live stream, a request still queued in an engine) is kept, whatever its age, and
+    /// looked at again one expiry later. Only what nobody owns any more is freed (and counted).
+    pub fn expire_unowned(
+        &mut self,
+        now: Duration,
+        owned: impl FnMut(RequestId) -> bool,
+    ) -> Vec<RequestId> {
+        let expired =
+            self.requests
+                .expire(&mut self.workers, now, self.config.request_expiry, owned);
         self.metrics
             .requests_expired
             .fetch_add(expired.len() as u64, Ordering::Relaxed);

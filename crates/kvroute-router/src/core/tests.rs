@@ -404,12 +404,21 @@ fn removing_a_worker_drops_its_load_and_blocks() {
 }
 
 #[test]
-fn expire_frees_forgotten_requests() {
+fn expire_keeps_routed_requests_however_long_they_wait_and_frees_unowned_load() {
     let mut core = core(Policy::Kv, &[(1, KvMode::Events)]);
     core.route(&RouteRequest::new(RequestId(1), &prompt(8)), T0, &mut rng())
         .unwrap();
-    let later = core.config().scheduler.request_expiry + Duration::from_secs(1);
-    assert_eq!(core.expire(later).requests, vec![RequestId(1)]);
+    // Another replica's request, which nobody here will end if that replica goes quiet.
+    let load = core.request_load(RequestId(1)).unwrap();
+    core.add_remote_request(RequestId(2), &load, T0).unwrap();
+    let ttl = core.config().scheduler.request_expiry;
+    // A request queued in a saturated engine for many expiry periods is still load.
+    let later = ttl + Duration::from_secs(1);
+    assert_eq!(core.expire(later).requests, vec![RequestId(2)]);
+    assert_eq!(core.expire(later * 5).requests, vec![]);
+    assert_eq!(core.worker_load(w(1)).unwrap().active_requests, 1);
+    assert_eq!(core.scheduler().metrics().snapshot().requests_expired, 1);
+    core.on_finished(RequestId(1));
     assert_idle(&core);
 }
 
