@@ -323,7 +323,7 @@ async fn publish_history(url: &str, a: &Args, first: u64, count: u64) {
 /// A router core serving every worker the bench publishes for.
 fn router_core(a: &Args) -> KvRouterCore {
     let mut core = KvRouterCore::new(RouterConfig::new(16)).unwrap();
-    for w in (1..=a.workers).chain(1000..1000 + a.workers) {
+    for w in (0..a.workers).chain(1000..1000 + a.workers) {
         core.add_worker(&WorkerSpec::new(w), KvMode::Events)
             .unwrap();
     }
