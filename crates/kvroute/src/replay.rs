@@ -52,7 +52,9 @@ pub(crate) struct ReplayArgs {
     workers: usize,
     /// A routing policy to compare (repeatable): round-robin, random, kv (the reference's
     /// default cost), kv-adaptive (the router's default: prefill weighs more as prefill queues
-    /// build), kv-affinity (an earlier tuning of kv's weights). Default: all but kv-affinity.
+    /// build), kv-affinity (an earlier tuning of kv's weights), or default (whatever `kvroute
+    /// serve` uses when no policy is set: today kv-adaptive). Without --policy: all but
+    /// kv-affinity.
     #[arg(long = "policy", value_name = "P", value_parser = ReplayPolicy::parse)]
     policies: Vec<ReplayPolicy>,
     /// Replay speed: 2.0 makes requests arrive twice as fast as the trace says.

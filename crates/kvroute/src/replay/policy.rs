@@ -55,16 +55,34 @@ impl ReplayPolicy {
         }
     }
 
-    /// Parses a name of [`Self::ALL`].
+    /// The policy `kvroute serve` (and the router library) uses when none is configured.
+    pub(crate) fn serve_default() -> Self {
+        match Policy::default() {
+            Policy::RoundRobin => ReplayPolicy::RoundRobin,
+            Policy::Random => ReplayPolicy::Random,
+            Policy::Kv => ReplayPolicy::Kv,
+            Policy::KvAdaptive => ReplayPolicy::KvAdaptive,
+            // `direct` cannot be a default (it routes nothing by itself); a new default policy
+            // must be added here (the test below fails until it is).
+            _ => ReplayPolicy::KvAdaptive,
+        }
+    }
+
+    /// Parses a name of [`Self::ALL`], or `default`: whatever [`Self::serve_default`] is.
     pub(crate) fn parse(s: &str) -> Result<Self, String> {
+        if s == "default" {
+            return Ok(Self::serve_default());
+        }
         Self::ALL
             .into_iter()
             .find(|p| p.name() == s)
             .ok_or_else(|| {
                 let names: Vec<&str> = Self::ALL.iter().map(|p| p.name()).collect();
                 format!(
-                    "unknown routing policy {s:?}; expected one of {}",
-                    names.join(", ")
+                    "unknown routing policy {s:?}; expected one of {}, or default (what \
+                     `kvroute serve` uses: {})",
+                    names.join(", "),
+                    Self::serve_default()
                 )
             })
     }
@@ -90,5 +108,23 @@ impl ReplayPolicy {
 impl fmt::Display for ReplayPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_names_the_policy_serve_uses() {
+        let default = ReplayPolicy::parse("default").unwrap();
+        assert_eq!(default, ReplayPolicy::serve_default());
+        assert_eq!(
+            default.router_config(16).policy,
+            RouterConfig::new(16).policy,
+            "replay's default runs exactly the router's default policy"
+        );
+        let error = ReplayPolicy::parse("best").unwrap_err();
+        assert!(error.contains("or default"), "{error}");
     }
 }
