@@ -46,7 +46,7 @@ fn arguments_default_to_two_rounds_at_300_per_second_and_ranges_are_checked() {
             &["--measure", "0.1"][..],
             "--measure must be 0.5 to 600 seconds",
         ),
-        (&["--warm-up", "-1"][..], "--warm-up"),
+        (&["--warm-up", "61"][..], "--warm-up must be 0 to 60 seconds, got 61"),
         (&["--rate", "0"][..], "--rate must be 1 to 20000"),
         (&["--bogus"][..], "--bogus"),
     ] {
@@ -148,8 +148,8 @@ fn requests_share_their_familys_system_prompt_and_nothing_else() {
     );
 
     let words = |v: serde_json::Value| v.as_str().expect("text").split_whitespace().count();
-    // "You are assistant F of a family of 8." is 8 words before the system prompt's own.
-    assert_eq!(words(system(0)), 8 + load::SYSTEM_WORDS);
+    // "You are assistant F of a family of 8." is 9 words before the system prompt's own.
+    assert_eq!(words(system(0)), 9 + load::SYSTEM_WORDS);
     assert_eq!(words(user(0)), 2 + load::USER_WORDS);
 
     let body = workload.body(7, true);
@@ -292,22 +292,19 @@ fn the_table_shows_ranges_over_rounds_and_kvroutes_advantage() {
         },
     ];
     let expect = "\
-| scenario                         | figure        | reference |       kvroute | kvroute advantage |
-| -------------------------------- | ------------- | --------: | ------------: | ----------------: |
-| closed, 32 clients, non-streamed | req/s         |   700-740 | 1,800-2,000   |             2.64x |
-|                                  | E2E p50 (ms)  | 40.0-44.0 |     15.0-16.0 |             2.71x |
-|                                  | E2E p99 (ms)  | 70.0-80.0 |     30.0-36.0 |             2.27x |
-| open, 300 req/s, streamed        | req/s         |       300 |           300 |             1.00x |
-|                                  | TTFT p50 (ms) |      6.00 |          1.20 |             5.00x |
-|                                  | TTFT p99 (ms) |      48.0 |          1.90 |            25.26x |
-|                                  | E2E p50 (ms)  |      7.50 |          2.50 |             3.00x |
-|                                  | E2E p99 (ms)  |       120 |          3.00 |            40.00x |
-|                                  | errors        |         2 |             0 |                   |
+| scenario                         | figure        | reference |     kvroute | kvroute advantage |
+| -------------------------------- | ------------- | --------: | ----------: | ----------------: |
+| closed, 32 clients, non-streamed | req/s         |   700-740 | 1,800-2,000 |             2.64x |
+|                                  | E2E p50 (ms)  | 40.0-44.0 |   15.0-16.0 |             2.71x |
+|                                  | E2E p99 (ms)  | 70.0-80.0 |   30.0-36.0 |             2.27x |
+| open, 300 req/s, streamed        | req/s         |       300 |         300 |             1.00x |
+|                                  | TTFT p50 (ms) |      6.00 |        1.20 |             5.00x |
+|                                  | TTFT p99 (ms) |      48.0 |        1.90 |            25.26x |
+|                                  | E2E p50 (ms)  |      7.50 |        2.50 |             3.00x |
+|                                  | E2E p99 (ms)  |       120 |        3.00 |            40.00x |
+|                                  | errors        |         2 |           0 |                   |
 ";
-    assert_eq!(
-        table(&rows),
-        expect.replace("1,800-2,000   ", "  1,800-2,000")
-    );
+    assert_eq!(table(&rows), expect);
 }
 
 #[test]
@@ -325,8 +322,9 @@ fn a_figure_missing_on_one_side_has_no_advantage() {
         .lines()
         .find(|l| l.contains("TTFT p50"))
         .expect("a TTFT line");
-    assert!(ttft.contains("| -"), "{ttft}");
-    assert!(ttft.trim_end().ends_with("- |"), "{ttft}");
+    let cells: Vec<&str> = ttft.split('|').map(str::trim).collect();
+    // ["", "", "TTFT p50 (ms)", reference, kvroute, advantage, ""]
+    assert_eq!(cells[2..6], ["TTFT p50 (ms)", "-", "1.00", "-"], "{ttft}");
 }
 
 #[test]
