@@ -283,11 +283,21 @@ async fn bench(setup: &Setup, args: &Args) -> Result<()> {
     eprintln!("      ready in {:.1} s", started.elapsed().as_secs_f64());
 
     let workload = Arc::new(Workload::new(MODEL));
+    let mut prompts = Vec::new();
     for system in [&mut reference, &mut kvroute] {
         let prompt = probe(&http, system, &workload).await?;
         eprintln!(
             "      {}: a probe request's prompt is {prompt} tokens",
             system.system.name()
+        );
+        prompts.push(prompt);
+    }
+    if prompts[0] != prompts[1] {
+        bail!(
+            "the two systems cut the same chat into different token counts (reference {}, \
+             kvroute {}): they must serve the same tokenizer and template",
+            prompts[0],
+            prompts[1]
         );
     }
 
@@ -345,9 +355,11 @@ async fn bench(setup: &Setup, args: &Args) -> Result<()> {
 
     println!(
         "{WORKERS} mock workers per system at {SPEEDUP}x, block size {BLOCK_SIZE}; chat prompts \
-         of ~540 tokens in {} shared-prefix families, {} output tokens; {} round(s), {:.0} s \
+         of about {} tokens (the probe's, the same on both) in {} shared-prefix families, {} \
+         output tokens; {} round(s), {:.0} s \
          warm-up + {:.0} s measured per run; figures are `min-max` over rounds; the last column \
          is kvroute's advantage over the reference (mean over rounds; above 1: kvroute better)",
+        prompts[0],
         load::FAMILIES,
         load::OUTPUT_TOKENS,
         args.rounds,

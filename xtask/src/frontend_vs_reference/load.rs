@@ -18,7 +18,8 @@ use tokio::time::Instant;
 
 /// Shared-prefix families (one system prompt each).
 pub(crate) const FAMILIES: u64 = 8;
-/// Words of each family's system prompt: about 470 tokens with the bench's tokenizer.
+/// Words of each family's system prompt: about 480 tokens with the bench's tokenizer (with the
+/// question and the template, a request's prompt is about 560).
 pub(crate) const SYSTEM_WORDS: usize = 170;
 /// Words of each request's own question: about 55 tokens.
 pub(crate) const USER_WORDS: usize = 20;

@@ -46,7 +46,10 @@ fn arguments_default_to_two_rounds_at_300_per_second_and_ranges_are_checked() {
             &["--measure", "0.1"][..],
             "--measure must be 0.5 to 600 seconds",
         ),
-        (&["--warm-up", "61"][..], "--warm-up must be 0 to 60 seconds, got 61"),
+        (
+            &["--warm-up", "61"][..],
+            "--warm-up must be 0 to 60 seconds, got 61",
+        ),
         (&["--rate", "0"][..], "--rate must be 1 to 20000"),
         (&["--bogus"][..], "--bogus"),
     ] {
