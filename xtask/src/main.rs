@@ -7,6 +7,7 @@
 
 mod ci;
 mod examples;
+mod frontend_vs_reference;
 mod fuzz;
 mod package;
 mod python;
@@ -42,7 +43,10 @@ enum Command {
         /// `indexer-compare` (kvroute's indexer against the reference's, side by side),
         /// `replay-vs-reference` (a trace through the reference's replay and kvroute's, side by
         /// side: `--trace FILE [--trace-block-size T] [--workers N] [--reference-runs K]`; installs
-        /// the reference, ~700 MB, into ~/.cache/kvroute/reference-venv once).
+        /// the reference, ~700 MB, into ~/.cache/kvroute/reference-venv once),
+        /// `frontend-vs-reference` (the reference's frontend and kvroute serve, each over 4 mock
+        /// workers, under the same chat load: `[--rounds N] [--warm-up S] [--measure S]
+        /// [--rate R]`; the same venv).
         which: String,
         /// Arguments passed through to the bench binary.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -111,6 +115,9 @@ fn bench(root: &Path, which: &str, args: &[String]) -> Result<()> {
     if which == replay_vs_reference::NAME {
         return replay_vs_reference::run(root, args);
     }
+    if which == frontend_vs_reference::NAME {
+        return frontend_vs_reference::run(root, args);
+    }
     if let Some((_, dir, bench)) = OWN_WORKSPACE_BENCHES.iter().find(|(n, _, _)| *n == which) {
         let manifest = root.join(dir).join("Cargo.toml");
         let mut cmd = std::process::Command::new(cargo());
@@ -126,7 +133,7 @@ fn bench(root: &Path, which: &str, args: &[String]) -> Result<()> {
             .iter()
             .chain(OWN_WORKSPACE_BENCHES)
             .map(|(name, _, _)| *name)
-            .chain([replay_vs_reference::NAME])
+            .chain([replay_vs_reference::NAME, frontend_vs_reference::NAME])
             .collect();
         anyhow::bail!(
             "unknown bench `{which}`: expected one of {}",

@@ -9,7 +9,8 @@
 //! the interpreter in `KVROUTE_PYTHON`.
 //!
 //! A second venv holds the reference itself (NVIDIA Dynamo 1.6.1's Python packages, ~700 MB) for
-//! `cargo xtask bench replay-vs-reference`; CI never builds it. See [`ensure_reference`].
+//! `cargo xtask bench replay-vs-reference` and `cargo xtask bench frontend-vs-reference`; CI never
+//! builds it. See [`ensure_reference`].
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -30,7 +31,10 @@ const REQUIREMENTS: &[(&str, bool)] = &[
 /// The reference's pinned install, in order: what each step installs, whether without
 /// dependencies, and the requirements. `pip install ai-dynamo` itself fails (it requires
 /// `aisimulate==0.13.0`, a placeholder that downloads from elsewhere, and a `certifi` newer than
-/// any published), so its dependencies that replay imports are installed by hand.
+/// any published), so its dependencies that replay, the frontend and the mocker import are
+/// installed by hand (`kubernetes` and `redis`, which it also requires, are not imported on the
+/// paths the benches run). `gguf` and `numpy` are for `tests/python/llamacpp/make_model.py`, which
+/// writes the model directory of `cargo xtask bench frontend-vs-reference`.
 const REFERENCE_INSTALL: &[(&str, bool, &[&str])] = &[
     (
         "the reference's runtime wheel (75 MB) with its dependencies",
@@ -54,6 +58,18 @@ const REFERENCE_INSTALL: &[(&str, bool, &[&str])] = &[
             "tqdm==4.70.1",
             "typing-extensions==4.16.0",
             "zstandard==0.25.0",
+        ],
+    ),
+    (
+        "what the reference's frontend and mocker import, and what writes the bench's model",
+        false,
+        &[
+            "transformers==5.23.0",
+            "uvloop==0.23.0",
+            "packaging==26.3",
+            "pyyaml==6.0.3",
+            "gguf==0.19.0",
+            "numpy==2.4.6",
         ],
     ),
 ];
@@ -104,7 +120,7 @@ pub(crate) fn ensure(root: &Path, venv: &Path) -> Result<PathBuf> {
 }
 
 /// Creates the reference's venv at `venv` once (pinned: [`REFERENCE_INSTALL`]) and checks that
-/// its replay imports; returns its interpreter. A stamp of the install list skips all of it on
+/// its replay, frontend and mocker import; returns its interpreter. A stamp of the install list skips all of it on
 /// later runs.
 pub(crate) fn ensure_reference(venv: &Path) -> Result<PathBuf> {
     let python = create_venv(venv, "the reference")?;
@@ -145,13 +161,17 @@ pub(crate) fn ensure_reference(venv: &Path) -> Result<PathBuf> {
         })?;
     }
     let import = Command::new(&python)
-        .args(["-c", "import dynamo.replay, dynamo.llm"])
+        .args([
+            "-c",
+            "import dynamo.replay, dynamo.llm, dynamo.frontend.main, dynamo.mocker.main",
+        ])
         .env("DYN_LOG", "warn")
         .output()
         .with_context(|| format!("could not start {}", python.display()))?;
     if !import.status.success() {
         bail!(
-            "the reference installed into {} but its replay does not import:\n{}",
+            "the reference installed into {} but its replay, frontend or mocker does not \
+             import:\n{}",
             venv.display(),
             String::from_utf8_lossy(&import.stderr)
         );

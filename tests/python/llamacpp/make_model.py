@@ -12,6 +12,8 @@ Writes into OUT_DIR:
                          the `tokenizers` crate and llama.cpp cut any text into the same ids
   template.jinja         the ChatML template for kvroute's `[[models]] chat_template`
   tokenizer_config.json  the template with the bos/eos token strings (the other form kvroute reads)
+  config.json            the model's shape as a Hugging Face llama config (what the reference's
+                         `dynamo.mocker --model-path` reads)
 
 Nothing is downloaded; the vocabulary is fixed (learned from a built-in text), the weights come from
 numpy's seeded generator, and the output is byte-identical for a given seed.
@@ -289,6 +291,25 @@ def main():
             "add_eos_token": False,
             "model_max_length": N_CTX_TRAIN,
             "tokenizer_class": "PreTrainedTokenizerFast",
+        }
+        json.dump(config, f, indent=1)
+        f.write("\n")
+    with open(os.path.join(args.out_dir, "config.json"), "w", encoding="utf-8") as f:
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": N_VOCAB,
+            "hidden_size": N_EMBD,
+            "intermediate_size": N_FF,
+            "num_hidden_layers": N_LAYER,
+            "num_attention_heads": N_HEAD,
+            "num_key_value_heads": N_HEAD_KV,
+            "max_position_embeddings": N_CTX_TRAIN,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "bos_token_id": tokens.index(BOS),
+            "eos_token_id": tokens.index(IM_END),
+            "torch_dtype": "float32",
         }
         json.dump(config, f, indent=1)
         f.write("\n")
