@@ -565,7 +565,8 @@ pub fn bursty(config: &BurstyConfig, seed: u64) -> Vec<SynthRequest> {
 }
 
 /// The requests as a Mooncake JSONL trace (what [`crate::trace::parse_jsonl`] reads), with the
-/// session as an extra `session_id` field (and `parent_session_id` for sub-agents).
+/// session as an extra `session_id` field (and `parent_session_id` for sub-agents), written as
+/// strings: the reference's Mooncake reader (Dynamo 1.6.1) refuses a numeric `session_id`.
 pub fn to_jsonl(requests: &[SynthRequest]) -> String {
     let mut out = String::new();
     for r in requests {
@@ -574,10 +575,10 @@ pub fn to_jsonl(requests: &[SynthRequest]) -> String {
             "input_length": r.record.input_length,
             "output_length": r.record.output_length,
             "hash_ids": r.record.hash_ids,
-            "session_id": r.session_id,
+            "session_id": r.session_id.to_string(),
         });
         if let (Some(parent), Some(map)) = (r.parent_session, line.as_object_mut()) {
-            map.insert("parent_session_id".to_owned(), parent.into());
+            map.insert("parent_session_id".to_owned(), parent.to_string().into());
         }
         out.push_str(&line.to_string());
         out.push('\n');

@@ -22,11 +22,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use clap::builder::PossibleValuesParser;
 use indicatif::ProgressBar;
 use kvroute_mocker::MockerConfig;
 use kvroute_mocker::disagg::DecodeConfig;
 use kvroute_mocker::sim::{DisaggSimulation, SimReport, Simulation};
-use clap::builder::PossibleValuesParser;
 use kvroute_mocker::trace::TraceRecord;
 use kvroute_protocols::synth::{self, Workload};
 use kvroute_router::{KvMode, KvRouterCore, WorkerSpec};
@@ -62,12 +62,12 @@ pub(crate) struct ReplayArgs {
     #[arg(long, value_name = "NAME", value_parser = PossibleValuesParser::new(Workload::NAMES))]
     workload: Option<String>,
     /// Scale the --workload's sessions by X (0.1 is a tenth of the requests, same shape).
-    #[arg(long, default_value_t = 1.0, value_name = "X", requires = "workload")]
+    #[arg(long, default_value_t = 1.0, value_name = "X")]
     workload_scale: f64,
     /// Write the --workload's requests to FILE as a Mooncake JSONL trace (with `session_id`,
     /// and `parent_session_id` for sub-agents) and exit without replaying: the same workload can
     /// then be fed to another replay, such as the reference's.
-    #[arg(long, value_name = "FILE", requires = "workload")]
+    #[arg(long, value_name = "FILE")]
     write_trace: Option<PathBuf>,
     /// Send each request's session to the router as a sticky session (`session_control` with
     /// `bind` on every turn, the reference's router-only binding with its 300 s default
@@ -195,6 +195,12 @@ impl Plan {
                 "--routers {} with --prefill-workers: replicas are modelled for aggregated serving \
                  only; leave one of the flags out",
                 args.routers
+            );
+        }
+        if args.workload.is_none() && (args.write_trace.is_some() || args.workload_scale != 1.0) {
+            bail!(
+                "--write-trace and --workload-scale apply to a generated workload: add \
+                 --workload NAME"
             );
         }
         if !(args.workload_scale.is_finite() && args.workload_scale > 0.0) {
@@ -337,7 +343,13 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
     for (policy, run) in plan.policies.iter().zip(&runs) {
         let mut ttft = run.recorder.ttft.clone();
         ttft.sort_unstable();
-        reports.push(policy_report(*policy, run, &ttft, &oracle, trace.has_sessions()));
+        reports.push(policy_report(
+            *policy,
+            run,
+            &ttft,
+            &oracle,
+            trace.has_sessions(),
+        ));
         sorted_ttfts.push(ttft);
     }
     let table = report::table(&reports);

@@ -119,7 +119,7 @@ fn jsonl_round_trips_through_the_trace_parser() {
     };
     let requests = multi_turn(&config, 9);
     let text = to_jsonl(&requests);
-    assert!(text.contains("\"session_id\":"));
+    assert!(text.contains("\"session_id\":\"0\""), "{text}");
     let parsed = parse_jsonl(&text).expect("generated traces parse");
     let records: Vec<TraceRecord> = requests.into_iter().map(|r| r.record).collect();
     assert_eq!(parsed, records);

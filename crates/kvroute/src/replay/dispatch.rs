@@ -114,12 +114,14 @@ impl RunState {
         now: Duration,
     ) -> Option<usize> {
         let session = self.sessions.of(request.id);
-        let hints = session.filter(|_| self.sessions.sticky).map(|s| RoutingHints {
-            session_control: Some(
-                SessionControl::new(s.to_string()).with_action(SessionAction::Bind),
-            ),
-            ..RoutingHints::default()
-        });
+        let hints = session
+            .filter(|_| self.sessions.sticky)
+            .map(|s| RoutingHints {
+                session_control: Some(
+                    SessionControl::new(s.to_string()).with_action(SessionAction::Bind),
+                ),
+                ..RoutingHints::default()
+            });
         let mut route = RouteRequest::new(RequestId(request.id), &request.tokens);
         route.hints = hints.as_ref();
         let worker = self.route(core, &route, now)?;

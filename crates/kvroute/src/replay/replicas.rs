@@ -159,7 +159,10 @@ impl Dispatcher for ReplicaDispatcher {
         }
         let replica = self.next;
         self.next = (self.next + 1) % self.cores.len();
-        let Some(worker) = self.run.route_arrival(&mut self.cores[replica], request, now) else {
+        let Some(worker) = self
+            .run
+            .route_arrival(&mut self.cores[replica], request, now)
+        else {
             return engines.len();
         };
         self.run.recorder.arrived(request.id, worker, now);
