@@ -1,13 +1,19 @@
 //! Seeded synthetic workloads in the Mooncake trace shape ([`crate::trace::TraceRecord`]), so that
 //! no benchmark figure depends on one recorded trace.
 //!
-//! Two families:
-//! - [`AgenticConfig`]: agent sessions whose context grows turn by turn from about 20k to 200k
-//!   tokens (tool results and model output appended), compacts to a fresh summary when it reaches
-//!   its limit, and forks sub-agents that start from the parent's whole context plus a task of
-//!   their own. Many sessions run at once, so a fleet's caches are under eviction pressure.
-//! - [`MultiTurnConfig`]: chat sessions over a handful of shared system prompts, each turn
-//!   resending the whole conversation.
+//! The evaluation set ([`Workload::NAMES`]):
+//! - [`AgenticConfig`] (`agentic`, `agentic-tools`): agent sessions whose context grows turn by
+//!   turn from about 20k to 200k tokens (tool results and model output appended), compacts to a
+//!   fresh summary when it reaches its limit, and forks sub-agents that start from the parent's
+//!   whole context plus a task of their own. Many sessions run at once, so a fleet's caches are
+//!   under eviction pressure. `agentic-tools` adds tool-call turns (a short tool result in, a
+//!   short call out, a short gap) and idle gaps (the user away for minutes).
+//! - [`MultiTurnConfig`] (`multi-turn`): chat sessions over a handful of shared system prompts,
+//!   each turn resending the whole conversation.
+//! - [`RagConfig`] (`rag`): questions over a pool of long shared documents (a few popular ones
+//!   asked about most), each user asking a few follow-ups about one document.
+//! - [`BurstyConfig`] (`bursty`): the others mixed (small), their arrivals squeezed into bursts
+//!   separated by quiet periods.
 //!
 //! Every hash id stands for one [`MOONCAKE_BLOCK_TOKENS`]-token block of a prompt and, with the
 //! ids before it, for the whole prefix: a full block keeps its id for the rest of a session (and in
@@ -35,23 +41,68 @@ pub enum Workload {
     Agentic(AgenticConfig),
     /// Multi-turn chat over shared system prompts ([`MultiTurnConfig`]).
     MultiTurn(MultiTurnConfig),
+    /// Questions over a pool of shared documents ([`RagConfig`]).
+    Rag(RagConfig),
+    /// The others mixed and arriving in bursts ([`BurstyConfig`]).
+    Bursty(BurstyConfig),
 }
 
 /// A workload name that is not one of [`Workload::NAMES`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown workload `{0}`: expected one of agentic, multi-turn")]
+#[error("unknown workload `{0}`: expected one of agentic, agentic-tools, multi-turn, rag, bursty")]
 pub struct UnknownWorkload(pub String);
 
 impl Workload {
     /// The names [`Workload::from_name`] accepts.
-    pub const NAMES: &'static [&'static str] = &["agentic", "multi-turn"];
+    pub const NAMES: &'static [&'static str] =
+        &["agentic", "agentic-tools", "multi-turn", "rag", "bursty"];
 
     /// The workload called `name` with its default config.
     pub fn from_name(name: &str) -> Result<Self, UnknownWorkload> {
         match name {
             "agentic" => Ok(Self::Agentic(AgenticConfig::default())),
+            "agentic-tools" => Ok(Self::Agentic(AgenticConfig::with_tools())),
             "multi-turn" => Ok(Self::MultiTurn(MultiTurnConfig::default())),
+            "rag" => Ok(Self::Rag(RagConfig::default())),
+            "bursty" => Ok(Self::Bursty(BurstyConfig::default())),
             other => Err(UnknownWorkload(other.to_owned())),
+        }
+    }
+
+    /// The same workload scaled to about `factor` times its sessions (at least one of each
+    /// kind), keeping every other parameter: `0.1` makes a CI-sized version of the set.
+    pub fn scaled(&self, factor: f64) -> Self {
+        let n = |sessions: u32| ((f64::from(sessions) * factor).round() as u32).max(1);
+        match self {
+            Self::Agentic(c) => Self::Agentic(AgenticConfig {
+                sessions: n(c.sessions),
+                concurrency: n(c.concurrency).min(n(c.sessions)),
+                ..c.clone()
+            }),
+            Self::MultiTurn(c) => Self::MultiTurn(MultiTurnConfig {
+                sessions: n(c.sessions),
+                ..c.clone()
+            }),
+            Self::Rag(c) => Self::Rag(RagConfig {
+                sessions: n(c.sessions),
+                ..c.clone()
+            }),
+            Self::Bursty(c) => Self::Bursty(BurstyConfig {
+                agentic: AgenticConfig {
+                    sessions: n(c.agentic.sessions),
+                    concurrency: n(c.agentic.concurrency).min(n(c.agentic.sessions)),
+                    ..c.agentic.clone()
+                },
+                multi_turn: MultiTurnConfig {
+                    sessions: n(c.multi_turn.sessions),
+                    ..c.multi_turn.clone()
+                },
+                rag: RagConfig {
+                    sessions: n(c.rag.sessions),
+                    ..c.rag.clone()
+                },
+                ..c.clone()
+            }),
         }
     }
 
@@ -60,6 +111,8 @@ impl Workload {
         match self {
             Self::Agentic(config) => agentic(config, seed),
             Self::MultiTurn(config) => multi_turn(config, seed),
+            Self::Rag(config) => rag(config, seed),
+            Self::Bursty(config) => bursty(config, seed),
         }
     }
 }
@@ -91,6 +144,22 @@ pub struct AgenticConfig {
     pub subagent_turns: (u32, u32),
     /// Milliseconds between a session's turns (tool calls and generation).
     pub turn_gap_ms: (u32, u32),
+    /// Chance that a turn is a tool-call round trip instead: it appends a short tool result
+    /// ([`Self::tool_result_tokens`]), the model answers with a short call
+    /// ([`Self::tool_output_tokens`]) and the next turn follows after [`Self::tool_gap_ms`].
+    /// Sub-agents make tool calls too. 0 draws nothing (the `agentic` default).
+    pub tool_call_probability: f64,
+    /// Tokens a tool-call turn appends (the tool's result).
+    pub tool_result_tokens: (u32, u32),
+    /// Tokens the model generates on a tool-call turn.
+    pub tool_output_tokens: (u32, u32),
+    /// Milliseconds before the turn after a tool call (the tool runs fast).
+    pub tool_gap_ms: (u32, u32),
+    /// Chance that a top-level session goes idle after a turn (the user away): the next turn
+    /// comes after [`Self::idle_gap_ms`]. 0 draws nothing (the `agentic` default).
+    pub idle_probability: f64,
+    /// Milliseconds of an idle gap.
+    pub idle_gap_ms: (u32, u32),
 }
 
 impl Default for AgenticConfig {
@@ -108,6 +177,32 @@ impl Default for AgenticConfig {
             fork_probability: 0.12,
             subagent_turns: (1, 4),
             turn_gap_ms: (2_000, 20_000),
+            tool_call_probability: 0.0,
+            tool_result_tokens: (50, 1_500),
+            tool_output_tokens: (20, 200),
+            tool_gap_ms: (300, 3_000),
+            idle_probability: 0.0,
+            idle_gap_ms: (120_000, 900_000),
+        }
+    }
+}
+
+impl AgenticConfig {
+    /// The `agentic-tools` workload: most turns are tool calls with short outputs, sub-agents
+    /// fork more often, and sessions go idle for minutes now and then.
+    pub fn with_tools() -> Self {
+        Self {
+            sessions: 16,
+            concurrency: 8,
+            shared_prefix_tokens: 10_000,
+            task_tokens: (10_000, 20_000),
+            turn_tokens: (2_000, 12_000),
+            compactions: 0,
+            fork_probability: 0.15,
+            subagent_turns: (2, 6),
+            tool_call_probability: 0.7,
+            idle_probability: 0.05,
+            ..Self::default()
         }
     }
 }
@@ -180,7 +275,13 @@ pub fn agentic(config: &AgenticConfig, seed: u64) -> Vec<SynthRequest> {
             break;
         };
         now = running[i].due;
-        let turn = rng.range(config.turn_tokens);
+        let tool_call =
+            config.tool_call_probability > 0.0 && rng.chance(config.tool_call_probability);
+        let turn = if tool_call {
+            rng.range(config.tool_result_tokens)
+        } else {
+            rng.range(config.turn_tokens)
+        };
         let agent = &mut running[i];
         if agent.context.tokens.saturating_add(turn) > config.max_context_tokens {
             if agent.turns_left.is_some() || agent.compactions_left == 0 {
@@ -194,14 +295,28 @@ pub fn agentic(config: &AgenticConfig, seed: u64) -> Vec<SynthRequest> {
                 .append(&mut ids, rng.range(config.summary_tokens));
         }
         agent.context.append(&mut ids, turn);
-        let output = rng.range(config.output_tokens);
+        let output = if tool_call {
+            rng.range(config.tool_output_tokens)
+        } else {
+            rng.range(config.output_tokens)
+        };
         out.push(SynthRequest {
             record: agent.context.record(&mut ids, now, output),
             session_id: agent.session,
             parent_session: agent.parent,
         });
         agent.context.append(&mut ids, output);
-        agent.due = now + rng.range(config.turn_gap_ms) as f64;
+        let idle = agent.parent.is_none()
+            && config.idle_probability > 0.0
+            && rng.chance(config.idle_probability);
+        let gap = if idle {
+            config.idle_gap_ms
+        } else if tool_call {
+            config.tool_gap_ms
+        } else {
+            config.turn_gap_ms
+        };
+        agent.due = now + rng.range(gap) as f64;
         let mut finished = false;
         if let Some(left) = &mut agent.turns_left {
             *left -= 1;
@@ -271,8 +386,187 @@ pub fn multi_turn(config: &MultiTurnConfig, seed: u64) -> Vec<SynthRequest> {
     out
 }
 
+/// Shape of [`rag`] workloads. Token ranges are inclusive `(min, max)`, drawn uniformly.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RagConfig {
+    /// Users in the whole workload; each asks a few questions about one document.
+    pub sessions: u32,
+    /// Documents in the pool.
+    pub documents: u32,
+    /// Zipf exponent of document popularity: document `i` is picked with weight
+    /// `1 / (i + 1)^s`, so a few documents draw most questions.
+    pub popularity: f64,
+    /// Tokens of one document.
+    pub document_tokens: (u32, u32),
+    /// Distinct system prompts (instructions for answering from the document).
+    pub system_prompts: u32,
+    /// Tokens of each system prompt.
+    pub system_tokens: (u32, u32),
+    /// Questions per user (the first and its follow-ups, each resending the conversation).
+    pub questions: (u32, u32),
+    /// Tokens of one question.
+    pub question_tokens: (u32, u32),
+    /// Tokens of one answer.
+    pub output_tokens: (u32, u32),
+    /// Mean milliseconds between users' first questions (exponential gaps).
+    pub session_gap_ms: f64,
+    /// Milliseconds between a user's questions.
+    pub question_gap_ms: (u32, u32),
+}
+
+impl Default for RagConfig {
+    fn default() -> Self {
+        Self {
+            sessions: 500,
+            documents: 64,
+            popularity: 1.0,
+            document_tokens: (8_000, 40_000),
+            system_prompts: 2,
+            system_tokens: (500, 1_500),
+            questions: (1, 4),
+            question_tokens: (20, 300),
+            output_tokens: (50, 500),
+            session_gap_ms: 400.0,
+            question_gap_ms: (5_000, 30_000),
+        }
+    }
+}
+
+/// Questions over a pool of long shared documents (see the module docs). A prompt is a system
+/// prompt, then the document, then the conversation: users of the same system prompt and
+/// document share everything up to their first question.
+pub fn rag(config: &RagConfig, seed: u64) -> Vec<SynthRequest> {
+    let mut rng = SplitMix64::new(seed);
+    let mut ids = IdSource::default();
+    let prompts: Vec<Context> = (0..config.system_prompts.max(1))
+        .map(|_| {
+            let tokens = rng.range(config.system_tokens);
+            Context::fresh(&mut ids, tokens)
+        })
+        .collect();
+    let documents: Vec<u32> = (0..config.documents.max(1))
+        .map(|_| rng.range(config.document_tokens))
+        .collect();
+    let doc_weights: Vec<f64> = (0..documents.len())
+        .map(|i| 1.0 / ((i + 1) as f64).powf(config.popularity))
+        .collect();
+    // A (system prompt, document) prefix is content: the same pair always has the same ids.
+    let mut prefixes: std::collections::HashMap<(usize, usize), Context> =
+        std::collections::HashMap::new();
+    let mut out = Vec::new();
+    let mut start = 0.0f64;
+    for session in 0..u64::from(config.sessions) {
+        start += rng.exponential(config.session_gap_ms);
+        let prompt = (rng.next() % prompts.len() as u64) as usize;
+        let document = rng.weighted(&doc_weights);
+        let mut context = prefixes
+            .entry((prompt, document))
+            .or_insert_with(|| {
+                let mut c = prompts[prompt].clone();
+                c.append(&mut ids, documents[document]);
+                c
+            })
+            .clone();
+        let mut now = start;
+        for _ in 0..rng.range(config.questions).max(1) {
+            context.append(&mut ids, rng.range(config.question_tokens));
+            let output = rng.range(config.output_tokens);
+            out.push(SynthRequest {
+                record: context.record(&mut ids, now, output),
+                session_id: session,
+                parent_session: None,
+            });
+            context.append(&mut ids, output);
+            now += rng.range(config.question_gap_ms) as f64;
+        }
+    }
+    out.sort_by(|a, b| a.record.timestamp.total_cmp(&b.record.timestamp));
+    out
+}
+
+/// Shape of [`bursty`] workloads: smaller versions of the others, mixed, their arrivals squeezed
+/// into bursts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BurstyConfig {
+    /// The agent sessions of the mix (tool calls and idle gaps included).
+    pub agentic: AgenticConfig,
+    /// The chat sessions of the mix.
+    pub multi_turn: MultiTurnConfig,
+    /// The document questions of the mix.
+    pub rag: RagConfig,
+    /// Milliseconds from the start of one burst to the start of the next.
+    pub period_ms: f64,
+    /// Milliseconds of each burst: everything that would arrive during a period arrives in its
+    /// first `burst_ms`, in the same order (so `period_ms / burst_ms` times as fast).
+    pub burst_ms: f64,
+}
+
+impl Default for BurstyConfig {
+    fn default() -> Self {
+        Self {
+            agentic: AgenticConfig {
+                sessions: 6,
+                concurrency: 3,
+                ..AgenticConfig::with_tools()
+            },
+            multi_turn: MultiTurnConfig {
+                sessions: 300,
+                ..MultiTurnConfig::default()
+            },
+            rag: RagConfig {
+                sessions: 250,
+                ..RagConfig::default()
+            },
+            period_ms: 60_000.0,
+            burst_ms: 10_000.0,
+        }
+    }
+}
+
+/// The other workloads mixed, arriving in bursts (see [`BurstyConfig`]). Each part keeps its own
+/// content: hash ids and session ids of one part never collide with another's. Session ids are
+/// agent sessions first, then chats, then document users.
+pub fn bursty(config: &BurstyConfig, seed: u64) -> Vec<SynthRequest> {
+    let parts = [
+        agentic(&config.agentic, seed),
+        multi_turn(&config.multi_turn, seed.wrapping_add(1)),
+        rag(&config.rag, seed.wrapping_add(2)),
+    ];
+    let mut out = Vec::new();
+    let (mut id_base, mut session_base) = (0u64, 0u64);
+    for part in parts {
+        let max_id = part
+            .iter()
+            .flat_map(|r| r.record.hash_ids.iter().copied())
+            .max()
+            .unwrap_or(0);
+        let max_session = part.iter().map(|r| r.session_id + 1).max().unwrap_or(0);
+        for mut r in part {
+            for id in &mut r.record.hash_ids {
+                *id += id_base;
+            }
+            r.session_id += session_base;
+            r.parent_session = r.parent_session.map(|p| p + session_base);
+            out.push(r);
+        }
+        id_base += max_id;
+        session_base += max_session;
+    }
+    let period = config.period_ms.max(1.0);
+    let burst = config.burst_ms.clamp(1.0, period);
+    for r in &mut out {
+        let t = r.record.timestamp;
+        let squeezed = (t / period).floor() * period + (t % period) * burst / period;
+        r.record.timestamp = squeezed.round();
+    }
+    // Stable: requests squeezed onto the same millisecond keep their order within a part.
+    out.sort_by(|a, b| a.record.timestamp.total_cmp(&b.record.timestamp));
+    out
+}
+
 /// The requests as a Mooncake JSONL trace (what [`crate::trace::parse_jsonl`] reads), with the
-/// session as an extra `session_id` field (and `parent_session_id` for sub-agents).
+/// session as an extra `session_id` field (and `parent_session_id` for sub-agents), written as
+/// strings: the reference's Mooncake reader (Dynamo 1.6.1) refuses a numeric `session_id`.
 pub fn to_jsonl(requests: &[SynthRequest]) -> String {
     let mut out = String::new();
     for r in requests {
@@ -281,10 +575,10 @@ pub fn to_jsonl(requests: &[SynthRequest]) -> String {
             "input_length": r.record.input_length,
             "output_length": r.record.output_length,
             "hash_ids": r.record.hash_ids,
-            "session_id": r.session_id,
+            "session_id": r.session_id.to_string(),
         });
         if let (Some(parent), Some(map)) = (r.parent_session, line.as_object_mut()) {
-            map.insert("parent_session_id".to_owned(), parent.into());
+            map.insert("parent_session_id".to_owned(), parent.to_string().into());
         }
         out.push_str(&line.to_string());
         out.push('\n');
@@ -387,6 +681,19 @@ impl SplitMix64 {
     fn range(&mut self, (a, b): (u32, u32)) -> u32 {
         let (lo, hi) = (a.min(b), a.max(b));
         lo + (self.next() % (u64::from(hi - lo) + 1)) as u32
+    }
+
+    /// An index drawn with the given (positive) weights.
+    fn weighted(&mut self, weights: &[f64]) -> usize {
+        let total: f64 = weights.iter().sum();
+        let mut pick = self.unit() * total;
+        weights
+            .iter()
+            .position(|w| {
+                pick -= w;
+                pick < 0.0
+            })
+            .unwrap_or(weights.len().saturating_sub(1))
     }
 
     fn chance(&mut self, p: f64) -> bool {

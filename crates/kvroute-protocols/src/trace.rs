@@ -48,6 +48,65 @@ pub enum TraceError {
     },
 }
 
+/// A trace line's optional `session_id`: a number or a string, as traces write it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize)]
+#[serde(untagged)]
+pub enum SessionId {
+    /// A numeric id (what [`crate::synth::to_jsonl`] writes).
+    Number(u64),
+    /// A textual id.
+    Text(String),
+}
+
+impl std::fmt::Display for SessionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Number(n) => write!(f, "{n}"),
+            Self::Text(t) => f.write_str(t),
+        }
+    }
+}
+
+/// A record with the session it belongs to, if its line names one.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct SessionRecord {
+    /// The request.
+    #[serde(flatten)]
+    pub record: TraceRecord,
+    /// The line's `session_id`, when present (and not null).
+    #[serde(default)]
+    pub session_id: Option<SessionId>,
+}
+
+/// Parses a JSONL trace as [`parse_jsonl`] does, keeping each line's optional `session_id`.
+pub fn parse_jsonl_with_sessions(text: &str) -> Result<Vec<SessionRecord>, TraceError> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let record: SessionRecord =
+            serde_json::from_str(line).map_err(|source| TraceError::Json {
+                line: i + 1,
+                source,
+            })?;
+        check_timestamp(i + 1, &record.record)?;
+        out.push(record);
+    }
+    Ok(out)
+}
+
+fn check_timestamp(line: usize, record: &TraceRecord) -> Result<(), TraceError> {
+    if record.timestamp.is_finite() && record.timestamp >= 0.0 {
+        Ok(())
+    } else {
+        Err(TraceError::BadTimestamp {
+            line,
+            got: record.timestamp,
+        })
+    }
+}
+
 /// Parses a JSONL trace, skipping blank lines.
 pub fn parse_jsonl(text: &str) -> Result<Vec<TraceRecord>, TraceError> {
     let mut out = Vec::new();
@@ -60,12 +119,7 @@ pub fn parse_jsonl(text: &str) -> Result<Vec<TraceRecord>, TraceError> {
                 line: i + 1,
                 source,
             })?;
-        if !(record.timestamp.is_finite() && record.timestamp >= 0.0) {
-            return Err(TraceError::BadTimestamp {
-                line: i + 1,
-                got: record.timestamp,
-            });
-        }
+        check_timestamp(i + 1, &record)?;
         out.push(record);
     }
     Ok(out)
@@ -97,6 +151,36 @@ mod tests {
                     hash_ids: vec![],
                 },
             ]
+        );
+    }
+
+    #[test]
+    fn session_ids_are_numbers_or_strings_and_optional() {
+        let text = "{\"timestamp\": 1, \"input_length\": 3, \"output_length\": 1, \"hash_ids\": [4], \"session_id\": 7}\n\
+                    {\"timestamp\": 2, \"input_length\": 3, \"output_length\": 1, \"hash_ids\": [4], \"session_id\": \"chat-a\"}\n\
+                    {\"timestamp\": 3, \"input_length\": 3, \"output_length\": 1, \"hash_ids\": [4]}\n\
+                    {\"timestamp\": 4, \"input_length\": 3, \"output_length\": 1, \"hash_ids\": [4], \"session_id\": null}\n";
+        let parsed = parse_jsonl_with_sessions(text).expect("valid trace");
+        let sessions: Vec<Option<SessionId>> =
+            parsed.iter().map(|r| r.session_id.clone()).collect();
+        assert_eq!(
+            sessions,
+            [
+                Some(SessionId::Number(7)),
+                Some(SessionId::Text("chat-a".into())),
+                None,
+                None
+            ]
+        );
+        let records: Vec<TraceRecord> = parsed.into_iter().map(|r| r.record).collect();
+        assert_eq!(records, parse_jsonl(text).expect("valid trace"));
+        let err = parse_jsonl_with_sessions(
+            "{\"timestamp\": -2, \"input_length\": 3, \"output_length\": 1, \"hash_ids\": [4]}",
+        )
+        .expect_err("negative timestamp");
+        assert_eq!(
+            err.to_string(),
+            "trace line 1: timestamp must be a finite number >= 0, got -2"
         );
     }
 

@@ -22,31 +22,59 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use clap::builder::PossibleValuesParser;
 use indicatif::ProgressBar;
 use kvroute_mocker::MockerConfig;
 use kvroute_mocker::disagg::DecodeConfig;
 use kvroute_mocker::sim::{DisaggSimulation, SimReport, Simulation};
 use kvroute_mocker::trace::TraceRecord;
+use kvroute_protocols::synth::{self, Workload};
 use kvroute_router::{KvMode, KvRouterCore, WorkerSpec};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use disagg::DisaggRouterDispatcher;
-use dispatch::{RouterDispatcher, RunState};
+use dispatch::{RouterDispatcher, RunState, SessionTracker};
 use metrics::Recorder;
 use oracle::{Oracle, ratio};
 use policy::ReplayPolicy;
 use replicas::ReplicaDispatcher;
 use report::{OracleJson, PolicyReport, ReplayJson, Setup, ms};
-use workload::Synthesis;
+use workload::{Synthesis, Trace};
 
 /// Options of `kvroute replay`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct ReplayArgs {
     /// Mooncake-format JSONL trace: one object a line with `timestamp` (ms), `input_length`,
-    /// `output_length` and `hash_ids`.
+    /// `output_length` and `hash_ids`, and optionally `session_id` (a number or a string: the
+    /// turns of one conversation or agent). Exactly one of --trace and --workload.
+    #[arg(
+        long,
+        value_name = "FILE",
+        required_unless_present = "workload",
+        conflicts_with = "workload"
+    )]
+    trace: Option<PathBuf>,
+    /// A generated workload of the evaluation set instead of a trace, from --seed: agentic (agent
+    /// sessions, 20k-200k-token contexts, sub-agents), agentic-tools (the same with tool-call
+    /// turns and idle gaps), multi-turn (chat over shared system prompts), rag (questions over
+    /// shared documents), bursty (the others mixed, in bursts). Its requests carry sessions.
+    #[arg(long, value_name = "NAME", value_parser = PossibleValuesParser::new(Workload::NAMES))]
+    workload: Option<String>,
+    /// Scale the --workload's sessions by X (0.1 is a tenth of the requests, same shape).
+    #[arg(long, default_value_t = 1.0, value_name = "X")]
+    workload_scale: f64,
+    /// Write the --workload's requests to FILE as a Mooncake JSONL trace (with `session_id`,
+    /// and `parent_session_id` for sub-agents) and exit without replaying: the same workload can
+    /// then be fed to another replay, such as the reference's.
     #[arg(long, value_name = "FILE")]
-    trace: PathBuf,
+    write_trace: Option<PathBuf>,
+    /// Send each request's session to the router as a sticky session (`session_control` with
+    /// `bind` on every turn, the reference's router-only binding with its 300 s default
+    /// timeout): a session's turns follow its first turn's worker while the binding lives.
+    /// Without it, sessions are only measured (session continuity), not routed on.
+    #[arg(long)]
+    sticky_sessions: bool,
     /// Simulated engines (router workers).
     #[arg(long, default_value_t = 8, value_name = "N")]
     workers: usize,
@@ -137,6 +165,8 @@ struct Plan {
     /// Router replicas and how late they learn each other's state (see `replicas`).
     routers: usize,
     sync_delay: Duration,
+    /// Sessions go to the router as sticky sessions.
+    sticky_sessions: bool,
 }
 
 impl Plan {
@@ -167,6 +197,18 @@ impl Plan {
                 "--routers {} with --prefill-workers: replicas are modelled for aggregated serving \
                  only; leave one of the flags out",
                 args.routers
+            );
+        }
+        if args.workload.is_none() && (args.write_trace.is_some() || args.workload_scale != 1.0) {
+            bail!(
+                "--write-trace and --workload-scale apply to a generated workload: add \
+                 --workload NAME"
+            );
+        }
+        if !(args.workload_scale.is_finite() && args.workload_scale > 0.0) {
+            bail!(
+                "--workload-scale must be a finite number > 0, got {}",
+                args.workload_scale
             );
         }
         if !(args.speed.is_finite() && args.speed > 0.0) {
@@ -219,6 +261,7 @@ impl Plan {
             seed: args.seed,
             routers: args.routers,
             sync_delay: args.router_sync_delay.0,
+            sticky_sessions: args.sticky_sessions,
         })
     }
 }
@@ -227,19 +270,58 @@ impl Plan {
 struct PolicyRun {
     sim: SimReport,
     recorder: Recorder,
+    sessions: SessionTracker,
+}
+
+/// The --workload asked for, scaled.
+fn generator(args: &ReplayArgs) -> anyhow::Result<Option<Workload>> {
+    let Some(name) = &args.workload else {
+        return Ok(None);
+    };
+    let workload = Workload::from_name(name)?;
+    Ok(Some(if args.workload_scale == 1.0 {
+        workload
+    } else {
+        workload.scaled(args.workload_scale)
+    }))
 }
 
 /// Runs `kvroute replay`.
 pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
     let plan = Plan::new(args)?;
-    let records = workload::load(&args.trace)?;
+    let (trace, source) = match (generator(args)?, &args.trace) {
+        (Some(generator), _) => {
+            let requests = generator.generate(args.seed);
+            if let Some(path) = &args.write_trace {
+                write(path, &synth::to_jsonl(&requests))?;
+                eprintln!(
+                    "wrote {} requests of workload {} to {}",
+                    requests.len(),
+                    args.workload.as_deref().unwrap_or_default(),
+                    path.display()
+                );
+                return Ok(());
+            }
+            let source = format!(
+                "workload {} (seed {}, scale {})",
+                args.workload.as_deref().unwrap_or_default(),
+                args.seed,
+                args.workload_scale
+            );
+            (workload::generated(requests), source)
+        }
+        (None, Some(path)) => (workload::load(path)?, path.display().to_string()),
+        (None, None) => bail!("expected --trace FILE or --workload NAME"),
+    };
+    let records = &trace.records;
     let oracle = Oracle::compute(
-        &records,
+        records,
         u64::from(args.trace_block_size),
         u64::from(plan.mocker.block_size),
     );
     let setup = Setup {
-        trace: args.trace.display().to_string(),
+        trace: source,
+        sticky_sessions: plan.sticky_sessions,
         requests: records.len() as u64,
         workers: plan.workers,
         engine_profile: args.engine_profile,
@@ -253,7 +335,7 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
 
     let wall = Instant::now();
     let progress = progress::bar((records.len() * plan.policies.len()) as u64);
-    let runs = run_all(&plan, &records, &progress);
+    let runs = run_all(&plan, &trace, &progress);
     progress.finish_and_clear();
     let runs = runs?;
     let wall = wall.elapsed();
@@ -263,7 +345,13 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
     for (policy, run) in plan.policies.iter().zip(&runs) {
         let mut ttft = run.recorder.ttft.clone();
         ttft.sort_unstable();
-        reports.push(policy_report(*policy, run, &ttft, &oracle));
+        reports.push(policy_report(
+            *policy,
+            run,
+            &ttft,
+            &oracle,
+            trace.has_sessions(),
+        ));
         sorted_ttfts.push(ttft);
     }
     let table = report::table(&reports);
@@ -324,11 +412,7 @@ fn write(path: &Path, text: &str) -> anyhow::Result<()> {
 }
 
 /// Runs every policy, on as many threads as there are cores, returning runs in policy order.
-fn run_all(
-    plan: &Plan,
-    records: &[TraceRecord],
-    progress: &ProgressBar,
-) -> anyhow::Result<Vec<PolicyRun>> {
+fn run_all(plan: &Plan, trace: &Trace, progress: &ProgressBar) -> anyhow::Result<Vec<PolicyRun>> {
     let threads = std::thread::available_parallelism()
         .map_or(1, usize::from)
         .min(plan.policies.len())
@@ -344,7 +428,7 @@ fn run_all(
                     let Some(&policy) = plan.policies.get(i) else {
                         break;
                     };
-                    let result = run_policy(plan, policy, records, progress.clone());
+                    let result = run_policy(plan, policy, trace, progress.clone());
                     if let Ok(mut slots) = results.lock() {
                         slots[i] = Some(result);
                     }
@@ -368,11 +452,13 @@ fn run_all(
 fn run_policy(
     plan: &Plan,
     policy: ReplayPolicy,
-    records: &[TraceRecord],
+    trace: &Trace,
     progress: ProgressBar,
 ) -> anyhow::Result<PolicyRun> {
+    let records = &trace.records;
+    let sessions = SessionTracker::new(trace.sessions.clone(), plan.sticky_sessions);
     if let Some(prefill) = plan.prefill_workers {
-        return run_disagg_policy(plan, policy, prefill, records, progress);
+        return run_disagg_policy(plan, policy, prefill, records, progress, sessions);
     }
     let mut sim = Simulation::new(&plan.mocker, plan.workers).context("invalid engine settings")?;
     let config = policy.router_config(plan.mocker.block_size);
@@ -382,7 +468,7 @@ fn run_policy(
             .collect::<anyhow::Result<Vec<_>>>()?;
         let recorder = Recorder::new(plan.workers, load_bucket(plan, records));
         let rng = ChaCha8Rng::seed_from_u64(plan.seed);
-        let run = RunState::new(rng, recorder, progress);
+        let run = RunState::new(rng, recorder, progress, sessions);
         let mut dispatcher = ReplicaDispatcher::new(cores, plan.sync_delay, run);
         let result = sim.run(workload::arrivals(records, plan.synthesis), &mut dispatcher);
         let (cores, run) = dispatcher.into_parts();
@@ -391,7 +477,8 @@ fn run_policy(
     let core = new_core(plan, config, plan.workers)?;
     let recorder = Recorder::new(plan.workers, load_bucket(plan, records));
     let rng = ChaCha8Rng::seed_from_u64(plan.seed);
-    let mut dispatcher = RouterDispatcher::new(core, RunState::new(rng, recorder, progress));
+    let mut dispatcher =
+        RouterDispatcher::new(core, RunState::new(rng, recorder, progress, sessions));
     let result = sim.run(workload::arrivals(records, plan.synthesis), &mut dispatcher);
     let (cores, run) = dispatcher.into_parts();
     finish_run(policy, result, &cores, run)
@@ -417,6 +504,7 @@ fn finish_run(
     Ok(PolicyRun {
         sim: sim_report,
         recorder,
+        sessions: run.sessions,
     })
 }
 
@@ -456,6 +544,7 @@ fn run_disagg_policy(
     prefill: usize,
     records: &[TraceRecord],
     progress: ProgressBar,
+    sessions: SessionTracker,
 ) -> anyhow::Result<PolicyRun> {
     let mut sim =
         DisaggSimulation::new(&plan.mocker, prefill, plan.workers, DecodeConfig::default())
@@ -465,7 +554,7 @@ fn run_disagg_policy(
     let decode_core = new_core(plan, config, plan.workers)?;
     let recorder = Recorder::new(prefill + plan.workers, load_bucket(plan, records));
     let rng = ChaCha8Rng::seed_from_u64(plan.seed);
-    let run = RunState::new(rng, recorder, progress);
+    let run = RunState::new(rng, recorder, progress, sessions);
     let mut dispatcher = DisaggRouterDispatcher::new(prefill_core, decode_core, prefill, run);
     let result = sim.run(workload::arrivals(records, plan.synthesis), &mut dispatcher);
     let (cores, run) = dispatcher.into_parts();
@@ -516,6 +605,7 @@ fn policy_report(
     run: &PolicyRun,
     ttft: &[Duration],
     oracle: &Oracle,
+    has_sessions: bool,
 ) -> PolicyReport {
     let sim = &run.sim;
     let r = &run.recorder;
@@ -556,5 +646,11 @@ fn policy_report(
         simulated_s: simulated,
         preemptions: sim.preemptions,
         kv_events: sim.kv_events,
+        session_continuity: if has_sessions {
+            run.sessions.continuity()
+        } else {
+            None
+        },
+        session_later_turns: run.sessions.later_turns,
     }
 }

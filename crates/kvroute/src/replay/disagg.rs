@@ -68,8 +68,7 @@ impl Dispatcher for DisaggRouterDispatcher {
             self.run.expired += self.prefill.expire(now).requests.len() as u64;
             self.run.expired += self.decode.expire(now).requests.len() as u64;
         }
-        let route = RouteRequest::new(RequestId(request.id), &request.tokens);
-        match self.run.route(&mut self.prefill, &route, now) {
+        match self.run.route_arrival(&mut self.prefill, request, now) {
             Some(worker) => {
                 self.run.recorder.arrived(request.id, worker, now);
                 worker

@@ -5,12 +5,14 @@
 //! Engine `i` of the simulation is router worker id `i`, registered in event mode with the
 //! engine's KV capacity and batch budget, exactly as a live mocker worker registers.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use indicatif::ProgressBar;
 use kvroute_mocker::sim::Dispatcher;
 use kvroute_mocker::{Engine, Request, RequestError, StepOutput};
 use kvroute_protocols::kv_events::{RouterEvent, StorageTier};
+use kvroute_protocols::{RoutingHints, SessionAction, SessionControl};
 use kvroute_router::{KvRouterCore, RequestId, RouteError, RouteRequest};
 use rand_chacha::ChaCha8Rng;
 
@@ -45,8 +47,7 @@ impl Dispatcher for RouterDispatcher {
         if self.run.pacer.arrival(now) {
             self.run.expired += self.core.expire(now).requests.len() as u64;
         }
-        let route = RouteRequest::new(RequestId(request.id), &request.tokens);
-        match self.run.route(&mut self.core, &route, now) {
+        match self.run.route_arrival(&mut self.core, request, now) {
             Some(worker) => {
                 self.run.recorder.arrived(request.id, worker, now);
                 worker
@@ -79,10 +80,17 @@ pub(crate) struct RunState {
     pub(crate) gaps: u64,
     /// Requests the cores expired before they finished.
     pub(crate) expired: u64,
+    /// Sessions of the requests and where their turns ran.
+    pub(crate) sessions: SessionTracker,
 }
 
 impl RunState {
-    pub(crate) fn new(rng: ChaCha8Rng, recorder: Recorder, progress: ProgressBar) -> Self {
+    pub(crate) fn new(
+        rng: ChaCha8Rng,
+        recorder: Recorder,
+        progress: ProgressBar,
+        sessions: SessionTracker,
+    ) -> Self {
         Self {
             rng,
             recorder,
@@ -90,7 +98,37 @@ impl RunState {
             error: None,
             gaps: 0,
             expired: 0,
+            sessions,
         }
+    }
+
+    /// Routes a newly arrived request with `core`: with sticky sessions its session's binding
+    /// goes with it (`session_control` with `bind` on every turn: the first binds the session
+    /// where the policy sends it, later ones follow the binding and refresh it, and a binding
+    /// that expired is made again where the policy sends the turn). Counts the turn for session
+    /// continuity. Returns the worker's index, or `None` after recording a routing error.
+    pub(crate) fn route_arrival(
+        &mut self,
+        core: &mut KvRouterCore,
+        request: &Request,
+        now: Duration,
+    ) -> Option<usize> {
+        let session = self.sessions.of(request.id);
+        let hints = session
+            .filter(|_| self.sessions.sticky)
+            .map(|s| RoutingHints {
+                session_control: Some(
+                    SessionControl::new(s.to_string()).with_action(SessionAction::Bind),
+                ),
+                ..RoutingHints::default()
+            });
+        let mut route = RouteRequest::new(RequestId(request.id), &request.tokens);
+        route.hints = hints.as_ref();
+        let worker = self.route(core, &route, now)?;
+        if let Some(session) = session {
+            self.sessions.served(session, worker);
+        }
+        Some(worker)
     }
 
     /// Routes `route` with `core` and returns the chosen worker's index, or records the first
@@ -108,6 +146,52 @@ impl RunState {
                 None
             }
         }
+    }
+}
+
+/// Which session each request belongs to, whether sessions are sent to the router as sticky,
+/// and how many of a session's later turns ran where its previous turn ran.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SessionTracker {
+    /// `of_request[id]`: the session of request `id`.
+    of_request: Vec<Option<u64>>,
+    sticky: bool,
+    last_worker: HashMap<u64, usize>,
+    /// Turns after a session's first (sub-agents' first turns are their own sessions' first).
+    pub(crate) later_turns: u64,
+    /// Of those, routed to the worker its session's previous turn was routed to.
+    pub(crate) continued: u64,
+}
+
+impl SessionTracker {
+    /// Sessions of request ids `0..`; `sticky` sends them to the router's session machinery.
+    pub(crate) fn new(of_request: Vec<Option<u64>>, sticky: bool) -> Self {
+        Self {
+            of_request,
+            sticky,
+            ..Self::default()
+        }
+    }
+
+    fn of(&self, id: u64) -> Option<u64> {
+        usize::try_from(id)
+            .ok()
+            .and_then(|i| self.of_request.get(i).copied().flatten())
+    }
+
+    fn served(&mut self, session: u64, worker: usize) {
+        if let Some(previous) = self.last_worker.insert(session, worker) {
+            self.later_turns += 1;
+            if previous == worker {
+                self.continued += 1;
+            }
+        }
+    }
+
+    /// The share of later turns that ran where the previous turn ran; `None` when the trace
+    /// has no session with two turns.
+    pub(crate) fn continuity(&self) -> Option<f64> {
+        (self.later_turns > 0).then(|| self.continued as f64 / self.later_turns as f64)
     }
 }
 
@@ -169,7 +253,8 @@ pub(crate) fn feed(
         }
     }
     for finished in &output.finished {
-        // Replay opens no sessions, so there are no deferred session commands to run.
+        // Replay only binds sessions router-side (never opens engine sessions), so there are
+        // no deferred session commands to run.
         let _ = core.on_finished(RequestId(finished.request_id));
         if let Some(recorder) = recorder.as_deref_mut() {
             recorder.left(finished.request_id, finished.at, true);

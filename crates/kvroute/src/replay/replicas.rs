@@ -15,7 +15,7 @@ use std::time::Duration;
 use kvroute_mocker::sim::Dispatcher;
 use kvroute_mocker::{Engine, Request, RequestError, StepOutput};
 use kvroute_protocols::kv_events::{RouterEvent, StorageTier};
-use kvroute_router::{KvRouterCore, RequestId, RequestLoad, RouteRequest};
+use kvroute_router::{KvRouterCore, RequestId, RequestLoad};
 
 use crate::replay::dispatch::RunState;
 
@@ -159,8 +159,10 @@ impl Dispatcher for ReplicaDispatcher {
         }
         let replica = self.next;
         self.next = (self.next + 1) % self.cores.len();
-        let route = RouteRequest::new(RequestId(request.id), &request.tokens);
-        let Some(worker) = self.run.route(&mut self.cores[replica], &route, now) else {
+        let Some(worker) = self
+            .run
+            .route_arrival(&mut self.cores[replica], request, now)
+        else {
             return engines.len();
         };
         self.run.recorder.arrived(request.id, worker, now);

@@ -21,7 +21,10 @@ pub(crate) struct ReplayJson<'a> {
 /// What was replayed, and how.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct Setup {
+    /// The trace file, or the generated workload with its seed and scale.
     pub(crate) trace: String,
+    /// Whether sessions were sent to the router as sticky sessions.
+    pub(crate) sticky_sessions: bool,
     pub(crate) requests: u64,
     pub(crate) workers: usize,
     /// The engine sizing asked for (--block-size and --cache-blocks below are what ran).
@@ -95,6 +98,11 @@ pub(crate) struct PolicyReport {
     pub(crate) preemptions: u64,
     /// KV events the engines emitted and the router applied.
     pub(crate) kv_events: u64,
+    /// Of the turns after a session's first, the share routed to the worker where the session's
+    /// previous turn ran (whose cache holds that turn); `null` when the trace names no sessions.
+    pub(crate) session_continuity: Option<f64>,
+    /// Turns after a session's first (the denominator of `session_continuity`).
+    pub(crate) session_later_turns: u64,
 }
 
 /// Milliseconds as a float.
@@ -115,6 +123,7 @@ pub(crate) fn table(rows: &[PolicyReport]) -> String {
         "E2E p99",
         "out tok/s",
         "max/mean load",
+        "continuity",
         "rejected",
     ];
     let cells: Vec<Vec<String>> = rows
@@ -131,6 +140,8 @@ pub(crate) fn table(rows: &[PolicyReport]) -> String {
                 format!("{:.2} s", r.e2e_p99_ms / 1000.0),
                 format!("{:.0}", r.output_tokens_per_s),
                 format!("{:.2}", r.max_over_mean_load),
+                r.session_continuity
+                    .map_or_else(|| "-".to_owned(), |c| format!("{:.1}%", c * 100.0)),
                 r.rejected.to_string(),
             ]
         })

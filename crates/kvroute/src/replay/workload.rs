@@ -4,6 +4,7 @@
 //! Prompts come from the mocker's [`kvroute_mocker::trace::synthesize_prompt_with`] at `T` tokens
 //! per hash id, so replay and the mocker's own benches see the same prompts at `T = 512`.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
@@ -11,21 +12,57 @@ use anyhow::Context;
 use kvroute_mocker::Request;
 use kvroute_mocker::sim::Arrival;
 use kvroute_mocker::trace::{self, TraceRecord};
+use kvroute_protocols::synth::SynthRequest;
+use kvroute_protocols::trace::SessionId;
 
-/// Reads and parses a Mooncake JSONL trace; errors name the file (and the line, for bad lines).
-pub(crate) fn load(path: &Path) -> anyhow::Result<Vec<TraceRecord>> {
+/// The requests to replay and the session of each (request id = index).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Trace {
+    pub(crate) records: Vec<TraceRecord>,
+    /// `sessions[i]`: the session request `i` belongs to, numbered densely from 0 in order of
+    /// first appearance; `None` for a line without `session_id`.
+    pub(crate) sessions: Vec<Option<u64>>,
+}
+
+impl Trace {
+    /// Whether any request names a session.
+    pub(crate) fn has_sessions(&self) -> bool {
+        self.sessions.iter().any(Option::is_some)
+    }
+}
+
+/// Reads and parses a Mooncake JSONL trace with its optional `session_id`s; errors name the
+/// file (and the line, for bad lines).
+pub(crate) fn load(path: &Path) -> anyhow::Result<Trace> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read trace {}", path.display()))?;
-    // The mocker's error already says "trace line N: what was expected"; prefix the file.
-    let records =
-        trace::parse_jsonl(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    if records.is_empty() {
+    // The parser's error already says "trace line N: what was expected"; prefix the file.
+    let lines = kvroute_protocols::trace::parse_jsonl_with_sessions(&text)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    if lines.is_empty() {
         anyhow::bail!(
             "{}: the trace has no requests; expected one JSON object per line",
             path.display()
         );
     }
-    Ok(records)
+    let mut numbers: HashMap<SessionId, u64> = HashMap::new();
+    let mut records = Vec::with_capacity(lines.len());
+    let mut sessions = Vec::with_capacity(lines.len());
+    for line in lines {
+        sessions.push(line.session_id.map(|id| {
+            let next = numbers.len() as u64;
+            *numbers.entry(id).or_insert(next)
+        }));
+        records.push(line.record);
+    }
+    Ok(Trace { records, sessions })
+}
+
+/// The requests of a generated workload, with their sessions, in timestamp order.
+pub(crate) fn generated(requests: Vec<SynthRequest>) -> Trace {
+    let sessions = requests.iter().map(|r| Some(r.session_id)).collect();
+    let records = requests.into_iter().map(|r| r.record).collect();
+    Trace { records, sessions }
 }
 
 /// How records become arrivals.

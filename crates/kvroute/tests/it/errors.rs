@@ -115,3 +115,30 @@ fn json_path_must_not_be_the_html_report() {
     assert!(stderr.contains("must not end in .html"), "{stderr}");
     assert!(!out.exists(), "nothing was written");
 }
+
+#[test]
+fn workloads_are_named_and_exactly_one_source_is_taken() {
+    let stderr = fails(&["--workload", "chat"]);
+    assert!(stderr.contains("chat"), "{stderr}");
+    for known in ["agentic", "agentic-tools", "multi-turn", "rag", "bursty"] {
+        assert!(stderr.contains(known), "{stderr}");
+    }
+    let dir = scratch("both_sources");
+    let trace = write_fixture(&dir);
+    let stderr = fails(&[
+        "--trace",
+        trace.to_str().expect("utf-8 path"),
+        "--workload",
+        "rag",
+    ]);
+    assert!(stderr.contains("cannot be used with"), "{stderr}");
+    let stderr = fails(&[]);
+    assert!(
+        stderr.contains("required") && stderr.contains("--trace"),
+        "{stderr}"
+    );
+    let stderr = fails(&["--trace", "x.jsonl", "--write-trace", "y.jsonl"]);
+    assert!(stderr.contains("--workload"), "{stderr}");
+    let stderr = fails(&["--workload", "rag", "--workload-scale", "0"]);
+    assert!(stderr.contains("--workload-scale must be"), "{stderr}");
+}

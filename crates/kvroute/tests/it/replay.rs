@@ -358,3 +358,135 @@ fn router_replicas_that_sync_at_once_route_as_one_router_and_late_sync_still_dra
         text(&refused).1
     );
 }
+
+/// `kvroute replay --workload NAME` at a CI size with `extra` arguments, writing JSON to `json`;
+/// returns the JSON text.
+fn workload_json(name: &str, json: &std::path::Path, extra: &[&str]) -> String {
+    let mut args = vec![
+        "replay",
+        "--workload",
+        name,
+        "--workload-scale",
+        "0.05",
+        "--seed",
+        "3",
+        "--workers",
+        "4",
+        "--json",
+        json.to_str().expect("utf-8 path"),
+    ];
+    args.extend_from_slice(extra);
+    let output = kvroute(&args);
+    let (_, stderr) = text(&output);
+    assert!(output.status.success(), "{name}: {stderr}");
+    std::fs::read_to_string(json).expect("the JSON was written")
+}
+
+fn figure(json: &Value, policy_name: &str, field: &str) -> f64 {
+    policy(json, policy_name)[field]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{field} of {policy_name} in {json:#}"))
+}
+
+#[test]
+fn evaluation_set_orders_policies_measures_continuity_and_is_deterministic() {
+    let policies = ["--policy", "round-robin", "--policy", "kv"];
+    for name in ["agentic", "agentic-tools", "multi-turn", "rag", "bursty"] {
+        let dir = scratch(&format!("eval_set_{name}"));
+        let first = workload_json(name, &dir.join("a.json"), &policies);
+        let second = workload_json(name, &dir.join("b.json"), &policies);
+        assert_eq!(first, second, "{name}: two runs differ");
+        let json: Value = serde_json::from_str(&first).expect("valid JSON");
+        assert!(
+            json["setup"]["trace"]
+                .as_str()
+                .is_some_and(|t| t.starts_with(&format!("workload {name} (seed 3"))),
+            "{:#}",
+            json["setup"]
+        );
+        let (rr_hit, kv_hit) = (
+            figure(&json, "round-robin", "hit_rate"),
+            figure(&json, "kv", "hit_rate"),
+        );
+        assert!(
+            kv_hit > rr_hit,
+            "{name}: kv {kv_hit} vs round-robin {rr_hit}"
+        );
+        let rr_cont = figure(&json, "round-robin", "session_continuity");
+        let kv_cont = figure(&json, "kv", "session_continuity");
+        assert!(
+            kv_cont > rr_cont,
+            "{name}: kv {kv_cont} vs round-robin {rr_cont}"
+        );
+        assert!(figure(&json, "kv", "session_later_turns") > 0.0);
+
+        // Sticky sessions keep a session's turns on its worker at least as often.
+        let sticky = workload_json(
+            name,
+            &dir.join("sticky.json"),
+            &["--policy", "kv", "--sticky-sessions"],
+        );
+        let sticky: Value = serde_json::from_str(&sticky).expect("valid JSON");
+        assert_eq!(sticky["setup"]["sticky_sessions"], true);
+        let sticky_cont = figure(&sticky, "kv", "session_continuity");
+        assert!(
+            sticky_cont >= kv_cont && sticky_cont >= rr_cont,
+            "{name}: sticky {sticky_cont} vs kv {kv_cont}, round-robin {rr_cont}"
+        );
+    }
+}
+
+#[test]
+fn a_written_workload_trace_replays_as_the_workload_with_its_sessions() {
+    let dir = scratch("write_trace");
+    let trace = dir.join("rag.jsonl");
+    let trace_arg = trace.to_str().expect("utf-8 path");
+    let output = kvroute(&[
+        "replay",
+        "--workload",
+        "rag",
+        "--workload-scale",
+        "0.05",
+        "--seed",
+        "3",
+        "--write-trace",
+        trace_arg,
+    ]);
+    let (_, stderr) = text(&output);
+    assert!(output.status.success(), "{stderr}");
+    assert!(stderr.contains("requests of workload rag"), "{stderr}");
+    let written = std::fs::read_to_string(&trace).expect("the trace was written");
+    for line in written.lines() {
+        let line: Value = serde_json::from_str(line).expect("one JSON object a line");
+        // What the reference's replay needs: every token covered by a 512-token hash id, and
+        // the session as a string.
+        let ids = line["hash_ids"].as_array().map_or(0, Vec::len) as u64;
+        assert!(ids * 512 >= line["input_length"].as_u64().unwrap_or(u64::MAX));
+        assert!(line["session_id"].is_string(), "{line}");
+    }
+    let generated: Value = serde_json::from_str(&workload_json(
+        "rag",
+        &dir.join("generated.json"),
+        &["--policy", "kv"],
+    ))
+    .expect("valid JSON");
+    let output = kvroute(&[
+        "replay",
+        "--trace",
+        trace_arg,
+        "--seed",
+        "3",
+        "--workers",
+        "4",
+        "--policy",
+        "kv",
+        "--json",
+        dir.join("from_file.json").to_str().expect("utf-8 path"),
+    ]);
+    assert!(output.status.success(), "{}", text(&output).1);
+    let from_file: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("from_file.json")).expect("the JSON was written"),
+    )
+    .expect("valid JSON");
+    assert_eq!(generated["policies"], from_file["policies"]);
+}
