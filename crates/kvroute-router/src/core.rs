@@ -62,6 +62,12 @@ pub struct CoreStats {
     pub gaps_detected: u64,
     /// Events from workers in approximate mode; skipped.
     pub events_ignored: u64,
+    /// Events from workers this core does not serve (not registered, or not yet): skipped. A
+    /// worker's blocks are learnt when it joins (a dump, or the event stream from its first
+    /// event id), so nothing is lost; indexing them instead would keep, forever, the blocks of
+    /// every worker another router serves (a role-filtered phase router) and of every past
+    /// life of a restarted one.
+    pub events_unregistered: u64,
     /// Events applied from gap recovery or dumps.
     pub events_recovered: u64,
 }
@@ -199,12 +205,21 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// should fetch from the worker (`kv_events_range`) and pass to [`Self::apply_recovered`].
     ///
     /// Late events (an id at or below one already seen) are skipped: they were recovered or
-    /// dumped already. Events of workers in approximate mode are skipped. Events of workers not
-    /// registered (yet) are applied, since events may outrun discovery.
+    /// dumped already. Events of workers in approximate mode are skipped, and so are events of
+    /// workers not registered (yet): when one joins, its blocks come from a dump or, on a plane
+    /// that keeps history, from its events since [`Self::expect_events_from`]'s base (the ones
+    /// skipped before it joined come back as a gap to repair).
     pub fn apply_event(&mut self, event: &RouterEvent) -> Option<EventGap> {
-        if self.modes.get(&event.worker_id) == Some(&KvMode::Approximate) {
-            self.stats.events_ignored += 1;
-            return None;
+        match self.modes.get(&event.worker_id) {
+            Some(KvMode::Events) => {}
+            Some(KvMode::Approximate) => {
+                self.stats.events_ignored += 1;
+                return None;
+            }
+            None => {
+                self.stats.events_unregistered += 1;
+                return None;
+            }
         }
         let key = WorkerWithDpRank::from_worker_id(event.worker_id);
         let first = self.gaps.expected(key).is_none();
