@@ -762,40 +762,7 @@ pub(crate) fn table(rows: &[Row]) -> String {
 
 /// Markdown table with names left and figures right, columns padded to their widest cell.
 fn render(lines: &[[String; 5]]) -> String {
-    let widths: Vec<usize> = (0..5)
-        .map(|c| {
-            lines
-                .iter()
-                .map(|l| l[c].chars().count())
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let mut out = String::new();
-    for (i, line) in lines.iter().enumerate() {
-        out.push('|');
-        for (c, cell) in line.iter().enumerate() {
-            if c < 2 {
-                let _ = write!(out, " {cell:<w$} |", w = widths[c]);
-            } else {
-                let _ = write!(out, " {cell:>w$} |", w = widths[c]);
-            }
-        }
-        out.push('\n');
-        if i == 0 {
-            out.push('|');
-            for (c, w) in widths.iter().enumerate() {
-                let dashes = "-".repeat(*w);
-                if c < 2 {
-                    let _ = write!(out, " {dashes} |");
-                } else {
-                    let _ = write!(out, " {}: |", &dashes[..w - 1]);
-                }
-            }
-            out.push('\n');
-        }
-    }
-    out
+    crate::table::markdown(lines, 2)
 }
 
 /// `values` as one figure, or `min-max` when they format differently; `-` when there are none.

@@ -12,6 +12,7 @@ mod fuzz;
 mod package;
 mod python;
 mod replay_vs_reference;
+mod table;
 mod tidy;
 
 use std::path::{Path, PathBuf};

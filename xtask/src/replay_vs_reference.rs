@@ -8,7 +8,6 @@
 //! runs several times and the table shows the range over runs and the best run (by hit rate);
 //! kvroute's replay is deterministic and runs once.
 
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -397,41 +396,7 @@ pub(crate) fn table(rows: &[Row], oracle: f64) -> String {
             lines.push(best_cells);
         }
     }
-    let widths: Vec<usize> = (0..8)
-        .map(|c| {
-            lines
-                .iter()
-                .map(|l| l[c].chars().count())
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let mut out = String::new();
-    for (i, line) in lines.iter().enumerate() {
-        out.push('|');
-        for (c, cell) in line.iter().enumerate() {
-            // Names left, figures right.
-            if c < 2 {
-                let _ = write!(out, " {cell:<w$} |", w = widths[c]);
-            } else {
-                let _ = write!(out, " {cell:>w$} |", w = widths[c]);
-            }
-        }
-        out.push('\n');
-        if i == 0 {
-            out.push('|');
-            for (c, w) in widths.iter().enumerate() {
-                let dashes = "-".repeat(*w);
-                if c < 2 {
-                    let _ = write!(out, " {dashes} |");
-                } else {
-                    let _ = write!(out, " {}: |", &dashes[..w - 1]);
-                }
-            }
-            out.push('\n');
-        }
-    }
-    out
+    crate::table::markdown(&lines, 2)
 }
 
 fn cells(system: &str, policy: &str, runs: &[Figures], oracle: f64) -> [String; 8] {

@@ -4,22 +4,9 @@
 use bytes::Bytes;
 use futures::StreamExt;
 use kvroute_nats::testing::NatsServer;
-use kvroute_protocols::kv_events::{KvCacheEvent, KvCacheEventData, RouterEvent, StorageTier};
 use kvroute_runtime::{EventPlane, KV_EVENT_SUBJECT, decode_router_event, encode_router_event};
 
-use crate::{BOUND, eventually, plane, run};
-
-fn cleared(worker_id: u64, event_id: u64) -> RouterEvent {
-    RouterEvent {
-        worker_id,
-        storage_tier: StorageTier::Device,
-        event: KvCacheEvent {
-            event_id,
-            data: KvCacheEventData::Cleared,
-            dp_rank: 0,
-        },
-    }
-}
+use crate::{BOUND, cleared, eventually, plane, run};
 
 async fn next_events(
     subscription: &mut kvroute_runtime::Subscription,

@@ -8,6 +8,7 @@ mod snapshots;
 use std::time::Duration;
 
 use kvroute_nats::{EventStreamConfig, Nats, NatsConfig, NatsEventPlane};
+use kvroute_protocols::kv_events::{KvCacheEvent, KvCacheEventData, RouterEvent, StorageTier};
 
 /// The longest any test waits for something to happen (far beyond what it takes).
 const BOUND: Duration = Duration::from_secs(15);
@@ -48,4 +49,17 @@ async fn plane(url: &str, name: &str) -> NatsEventPlane {
     NatsEventPlane::start(connect(url, name).await, &EventStreamConfig::default())
         .await
         .unwrap()
+}
+
+/// A `Cleared` event, numbered `event_id`, from `worker_id`.
+fn cleared(worker_id: u64, event_id: u64) -> RouterEvent {
+    RouterEvent {
+        worker_id,
+        storage_tier: StorageTier::Device,
+        event: KvCacheEvent {
+            event_id,
+            data: KvCacheEventData::Cleared,
+            dp_rank: 0,
+        },
+    }
 }

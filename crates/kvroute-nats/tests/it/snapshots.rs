@@ -5,25 +5,12 @@ use bytes::Bytes;
 use futures::StreamExt;
 use kvroute_nats::NatsSnapshotStore;
 use kvroute_nats::testing::NatsServer;
-use kvroute_protocols::kv_events::{KvCacheEvent, KvCacheEventData, RouterEvent, StorageTier};
 use kvroute_runtime::{
     EventPlane, EventPlaneError, KV_EVENT_SUBJECT, SnapshotStore, decode_router_event,
     encode_router_event,
 };
 
-use crate::{BOUND, connect, plane, run};
-
-fn cleared(worker_id: u64, event_id: u64) -> RouterEvent {
-    RouterEvent {
-        worker_id,
-        storage_tier: StorageTier::Device,
-        event: KvCacheEvent {
-            event_id,
-            data: KvCacheEventData::Cleared,
-            dp_rank: 0,
-        },
-    }
-}
+use crate::{BOUND, cleared, connect, plane, run};
 
 #[test]
 fn a_snapshot_is_saved_replaced_and_loaded_whole_by_another_router() {
