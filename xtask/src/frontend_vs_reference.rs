@@ -804,28 +804,7 @@ fn format_ms(ms: f64) -> String {
     }
 }
 
-/// Rounded to a whole number with thousands separators: `2,048`.
-fn thousands(v: f64) -> String {
-    let digits = format!("{:.0}", v.max(0.0));
-    let mut out = String::new();
-    for (i, ch) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(ch);
-    }
-    out
-}
-
-/// Where cargo puts build outputs for this workspace (`CARGO_TARGET_DIR`, config or default).
-fn target_directory(root: &Path) -> Result<PathBuf> {
-    let metadata = cargo_metadata::MetadataCommand::new()
-        .manifest_path(root.join("Cargo.toml"))
-        .no_deps()
-        .exec()
-        .context("running cargo metadata to find the target directory")?;
-    Ok(metadata.target_directory.into_std_path_buf())
-}
+use crate::table::{target_directory, thousands};
 
 #[cfg(test)]
 mod tests;

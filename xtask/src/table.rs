@@ -1,6 +1,10 @@
-//! Side-by-side tables the reference benches print: Markdown, names left, figures right.
+//! What the reference benches share: their Markdown tables (names left, figures right), number
+//! formatting, and where cargo builds.
 
 use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, Result};
 
 /// `lines` (the header first) as a Markdown table whose first `names` columns are left-aligned
 /// and the rest right-aligned, each column as wide as its widest cell.
@@ -39,4 +43,27 @@ pub(crate) fn markdown<const N: usize>(lines: &[[String; N]], names: usize) -> S
         }
     }
     out
+}
+
+/// Rounded to a whole number with thousands separators: `2,048`.
+pub(crate) fn thousands(v: f64) -> String {
+    let digits = format!("{:.0}", v.max(0.0));
+    let mut out = String::new();
+    for (i, ch) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+/// Where cargo puts build outputs for this workspace (`CARGO_TARGET_DIR`, config or default).
+pub(crate) fn target_directory(root: &Path) -> Result<PathBuf> {
+    let metadata = cargo_metadata::MetadataCommand::new()
+        .manifest_path(root.join("Cargo.toml"))
+        .no_deps()
+        .exec()
+        .context("running cargo metadata to find the target directory")?;
+    Ok(metadata.target_directory.into_std_path_buf())
 }
