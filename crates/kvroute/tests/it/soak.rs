@@ -443,8 +443,8 @@ async fn a_bounded_soak_accounts_for_every_request_and_ends_idle() {
     // Flat: within 5%, or 4 MiB for a small process whose RSS jitters. Judged on runs of
     // RSS_TREND_SECONDS or more only: in CI's 15 s run the allocator is still settling after its
     // 3 s warm-up (it moved by 0.6 to 5.9 MiB there, run to run), which says nothing about a
-    // trend. `cargo xtask soak --minutes N` judges it; the 30-minute run currently fails it
-    // (docs/benchmarks.md, "Soak").
+    // trend. `cargo xtask soak --minutes N` judges it (the 30-minute run's figures are in
+    // docs/benchmarks.md, "Soak").
     if seconds >= RSS_TREND_SECONDS {
         assert!(
             rss_end <= rss_warm + (rss_warm / 20).max(4 * 1024),
