@@ -1145,15 +1145,16 @@ async fn whole_response(
     mut track: Tracker,
 ) -> Response {
     let retry = state.config().admission.retry_after;
+    let grace = state.config().stop_grace;
     let mut text = String::new();
-    let mut asked_to_stop = false;
-    while let Some(item) = stream.next().await {
+    let mut stop_deadline = None;
+    while let Some(item) = next_within(&mut stream, stop_deadline).await {
         match item {
             Ok(item) => match track.on_item(&item) {
                 Step::Text(t) => {
                     text.push_str(&t);
-                    if track.stopped() && !asked_to_stop {
-                        asked_to_stop = true;
+                    if track.stopped() && stop_deadline.is_none() {
+                        stop_deadline = Some(tokio::time::Instant::now() + grace);
                         stream.stop_generating();
                     }
                 }
@@ -1179,6 +1180,24 @@ async fn whole_response(
     .into_response()
 }
 
+/// The stream's next item; `None` at its end, or once `deadline` (the grace after a graceful
+/// stop) passed: the worker ignored the stop, and dropping the stream then cancels the request.
+async fn next_within(
+    stream: &mut Output,
+    deadline: Option<tokio::time::Instant>,
+) -> Option<Result<LlmResponse, RequestError>> {
+    let Some(deadline) = deadline else {
+        return stream.next().await;
+    };
+    match tokio::time::timeout_at(deadline, stream.next()).await {
+        Ok(item) => item,
+        Err(_) => {
+            tracing::warn!("the worker did not stop after a stop string; cancelling the request");
+            None
+        }
+    }
+}
+
 fn data(value: &Value) -> Result<Event, Infallible> {
     Ok(Event::default().data(value.to_string()))
 }
@@ -1191,6 +1210,7 @@ fn sse_response(
     permit: Permit,
 ) -> Response {
     let keep_alive = state.config().keep_alive;
+    let grace = state.config().stop_grace;
     let events = async_stream::stream! {
         // The permit and the routed stream live as long as this body: a client that goes away
         // drops both, cancelling the request on its worker and freeing its slot.
@@ -1205,16 +1225,16 @@ fn sse_response(
         if p.meta.endpoint == Endpoint::Chat {
             yield data(&opening);
         }
-        let mut asked_to_stop = false;
-        while let Some(item) = stream.next().await {
+        let mut stop_deadline = None;
+        while let Some(item) = next_within(&mut stream, stop_deadline).await {
             let failure = match item {
                 Ok(item) => match track.on_item(&item) {
                     Step::Text(t) => {
                         if !t.is_empty() {
                             yield data(&p.meta.chunk(Some(&t), false, None, None));
                         }
-                        if track.stopped() && !asked_to_stop {
-                            asked_to_stop = true;
+                        if track.stopped() && stop_deadline.is_none() {
+                            stop_deadline = Some(tokio::time::Instant::now() + grace);
                             stream.stop_generating();
                         }
                         continue;

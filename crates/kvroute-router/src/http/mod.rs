@@ -91,6 +91,10 @@ pub struct HttpConfig {
     pub keep_alive: Duration,
     /// How many times a request moves to another worker when its worker dies mid-stream.
     pub max_migrations: u32,
+    /// After a stop string, how long the worker has to end the stream once asked to stop
+    /// gracefully; an engine that ignores the request is then cancelled (the answer, cut at the
+    /// stop string, is complete either way).
+    pub stop_grace: Duration,
 }
 
 impl Default for HttpConfig {
@@ -105,6 +109,7 @@ impl Default for HttpConfig {
             admission: AdmissionConfig::default(),
             keep_alive: Duration::from_secs(15),
             max_migrations: DEFAULT_MAX_MIGRATIONS,
+            stop_grace: Duration::from_secs(2),
         }
     }
 }

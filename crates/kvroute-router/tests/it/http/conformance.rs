@@ -500,3 +500,77 @@ fn stop_strings_end_the_text_with_finish_reason_stop_whole_and_streamed() {
         eventually("all load is freed", || idle(&router)).await;
     });
 }
+
+#[test]
+fn a_worker_that_ignores_a_graceful_stop_is_cancelled_after_the_grace() {
+    use kvroute_router::tokenizer::MockTokenizer;
+    run(async {
+        let fleet = Fleet::start(1).await;
+        let router = fleet.router(Policy::Kv).await;
+        let config = kvroute_router::http::HttpConfig {
+            stop_grace: std::time::Duration::from_millis(100),
+            ..test_config()
+        };
+        let server = Server::start(router.clone(), config).await;
+        // The slow fake engine streams a token every 20 ms and never heeds a stop: 500 tokens
+        // would take 10 s.
+        let word = |i: u32| MockTokenizer::render_id(crate::support::output_token(i));
+        let expected = format!("{} {} ", word(0), word(1));
+        for stream in [false, true] {
+            let mut body = chat(Behaviour::Slow.magic_word());
+            body["max_tokens"] = json!(500);
+            body["stop"] = json!(word(2));
+            body["stream"] = json!(stream);
+            body["stream_options"] = json!({"include_usage": true});
+            if !stream {
+                body.as_object_mut().unwrap().remove("stream_options");
+            }
+            let started = std::time::Instant::now();
+            let (text, finish, completion_tokens) = if stream {
+                let resp = server.post(CHAT, &body).send().await.unwrap();
+                let payloads = Sse::new(resp).rest().await;
+                let chunks: Vec<Value> = payloads
+                    .iter()
+                    .filter(|p| p.as_str() != "[DONE]")
+                    .map(|p| serde_json::from_str(p).unwrap())
+                    .collect();
+                let text: String = chunks
+                    .iter()
+                    .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+                    .collect();
+                let finish = chunks
+                    .iter()
+                    .find_map(|c| c["choices"][0]["finish_reason"].as_str().map(str::to_owned));
+                let usage = chunks
+                    .iter()
+                    .find_map(|c| c["usage"]["completion_tokens"].as_u64());
+                (text, finish, usage)
+            } else {
+                let (status, resp) = server.json(CHAT, &body).await;
+                assert_eq!(status, 200, "{resp}");
+                (
+                    resp["choices"][0]["message"]["content"]
+                        .as_str()
+                        .unwrap()
+                        .to_owned(),
+                    resp["choices"][0]["finish_reason"]
+                        .as_str()
+                        .map(str::to_owned),
+                    resp["usage"]["completion_tokens"].as_u64(),
+                )
+            };
+            assert_eq!(text, expected, "stream {stream}");
+            assert_eq!(finish.as_deref(), Some("stop"), "stream {stream}");
+            // Only the tokens up to the stop string count, either way.
+            assert_eq!(completion_tokens, Some(3), "stream {stream}");
+            // The answer does not wait for the 10 s the worker would have taken (a bound far
+            // from both the 0.1 s grace and the 10 s, not a speed measurement).
+            let took = started.elapsed();
+            assert!(
+                took < std::time::Duration::from_secs(5),
+                "stream {stream}: the router waited {took:?} for a worker that ignored the stop"
+            );
+        }
+        eventually("all load is freed", || idle(&router)).await;
+    });
+}
