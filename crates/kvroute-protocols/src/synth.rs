@@ -368,19 +368,14 @@ pub fn multi_turn(config: &MultiTurnConfig, seed: u64) -> Vec<SynthRequest> {
                 pick < 0.0
             })
             .unwrap_or(prompts.len() - 1);
-        let mut context = prompts[prompt].clone();
-        let mut now = start;
-        for _ in 0..rng.range(config.turns).max(1) {
-            context.append(&mut ids, rng.range(config.user_tokens));
-            let output = rng.range(config.output_tokens);
-            out.push(SynthRequest {
-                record: context.record(&mut ids, now, output),
-                session_id: session,
-                parent_session: None,
-            });
-            context.append(&mut ids, output);
-            now += rng.range(config.turn_gap_ms) as f64;
-        }
+        let turns = Turns {
+            count: config.turns,
+            user_tokens: config.user_tokens,
+            output_tokens: config.output_tokens,
+            gap_ms: config.turn_gap_ms,
+        };
+        let context = prompts[prompt].clone();
+        turns.push(&mut out, context, &mut ids, &mut rng, session, start);
     }
     out.sort_by(|a, b| a.record.timestamp.total_cmp(&b.record.timestamp));
     out
@@ -459,7 +454,7 @@ pub fn rag(config: &RagConfig, seed: u64) -> Vec<SynthRequest> {
         start += rng.exponential(config.session_gap_ms);
         let prompt = (rng.next() % prompts.len() as u64) as usize;
         let document = rng.weighted(&doc_weights);
-        let mut context = prefixes
+        let context = prefixes
             .entry((prompt, document))
             .or_insert_with(|| {
                 let mut c = prompts[prompt].clone();
@@ -467,18 +462,13 @@ pub fn rag(config: &RagConfig, seed: u64) -> Vec<SynthRequest> {
                 c
             })
             .clone();
-        let mut now = start;
-        for _ in 0..rng.range(config.questions).max(1) {
-            context.append(&mut ids, rng.range(config.question_tokens));
-            let output = rng.range(config.output_tokens);
-            out.push(SynthRequest {
-                record: context.record(&mut ids, now, output),
-                session_id: session,
-                parent_session: None,
-            });
-            context.append(&mut ids, output);
-            now += rng.range(config.question_gap_ms) as f64;
-        }
+        let turns = Turns {
+            count: config.questions,
+            user_tokens: config.question_tokens,
+            output_tokens: config.output_tokens,
+            gap_ms: config.question_gap_ms,
+        };
+        turns.push(&mut out, context, &mut ids, &mut rng, session, start);
     }
     out.sort_by(|a, b| a.record.timestamp.total_cmp(&b.record.timestamp));
     out
@@ -611,6 +601,41 @@ impl IdSource {
     fn fresh(&mut self) -> u64 {
         self.next += 1;
         self.next
+    }
+}
+
+/// The turns of one chat-like session (multi-turn chat, RAG questions): each adds the user's
+/// tokens to the context, is asked with its output length drawn, then appends that output.
+struct Turns {
+    count: (u32, u32),
+    user_tokens: (u32, u32),
+    output_tokens: (u32, u32),
+    gap_ms: (u32, u32),
+}
+
+impl Turns {
+    /// Pushes session `session`'s turns over `context`, the first at `start`.
+    fn push(
+        &self,
+        out: &mut Vec<SynthRequest>,
+        mut context: Context,
+        ids: &mut IdSource,
+        rng: &mut SplitMix64,
+        session: u64,
+        start: f64,
+    ) {
+        let mut now = start;
+        for _ in 0..rng.range(self.count).max(1) {
+            context.append(ids, rng.range(self.user_tokens));
+            let output = rng.range(self.output_tokens);
+            out.push(SynthRequest {
+                record: context.record(ids, now, output),
+                session_id: session,
+                parent_session: None,
+            });
+            context.append(ids, output);
+            now += rng.range(self.gap_ms) as f64;
+        }
     }
 }
 
