@@ -38,6 +38,10 @@ use nodes::{INLINE_SLOTS, TierNodes};
 
 const TIERS: usize = StorageTier::ALL.len();
 
+/// Blocks of an event handled as one piece: their table accesses are issued together so the
+/// cache misses overlap (a piece's scratch lives on the stack).
+const BATCH: usize = 32;
+
 /// The KV cache index: apply events, answer overlap queries.
 ///
 /// Single-writer: mutation takes `&mut self`, queries `&self`; wrap it in
@@ -228,21 +232,34 @@ impl KvIndex {
         lane.blocks.reserve(blocks.len());
         nodes.expect_chain(blocks.len());
         let mut first_err = Ok(());
-        for block in blocks {
-            let parent = prev.map(|p| p.0);
-            let seq = next_seq_hash(prev, block.tokens_hash);
-            prev = Some(seq);
-            if !lane.blocks.insert_new(block.block_hash.0, seq.0) {
-                self.errors.duplicate_store += 1;
-                if first_err.is_ok() {
-                    first_err = Err(IndexError::DuplicateStore {
-                        worker,
-                        tier,
-                        block: block.block_hash,
-                    });
+        for piece in blocks.chunks(BATCH) {
+            // Hash the piece first, peeking at each block's lane entry and node on the way, so the
+            // inserts below find them in cache: the misses overlap instead of queueing.
+            let mut seqs = [0u64; BATCH];
+            let mut at = prev;
+            let mut warm = 0u64;
+            for (slot_seq, block) in seqs.iter_mut().zip(piece) {
+                let seq = next_seq_hash(at, block.tokens_hash);
+                at = Some(seq);
+                *slot_seq = seq.0;
+                warm ^= lane.blocks.peek(block.block_hash.0) ^ nodes.peek(seq.0);
+            }
+            std::hint::black_box(warm);
+            for (&seq, block) in seqs.iter().zip(piece) {
+                let parent = prev.map(|p| p.0);
+                prev = Some(SequenceHash(seq));
+                if !lane.blocks.insert_new(block.block_hash.0, seq) {
+                    self.errors.duplicate_store += 1;
+                    if first_err.is_ok() {
+                        first_err = Err(IndexError::DuplicateStore {
+                            worker,
+                            tier,
+                            block: block.block_hash,
+                        });
+                    }
+                } else if nodes.add(parent, seq, block.tokens_hash.0, slot) {
+                    *lane.aliases.entry(seq).or_insert(0) += 1;
                 }
-            } else if nodes.add(parent, seq.0, block.tokens_hash.0, slot) {
-                *lane.aliases.entry(seq.0).or_insert(0) += 1;
             }
         }
         (prev, first_err)
@@ -279,17 +296,36 @@ impl KvIndex {
         let nodes = &mut self.tiers[tier.index()];
         let lane = &mut self.slots[slot as usize].lanes[tier.index()];
         let mut first_err = Ok(());
-        for &block in blocks {
-            match lane.blocks.remove(block.0) {
-                Some(seq) => lane.release(nodes, seq, slot),
-                None => {
-                    self.errors.block_not_found += 1;
-                    if first_err.is_ok() {
-                        first_err = Err(IndexError::BlockNotFound {
-                            worker,
-                            tier,
-                            block,
-                        });
+        for piece in blocks.chunks(BATCH) {
+            // In stages, each peeking at what the next one reads, so the cache misses of a piece
+            // overlap: the lane entries, then the nodes' locations, then the nodes.
+            let mut warm = 0u64;
+            for block in piece {
+                warm ^= lane.blocks.peek(block.0);
+            }
+            std::hint::black_box(warm);
+            let mut seqs = [None; BATCH];
+            for (seq, block) in seqs.iter_mut().zip(piece) {
+                *seq = lane.blocks.remove(block.0);
+                warm ^= seq.map_or(0, |s| nodes.peek(s));
+            }
+            std::hint::black_box(warm);
+            for seq in seqs.iter().flatten() {
+                warm ^= nodes.bits(*seq).unwrap_or(0);
+            }
+            std::hint::black_box(warm);
+            for (seq, &block) in seqs.iter().zip(piece) {
+                match *seq {
+                    Some(seq) => lane.release(nodes, seq, slot),
+                    None => {
+                        self.errors.block_not_found += 1;
+                        if first_err.is_ok() {
+                            first_err = Err(IndexError::BlockNotFound {
+                                worker,
+                                tier,
+                                block,
+                            });
+                        }
                     }
                 }
             }

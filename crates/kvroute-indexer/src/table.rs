@@ -69,6 +69,17 @@ impl U64Map {
         (k == key).then_some(v)
     }
 
+    /// Reads the slot where a probe for `key` starts, so a later access to `key` finds it in
+    /// cache: a batch peeks all its keys first and the cache misses overlap instead of queueing
+    /// one after another. Returns what it read, for the caller to fold into `black_box`.
+    #[inline]
+    pub(crate) fn peek(&self, key: u64) -> u64 {
+        if self.slots.is_empty() {
+            return 0;
+        }
+        self.slots[self.home(key)].0
+    }
+
     /// A mutable reference to the value of `key`, inserting `default` first if absent; the flag
     /// says whether it was inserted.
     #[inline]

@@ -93,6 +93,12 @@ impl TierNodes {
         &self.segs[seg as usize]
     }
 
+    /// Peeks where the node `seq` would be found (see [`U64Map::peek`]).
+    #[inline]
+    pub(super) fn peek(&self, seq: u64) -> u64 {
+        self.loc.peek(seq)
+    }
+
     /// Bits of slots 0..64 holding the live node `seq` (`None` when nobody holds it).
     #[inline]
     pub(super) fn bits(&self, seq: u64) -> Option<u64> {
