@@ -34,7 +34,7 @@ mod nodes;
 #[cfg(test)]
 mod tests;
 
-use nodes::{INLINE_SLOTS, TierNodes};
+use nodes::{INLINE_SLOTS, Loc, Parent, TierNodes};
 
 const TIERS: usize = StorageTier::ALL.len();
 
@@ -57,6 +57,10 @@ pub struct KvIndex {
     late_events: u64,
     gaps_seen: u64,
 }
+
+/// Where a chain being stored goes on from: the node its next block continues.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ChainStart(Parent);
 
 /// What applying one event did besides changing the index.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,35 +95,49 @@ struct SlotState {
 /// What one worker rank holds in one tier.
 #[derive(Debug, Default)]
 struct Lane {
-    /// Engine block id -> sequence hash.
+    /// Engine block id -> where its node sits in the tier (a live node never moves).
     blocks: U64Map,
-    /// Sequence hash -> holders beyond the first, for engines that cache one prefix under two
+    /// Node location -> holders beyond the first, for engines that cache one prefix under two
     /// block ids. Empty in practice, so it costs one branch.
-    aliases: FastMap<u64, u32>,
+    aliases: FastMap<Loc, u32>,
 }
 
 impl Lane {
-    /// Releases one holding of `seq` by `slot`.
-    fn release(&mut self, nodes: &mut TierNodes, seq: u64, slot: u32) {
-        if !self.aliases.is_empty()
-            && let Some(extra) = self.aliases.get_mut(&seq)
-        {
-            *extra -= 1;
-            if *extra == 0 {
-                self.aliases.remove(&seq);
-            }
-            return;
-        }
-        nodes.remove(seq, slot);
+    /// Releases one holding of the node at `loc` by `slot`.
+    #[inline]
+    fn release(&mut self, nodes: &mut TierNodes, loc: Loc, slot: u32) {
+        Self::release_in(&mut self.aliases, nodes, loc, slot);
     }
 
     /// Drops everything, giving the lane's memory back.
     fn clear(&mut self, nodes: &mut TierNodes, slot: u32) {
-        for (_, seq) in self.blocks.iter() {
-            nodes.remove(seq, slot);
+        for (_, loc) in self.blocks.iter() {
+            Self::release_in(&mut self.aliases, nodes, loc, slot);
         }
         self.blocks = U64Map::default();
         self.aliases = FastMap::default();
+    }
+
+    /// [`Lane::release`] with the lane's alias counts borrowed apart from its blocks.
+    #[inline]
+    fn release_in(aliases: &mut FastMap<Loc, u32>, nodes: &mut TierNodes, loc: Loc, slot: u32) {
+        if !aliases.is_empty()
+            && let Some(extra) = aliases.get_mut(&loc)
+        {
+            *extra -= 1;
+            if *extra == 0 {
+                aliases.remove(&loc);
+            }
+            return;
+        }
+        nodes.release(loc, slot);
+    }
+
+    /// Every held block as (engine block id, sequence hash).
+    fn seqs<'a>(&'a self, nodes: &'a TierNodes) -> impl Iterator<Item = (u64, u64)> + 'a {
+        self.blocks
+            .iter()
+            .map(move |(ext, loc)| (ext, nodes.seq_at(loc)))
     }
 }
 
@@ -180,21 +198,26 @@ impl KvIndex {
         self.store_chain(worker, tier, prev, &data.blocks).1
     }
 
-    /// The sequence hash a chain continuing `parent` starts from (`None` starts a sequence).
+    /// The node a chain continuing `parent` starts from (`None` starts a sequence).
     pub(crate) fn resolve_parent(
         &mut self,
         worker: WorkerWithDpRank,
         tier: StorageTier,
         parent: Option<ExternalSequenceBlockHash>,
-    ) -> Result<Option<SequenceHash>, IndexError> {
+    ) -> Result<Option<ChainStart>, IndexError> {
         let Some(parent) = parent else {
             return Ok(None);
         };
         let found = self.slot_of.get(&worker).and_then(|&slot| {
             let lanes = &self.slots[slot as usize].lanes;
-            let own = lanes[tier.index()].blocks.get(parent.0);
-            if own.is_some() || tier == StorageTier::Device {
-                return own;
+            if let Some(loc) = lanes[tier.index()].blocks.get(parent.0) {
+                return Some(Parent {
+                    seq: self.tiers[tier.index()].seq_at(loc),
+                    loc: Some(loc),
+                });
+            }
+            if tier == StorageTier::Device {
+                return None;
             }
             // A block offloaded to a slower tier continues a prefix whose earlier blocks may
             // live in another tier (on the device, typically): the reference keys lower-tier
@@ -202,10 +225,16 @@ impl KvIndex {
             StorageTier::ALL
                 .iter()
                 .filter(|&&t| t != tier)
-                .find_map(|t| lanes[t.index()].blocks.get(parent.0))
+                .find_map(|t| {
+                    let loc = lanes[t.index()].blocks.get(parent.0)?;
+                    Some(Parent {
+                        seq: self.tiers[t.index()].seq_at(loc),
+                        loc: None,
+                    })
+                })
         });
         match found {
-            Some(seq) => Ok(Some(SequenceHash(seq))),
+            Some(p) => Ok(Some(ChainStart(p))),
             None => {
                 self.errors.parent_not_found += 1;
                 Err(IndexError::ParentNotFound {
@@ -218,37 +247,51 @@ impl KvIndex {
     }
 
     /// Stores `blocks` as a chain continuing `prev`; returns where the chain ends, so a long
-    /// chain can be applied in pieces, and the first problem found.
+    /// chain can be applied in pieces (with only reads in between), and the first problem found.
     pub(crate) fn store_chain(
         &mut self,
         worker: WorkerWithDpRank,
         tier: StorageTier,
-        mut prev: Option<SequenceHash>,
+        prev: Option<ChainStart>,
         blocks: &[KvCacheStoredBlockData],
-    ) -> (Option<SequenceHash>, Result<(), IndexError>) {
+    ) -> (Option<ChainStart>, Result<(), IndexError>) {
         let slot = self.slot_for(worker);
         let nodes = &mut self.tiers[tier.index()];
         let lane = &mut self.slots[slot as usize].lanes[tier.index()];
         lane.blocks.reserve(blocks.len());
         nodes.expect_chain(blocks.len());
+        let mut prev = prev.map(|p| p.0);
         let mut first_err = Ok(());
         for piece in blocks.chunks(BATCH) {
-            // Hash the piece first, peeking at each block's lane entry and node on the way, so the
-            // inserts below find them in cache: the misses overlap instead of queueing.
-            let mut seqs = [0u64; BATCH];
+            // First plan the piece: while the chain follows live nodes along a segment, each
+            // block's node is known without hashing or a lookup; past that, hash the blocks and
+            // peek at their location entries. Peek at every block's lane entry too, so the
+            // cache misses of the piece overlap instead of queueing one after another.
+            let mut plan = [(0u64, None::<Loc>); BATCH];
             let mut at = prev;
             let mut warm = 0u64;
-            for (slot_seq, block) in seqs.iter_mut().zip(piece) {
-                let seq = next_seq_hash(at, block.tokens_hash);
-                at = Some(seq);
-                *slot_seq = seq.0;
-                warm ^= lane.blocks.peek(block.block_hash.0) ^ nodes.peek(seq.0);
+            for (step, block) in plan.iter_mut().zip(piece) {
+                let local = block.tokens_hash.0;
+                let known = at
+                    .and_then(|p| p.loc)
+                    .and_then(|loc| nodes.next_live(loc, local));
+                let seq = match known {
+                    Some(loc) => nodes.seq_at(loc),
+                    None => {
+                        let seq =
+                            next_seq_hash(at.map(|p| SequenceHash(p.seq)), block.tokens_hash).0;
+                        warm ^= nodes.peek(seq);
+                        seq
+                    }
+                };
+                warm ^= lane.blocks.peek(block.block_hash.0);
+                *step = (seq, known);
+                at = Some(Parent { seq, loc: known });
             }
             std::hint::black_box(warm);
-            for (&seq, block) in seqs.iter().zip(piece) {
-                let parent = prev.map(|p| p.0);
-                prev = Some(SequenceHash(seq));
-                if !lane.blocks.insert_new(block.block_hash.0, seq) {
+            for (&(seq, known), block) in plan.iter().zip(piece) {
+                let (entry, fresh) = lane.blocks.get_or_insert(block.block_hash.0, 0);
+                if !fresh {
                     self.errors.duplicate_store += 1;
                     if first_err.is_ok() {
                         first_err = Err(IndexError::DuplicateStore {
@@ -257,12 +300,24 @@ impl KvIndex {
                             block: block.block_hash,
                         });
                     }
-                } else if nodes.add(parent, seq, block.tokens_hash.0, slot) {
-                    *lane.aliases.entry(seq).or_insert(0) += 1;
+                    prev = Some(Parent { seq, loc: None });
+                    continue;
                 }
+                let (loc, had) = match known {
+                    Some(loc) => (loc, nodes.hold(loc, seq, slot)),
+                    None => nodes.add(prev, seq, block.tokens_hash.0, slot),
+                };
+                *entry = loc;
+                if had {
+                    *lane.aliases.entry(loc).or_insert(0) += 1;
+                }
+                prev = Some(Parent {
+                    seq,
+                    loc: Some(loc),
+                });
             }
         }
-        (prev, first_err)
+        (prev.map(ChainStart), first_err)
     }
 
     /// Applies evictions for one worker lane.
@@ -298,25 +353,26 @@ impl KvIndex {
         let mut first_err = Ok(());
         for piece in blocks.chunks(BATCH) {
             // In stages, each peeking at what the next one reads, so the cache misses of a piece
-            // overlap: the lane entries, then the nodes' locations, then the nodes.
+            // overlap: the lane entries, then the nodes, then the location entries of the nodes
+            // that will die.
             let mut warm = 0u64;
             for block in piece {
                 warm ^= lane.blocks.peek(block.0);
             }
             std::hint::black_box(warm);
-            let mut seqs = [None; BATCH];
-            for (seq, block) in seqs.iter_mut().zip(piece) {
-                *seq = lane.blocks.remove(block.0);
-                warm ^= seq.map_or(0, |s| nodes.peek(s));
+            let mut locs = [None; BATCH];
+            for (loc, block) in locs.iter_mut().zip(piece) {
+                *loc = lane.blocks.remove(block.0);
+                warm ^= loc.map_or(0, |l| nodes.peek_at(l));
             }
             std::hint::black_box(warm);
-            for seq in seqs.iter().flatten() {
-                warm ^= nodes.bits(*seq).unwrap_or(0);
+            for loc in locs.iter().flatten() {
+                warm ^= nodes.peek_death(*loc, slot);
             }
             std::hint::black_box(warm);
-            for (seq, &block) in seqs.iter().zip(piece) {
-                match *seq {
-                    Some(seq) => lane.release(nodes, seq, slot),
+            for (loc, &block) in locs.iter().zip(piece) {
+                match *loc {
+                    Some(loc) => lane.release(nodes, loc, slot),
                     None => {
                         self.errors.block_not_found += 1;
                         if first_err.is_ok() {

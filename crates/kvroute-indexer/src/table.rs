@@ -77,7 +77,16 @@ impl U64Map {
         if self.slots.is_empty() {
             return 0;
         }
-        self.slots[self.home(key)].0
+        let slot = &self.slots[self.home(key)];
+        #[cfg(target_arch = "x86_64")]
+        #[allow(unsafe_code)]
+        // SAFETY: a prefetch is a hint: it reads nothing into the program and cannot fault.
+        unsafe {
+            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
+                (slot as *const (u64, u64)).cast(),
+            );
+        }
+        0
     }
 
     /// A mutable reference to the value of `key`, inserting `default` first if absent; the flag
@@ -99,7 +108,7 @@ impl U64Map {
     }
 
     /// Inserts `key -> value` unless `key` is present; says whether it inserted.
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn insert_new(&mut self, key: u64, value: u64) -> bool {
         self.get_or_insert(key, value).1
     }
@@ -122,19 +131,15 @@ impl U64Map {
         let mut j = hole;
         loop {
             j = (j + 1) & mask;
-            let k = self.slots[j].0;
-            if k == EMPTY {
+            let entry = self.slots[j];
+            if entry.0 == EMPTY {
                 break;
             }
-            let home = self.home(k);
-            // `k` may move into the hole unless its home lies cyclically in (hole, j].
-            let stays = if hole <= j {
-                hole < home && home <= j
-            } else {
-                hole < home || home <= j
-            };
-            if !stays {
-                self.slots[hole] = self.slots[j];
+            // The entry may move into the hole unless its home lies cyclically in (hole, j],
+            // that is unless it is nearer to its home than the hole is.
+            let from_home = j.wrapping_sub(self.home(entry.0)) & mask;
+            if from_home >= j.wrapping_sub(hole) & mask {
+                self.slots[hole] = entry;
                 hole = j;
             }
         }

@@ -26,9 +26,10 @@ impl KvIndex {
                 let worker = slot.worker;
                 StorageTier::ALL.into_iter().flat_map(move |tier| {
                     let lane = &slot.lanes[tier.index()];
+                    let nodes = &self.tiers[tier.index()];
                     worker
                         .into_iter()
-                        .flat_map(move |w| lane.blocks.iter().map(move |(ext, seq)| (w, ext, seq)))
+                        .flat_map(move |w| lane.seqs(nodes).map(move |(ext, seq)| (w, ext, seq)))
                         .map(move |(w, ext, seq)| (w, tier, ext, seq))
                 })
             })
@@ -52,23 +53,20 @@ impl KvIndex {
     /// Whether two indexes hold the same blocks for the same workers (slot numbering aside; a
     /// worker known without blocks counts as absent).
     pub fn same_content(&self, other: &KvIndex) -> bool {
-        fn holds<'a>(
-            index: &'a KvIndex,
-            worker: &WorkerWithDpRank,
-            tier: usize,
-        ) -> Option<&'a U64Map> {
-            index
-                .slot_of
-                .get(worker)
-                .map(|&slot| &index.slots[slot as usize].lanes[tier].blocks)
-                .filter(|blocks| !blocks.is_empty())
+        fn holds(index: &KvIndex, worker: &WorkerWithDpRank, tier: usize) -> Option<U64Map> {
+            let lane = &index.slots[*index.slot_of.get(worker)? as usize].lanes[tier];
+            let mut seqs = U64Map::default();
+            for (ext, seq) in lane.seqs(&index.tiers[tier]) {
+                seqs.get_or_insert(ext, seq);
+            }
+            (!seqs.is_empty()).then_some(seqs)
         }
         let covered = |a: &KvIndex, b: &KvIndex| {
             a.slot_of.keys().all(|worker| {
                 (0..TIERS).all(
                     |tier| match (holds(a, worker, tier), holds(b, worker, tier)) {
                         (None, None) => true,
-                        (Some(x), Some(y)) => x.same_entries(y),
+                        (Some(x), Some(y)) => x.same_entries(&y),
                         _ => false,
                     },
                 )
@@ -82,13 +80,21 @@ impl KvIndex {
     /// tests and soaks.
     pub fn check_consistency(&self) -> Result<(), String> {
         for tier in StorageTier::ALL {
+            let nodes = &self.tiers[tier.index()];
+            nodes.check().map_err(|e| format!("tier {tier:?}: {e}"))?;
             let mut expect: FastMap<u64, FastMap<u32, u32>> = FastMap::default();
             for (slot, state) in self.slots.iter().enumerate() {
                 let lane = &state.lanes[tier.index()];
                 if state.worker.is_none() && !lane.blocks.is_empty() {
                     return Err(format!("free slot {slot} still holds blocks"));
                 }
-                for (_, seq) in lane.blocks.iter() {
+                for (ext, loc) in lane.blocks.iter() {
+                    let seq = nodes.seq_at(loc);
+                    if !nodes.is_live_at(seq, loc) {
+                        return Err(format!(
+                            "slot {slot} block {ext:#x} names a dead position of {seq:#x}"
+                        ));
+                    }
                     *expect
                         .entry(seq)
                         .or_default()
@@ -97,7 +103,8 @@ impl KvIndex {
                 }
             }
             for (slot, state) in self.slots.iter().enumerate() {
-                for (&seq, &extra) in &state.lanes[tier.index()].aliases {
+                for (&loc, &extra) in &state.lanes[tier.index()].aliases {
+                    let seq = nodes.seq_at(loc);
                     let held = expect
                         .get(&seq)
                         .is_some_and(|m| m.contains_key(&(slot as u32)));
@@ -106,8 +113,6 @@ impl KvIndex {
                     }
                 }
             }
-            let nodes = &self.tiers[tier.index()];
-            nodes.check().map_err(|e| format!("tier {tier:?}: {e}"))?;
             if nodes.len() != expect.len() {
                 return Err(format!(
                     "tier {tier:?}: {} nodes, expected {}",
@@ -120,7 +125,11 @@ impl KvIndex {
                 let mut hi: Vec<u64> = Vec::new();
                 for (&slot, &count) in holders {
                     let lane = &self.slots[slot as usize].lanes[tier.index()];
-                    let extra = lane.aliases.get(seq).copied().unwrap_or(0);
+                    let extra = nodes
+                        .loc_of(*seq)
+                        .and_then(|loc| lane.aliases.get(&loc))
+                        .copied()
+                        .unwrap_or(0);
                     if extra + 1 != count {
                         return Err(format!(
                             "slot {slot} holds {seq:#x} {count}x, aliases {extra}"

@@ -42,18 +42,25 @@ pub(super) struct Segment {
 /// Shared nodes of one tier: which slots hold each prefix.
 #[derive(Debug, Default)]
 pub(super) struct TierNodes {
-    /// Sequence hash -> `segment << 32 | position`. Present while any slot holds the node.
+    /// Sequence hash -> the node's [`Loc`]. Present while any slot holds the node.
     loc: U64Map,
     /// Sequence hash -> bits of slots 64.. (word `j` covers slots `64 * (j + 1)..`). Present only
     /// while a slot of 64 or above holds the node.
     pub(super) hi: FastMap<u64, Box<[u64]>>,
     segs: Vec<Segment>,
     free: Vec<u32>,
-    /// The node placed last and where: a stored chain's next block usually goes right after it,
-    /// so placing it needs no lookup of its parent.
-    last: Option<(u64, u32, usize)>,
     /// Blocks of the chain being stored that may still need a place (see `expect_chain`).
     room: usize,
+}
+
+/// Where a node sits: `segment << 32 | position`. A live node never moves, so lanes keep it.
+pub(super) type Loc = u64;
+
+/// The node a stored block continues: its sequence hash, and its place in this tier when known.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Parent {
+    pub(super) seq: u64,
+    pub(super) loc: Option<Loc>,
 }
 
 /// Freed segments up to this capacity keep their memory for reuse.
@@ -62,11 +69,11 @@ const REUSED_SEGMENT_BLOCKS: usize = 64;
 /// Slots below this number live in a position's inline bits.
 pub(super) const INLINE_SLOTS: u32 = 64;
 
-fn encode(seg: u32, pos: usize) -> u64 {
+fn encode(seg: u32, pos: usize) -> Loc {
     (u64::from(seg) << 32) | pos as u64
 }
 
-fn decode(loc: u64) -> (u32, usize) {
+fn decode(loc: Loc) -> (u32, usize) {
     ((loc >> 32) as u32, (loc & 0xffff_ffff) as usize)
 }
 
@@ -87,16 +94,65 @@ impl TierNodes {
         self.loc.get(seq).map(decode)
     }
 
+    /// Where the live node `seq` is.
+    pub(super) fn loc_of(&self, seq: u64) -> Option<Loc> {
+        self.loc.get(seq)
+    }
+
     /// Segment `seg`.
     #[inline]
     pub(super) fn segment(&self, seg: u32) -> &Segment {
         &self.segs[seg as usize]
     }
 
+    /// The sequence hash of the node at `loc`.
+    #[inline]
+    pub(super) fn seq_at(&self, loc: Loc) -> u64 {
+        let (seg, p) = decode(loc);
+        self.segs[seg as usize].seqs[p]
+    }
+
+    /// Whether `loc` is where the live node `seq` sits.
+    pub(super) fn is_live_at(&self, seq: u64, loc: Loc) -> bool {
+        self.loc.get(seq) == Some(loc)
+    }
+
     /// Peeks where the node `seq` would be found (see [`U64Map::peek`]).
     #[inline]
     pub(super) fn peek(&self, seq: u64) -> u64 {
         self.loc.peek(seq)
+    }
+
+    /// Peeks at the node at `loc`, so releasing it finds it in cache.
+    #[inline]
+    pub(super) fn peek_at(&self, loc: Loc) -> u64 {
+        let (seg, p) = decode(loc);
+        let s = &self.segs[seg as usize];
+        s.pos.get(p).map_or(0, |at| at.bits) ^ s.seqs.get(p).copied().unwrap_or(0)
+    }
+
+    /// Peeks at the location entry of the node at `loc` if releasing `slot` would free it.
+    #[inline]
+    pub(super) fn peek_death(&self, loc: Loc, slot: u32) -> u64 {
+        let (seg, p) = decode(loc);
+        let s = &self.segs[seg as usize];
+        match s.pos.get(p) {
+            Some(at) if at.bits & !(1u64 << (slot % 64)) == 0 => self.loc.peek(s.seqs[p]),
+            _ => 0,
+        }
+    }
+
+    /// The live node right after `parent` in its segment if its block has local hash `local`:
+    /// the node continuing `parent` with that block, found without hashing or a lookup. A dead
+    /// position there may live on elsewhere, so it is not returned; nor is a node held only by
+    /// slots past the inline bits (its bits are 0), which then takes the lookup.
+    #[inline]
+    pub(super) fn next_live(&self, parent: Loc, local: u64) -> Option<Loc> {
+        let (seg, p) = decode(parent);
+        match self.segs[seg as usize].pos.get(p + 1) {
+            Some(next) if next.local == local && next.bits != 0 => Some(encode(seg, p + 1)),
+            _ => None,
+        }
     }
 
     /// Bits of slots 0..64 holding the live node `seq` (`None` when nobody holds it).
@@ -126,17 +182,21 @@ impl TierNodes {
         self.room = blocks;
     }
 
-    /// Adds `slot` to the node `seq` (whose block has local hash `local` and continues the
-    /// prefix `prev`); says whether the slot already held it.
-    pub(super) fn add(&mut self, prev: Option<u64>, seq: u64, local: u64, slot: u32) -> bool {
+    /// Adds `slot` to the node `seq` (whose block has local hash `local` and continues
+    /// `parent`); returns where the node is and whether the slot already held it.
+    pub(super) fn add(
+        &mut self,
+        parent: Option<Parent>,
+        seq: u64,
+        local: u64,
+        slot: u32,
+    ) -> (Loc, bool) {
         // Where the node goes if it is new, worked out before the one probe that finds or claims
-        // its entry: after its parent when the parent ends a segment, else in a new segment. The
-        // parent is usually the node added just before, so that needs no lookup either.
-        let parent = match (prev, self.last) {
-            (Some(p), Some((last, seg, at))) if last == p => Some((seg, at)),
-            (Some(p), _) => self.locate(p),
-            (None, _) => None,
-        };
+        // its entry: after its parent when the parent ends a segment, else in a new segment.
+        let parent = parent.and_then(|p| match p.loc {
+            Some(loc) => Some(decode(loc)),
+            None => self.locate(p.seq),
+        });
         let after = parent
             .filter(|&(seg, at)| at + 1 == self.segs[seg as usize].pos.len())
             .map(|(seg, _)| seg);
@@ -148,7 +208,8 @@ impl TierNodes {
             ),
         };
         let (at, fresh) = self.loc.get_or_insert(seq, encode(new_seg, new_pos));
-        let (seg, p) = decode(*at);
+        let loc = *at;
+        let (seg, _) = decode(loc);
         if fresh {
             if after.is_none() && self.free.pop().is_none() {
                 self.segs.push(Segment::default());
@@ -165,8 +226,14 @@ impl TierNodes {
             s.live += 1;
         }
         self.room = self.room.saturating_sub(1);
-        self.last = Some((seq, seg, p));
+        (loc, self.hold(loc, seq, slot))
+    }
+
+    /// Adds `slot` to the live node `seq` at `loc`; says whether the slot already held it.
+    #[inline]
+    pub(super) fn hold(&mut self, loc: Loc, seq: u64, slot: u32) -> bool {
         if slot < INLINE_SLOTS {
+            let (seg, p) = decode(loc);
             let bits = &mut self.segs[seg as usize].pos[p].bits;
             let mask = 1u64 << slot;
             let had = *bits & mask != 0;
@@ -189,38 +256,42 @@ impl TierNodes {
         had
     }
 
-    /// Removes `slot` from the node, dropping the node once nobody holds it.
-    pub(super) fn remove(&mut self, seq: u64, slot: u32) {
-        let Some((seg, p)) = self.locate(seq) else {
-            return;
-        };
+    /// Removes `slot` from the live node at `loc`, dropping the node once nobody holds it.
+    #[inline]
+    pub(super) fn release(&mut self, loc: Loc, slot: u32) {
+        let (seg, p) = decode(loc);
         if slot < INLINE_SLOTS {
-            self.segs[seg as usize].pos[p].bits &= !(1u64 << slot);
+            let bits = &mut self.segs[seg as usize].pos[p].bits;
+            *bits &= !(1u64 << slot);
+            if *bits != 0
+                || (!self.hi.is_empty() && self.hi.contains_key(&self.segs[seg as usize].seqs[p]))
+            {
+                return;
+            }
         } else {
+            let seq = self.segs[seg as usize].seqs[p];
             let word = (slot / 64 - 1) as usize;
             if let Some(words) = self.hi.get_mut(&seq) {
                 if let Some(w) = words.get_mut(word) {
                     *w &= !(1u64 << (slot % 64));
                 }
-                if words.iter().all(|w| *w == 0) {
-                    self.hi.remove(&seq);
+                if words.iter().any(|w| *w != 0) {
+                    return;
                 }
+                self.hi.remove(&seq);
+            }
+            if self.segs[seg as usize].pos[p].bits != 0 {
+                return;
             }
         }
-        let held_hi = !self.hi.is_empty() && self.hi.contains_key(&seq);
-        if self.segs[seg as usize].pos[p].bits == 0 && !held_hi {
-            self.kill(seq, seg);
-        }
+        self.kill(seg, p);
     }
 
-    /// Forgets the node `seq` of segment `seg` (its bits are already clear), cutting dead tails
-    /// and freeing empty segments.
-    fn kill(&mut self, seq: u64, seg: u32) {
-        self.loc.remove(seq);
-        if self.last.is_some_and(|(last, _, _)| last == seq) {
-            self.last = None;
-        }
+    /// Forgets the node at position `p` of segment `seg` (its bits are already clear), cutting
+    /// dead tails and freeing empty segments.
+    fn kill(&mut self, seg: u32, p: usize) {
         let s = &mut self.segs[seg as usize];
+        self.loc.remove(s.seqs[p]);
         s.live -= 1;
         if s.live == 0 {
             // A small segment keeps its memory for the next chain (churn stores and frees them
@@ -234,9 +305,16 @@ impl TierNodes {
             self.free.push(seg);
             return;
         }
+        if p + 1 < s.pos.len() {
+            // The segment's last position is live: nothing to cut.
+            return;
+        }
+        // Without spill bits a position is live exactly when it has bits; with them, ask `loc`.
+        let spill = !self.hi.is_empty();
         while let (Some(last), Some(&last_seq)) = (s.pos.last(), s.seqs.last()) {
-            let at = encode(seg, s.pos.len() - 1);
-            if last.bits != 0 || self.loc.get(last_seq) == Some(at) {
+            if last.bits != 0
+                || (spill && self.loc.get(last_seq) == Some(encode(seg, s.pos.len() - 1)))
+            {
                 break;
             }
             s.pos.pop();
