@@ -3,8 +3,9 @@
 //! Layout: the shared table of each storage tier maps a block's *sequence hash* (which names the
 //! whole prefix ending at that block, so its position is implied) to the set of worker slots
 //! holding it, an inline `u64` bitset for slots 0..64 plus a spill table for larger fleets. Each
-//! worker lane (worker, dp rank, tier) maps the engine's opaque block ids to sequence hashes, which
-//! resolves parents of new chains and the blocks named by removals. A query computes the request's
+//! worker lane (worker, dp rank, tier) maps the engine's opaque block ids to where their nodes sit
+//! (a live node never moves), which resolves parents of new chains and the blocks named by
+//! removals without a lookup by sequence hash. A query computes the request's
 //! sequence-hash chain and walks it, intersecting worker sets until none is left; with blocks in
 //! slower tiers, a worker leaving the device tier's walk goes on in the host tier, then the disk
 //! and external ones, so each tier is credited the blocks that continue the faster tiers' prefix.
@@ -12,6 +13,11 @@
 //! The nodes of a tier sit in segments along the chains they were stored in (see [`nodes`]): a
 //! query follows a long prompt along a segment comparing local hashes, and hashes and looks up
 //! only where the prompt leaves a segment.
+//!
+//! Events are applied in pieces of [`BATCH`] blocks: a piece's table slots are peeked at (a
+//! prefetch) before they are used, so its cache misses overlap instead of queueing one after
+//! another; a stored chain that follows live nodes along a segment (a second worker storing a
+//! shared prefix) needs neither hashing nor a lookup.
 //!
 //! Per indexed block this costs one 16-byte lane entry plus, shared by every worker holding the
 //! block, one 16-byte location entry and one 24-byte segment position.

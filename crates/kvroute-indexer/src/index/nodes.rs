@@ -9,6 +9,10 @@
 //! lookup (and a hash) only where the segment ends or the prompt leaves it, the way the
 //! reference's radix tree compares the run of local hashes on one edge.
 //!
+//! A live node never moves (only dead tails are cut and only wholly dead segments are freed), so
+//! the lanes keep a node's location instead of its sequence hash: a removal reaches the node with
+//! no lookup, and a stored chain is placed after its parent with none.
+//!
 //! Invariants (checked by the index's audit): `loc` maps every live node to its position, and a
 //! position is live exactly when `loc` maps its sequence hash to it; within a segment each
 //! position's sequence hash chains from the previous one (`seq[p] = next_seq_hash(seq[p - 1],
