@@ -4,9 +4,10 @@
 set -e
 # Usage: EVAL_DIR=DIR matrix.sh WORKLOAD:RATE:ENGINES ...; DIR holds NAME.jsonl from
 # `kvroute replay --workload NAME --write-trace DIR/NAME.jsonl`. RATE divides timestamps.
-B=$HOME/.cache/kvroute/target-wt14/release/kvroute
-PY=$HOME/.cache/kvroute/reference-venv/bin/python
+# KVROUTE: the kvroute binary (default: the release build of `cargo build --release -p kvroute`).
 HERE=$(cd "$(dirname "$0")" && pwd)
+B=${KVROUTE:-${CARGO_TARGET_DIR:-$HERE/../../target}/release/kvroute}
+PY=$HOME/.cache/kvroute/reference-venv/bin/python
 cd "${EVAL_DIR:-/tmp/evalset}"
 RUNS=${RUNS:-2}
 for spec in "$@"; do
@@ -22,8 +23,8 @@ for l in open('$w.jsonl'):
     ref.write(json.dumps(d)+'\n')
 "
   tag=$w-x$speed-$n
-  $B replay --trace $f --workers $n --engine-profile reference --policy round-robin --policy kv --policy kv-adaptive --policy kv-affinity --json kv-$tag.json > kv-$tag.txt 2>&1
-  $B replay --trace $f --workers $n --engine-profile reference --policy kv-adaptive --sticky-sessions --json sticky-$tag.json > sticky-$tag.txt 2>&1
+  $B replay --trace $f --workers $n --engine-profile reference --policy round-robin --policy kv --policy kv-adaptive --policy kv-locality --policy kv-affinity --json kv-$tag.json > kv-$tag.txt 2>&1
+  $B replay --trace $f --workers $n --engine-profile reference --policy kv-locality --sticky-sessions --json sticky-$tag.json > sticky-$tag.txt 2>&1
   ( DYN_LOG=warn $PY "$HERE/reference_replay.py" ref-$f round_robin $n 512 64 16384 | tail -1 ) > ref-rr-$tag.json
   for i in $(seq $RUNS); do ( DYN_LOG=warn $PY "$HERE/reference_replay.py" ref-$f kv_router $n 512 64 16384 | tail -1 ) > ref-kv$i-$tag.json; done
   echo "done $tag $(date +%T)"

@@ -29,7 +29,7 @@ const ENGINE_BLOCK_SIZE: u32 = 64;
 const ENGINE_BLOCKS: u32 = 16_384;
 
 /// kvroute's policies in the table: the baseline, the reference's cost and the default.
-const KVROUTE_POLICIES: [&str; 3] = ["round-robin", "kv", "kv-adaptive"];
+const KVROUTE_POLICIES: [&str; 3] = ["round-robin", "kv", "kv-locality"];
 
 /// The reference's replay of one policy: prints its summary's figures as one JSON line.
 const REFERENCE_SCRIPT: &str = r#"

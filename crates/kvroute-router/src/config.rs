@@ -26,7 +26,7 @@ pub struct RouterConfig {
 
 impl RouterConfig {
     /// The defaults for engines with `block_size` tokens per KV block: the default policy
-    /// ([`Policy::KvAdaptive`], whose weights are fixed) and the reference's defaults otherwise,
+    /// ([`Policy::KvLocality`], whose weights are fixed) and the reference's defaults otherwise,
     /// including the cost weights that [`Policy::Kv`] scores with.
     pub fn new(block_size: u32) -> Self {
         Self {

@@ -398,7 +398,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
         if let Some(h) = req.hints {
             select = select.with_hints(h, req.phase);
         }
-        // A policy with its own weights (kv-adaptive) replaces the configured ones.
+        // A policy with its own weights (kv-locality, kv-adaptive) replaces the configured ones.
         select.weights = self.config.policy.cost_weights();
         select.overrides = req.overrides;
         if let StickyRoute::Bound(w) = sticky {

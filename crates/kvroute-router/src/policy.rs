@@ -21,12 +21,19 @@ pub enum Policy {
     /// and temperature; blocks continuing the prefix in host or disk tiers add their
     /// `cache_hit_weights` to the credit (every policy that scores does).
     Kv,
-    /// The load-adaptive cost (the default): the reference's terms, with a prefill weight that
-    /// rises from 1 with no prefill backlog to 8 decode blocks once the eligible workers'
-    /// outstanding prefill fills a batch each ([`CostWeights::load_adaptive`]). Light load is
-    /// routed as [`Policy::Kv`] routes it; under load, prefill queues and cache hits dominate.
-    #[default]
+    /// The load-adaptive cost: the reference's terms, with a prefill weight that rises from 1
+    /// with no prefill backlog to 8 decode blocks once the eligible workers' outstanding
+    /// prefill fills a batch each ([`CostWeights::load_adaptive`]). Light load is routed as
+    /// [`Policy::Kv`] routes it; under load, prefill queues and cache hits dominate. The default
+    /// before [`Policy::KvLocality`].
     KvAdaptive,
+    /// The locality cost (the default): the reference's terms with prefill weighing 4 decode
+    /// blocks and a cached block crediting up to 1.5 blocks of prefill, falling with the square
+    /// of the prompt's cached share ([`CostWeights::locality`]): a long context stays with its
+    /// cache and a burst for one prefix queues behind it, while a preamble shared by every
+    /// request does not pull traffic onto one worker.
+    #[default]
+    KvLocality,
     /// No selection: the request must name its worker for its phase (a backend instance, a
     /// prefill or decode worker id); without one routing fails with
     /// [`crate::RouteError::NoWorkerId`].
@@ -35,11 +42,12 @@ pub enum Policy {
 
 impl Policy {
     /// Every policy a replay can compare (all but [`Policy::Direct`]).
-    pub const COMPARABLE: [Policy; 4] = [
+    pub const COMPARABLE: [Policy; 5] = [
         Policy::RoundRobin,
         Policy::Random,
         Policy::Kv,
         Policy::KvAdaptive,
+        Policy::KvLocality,
     ];
 
     /// The policy's name on the command line and in reports.
@@ -49,18 +57,21 @@ impl Policy {
             Policy::Random => "random",
             Policy::Kv => "kv",
             Policy::KvAdaptive => "kv-adaptive",
+            Policy::KvLocality => "kv-locality",
             Policy::Direct => "direct",
         }
     }
 
     /// The cost weights this policy scores with instead of the configured ones
     /// (`RouterConfig::scheduler.cost`): [`CostWeights::load_adaptive`] for
-    /// [`Policy::KvAdaptive`]; `None` for the others, which use the configured weights (the
+    /// [`Policy::KvAdaptive`], [`CostWeights::locality`] for [`Policy::KvLocality`]; `None` for
+    /// the others, which use the configured weights (the
     /// reference's unless changed, so [`Policy::Kv`] with tuned `scheduler.cost` is the way to
     /// try other weights). Per-request overrides apply on top either way.
     pub const fn cost_weights(self) -> Option<CostWeights> {
         match self {
             Policy::KvAdaptive => Some(CostWeights::load_adaptive()),
+            Policy::KvLocality => Some(CostWeights::locality()),
             Policy::RoundRobin | Policy::Random | Policy::Kv | Policy::Direct => None,
         }
     }
@@ -75,7 +86,7 @@ impl fmt::Display for Policy {
 /// A policy name that is not one of [`Policy`]'s.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "unknown routing policy {0:?}; expected one of round-robin, random, kv, kv-adaptive, direct"
+    "unknown routing policy {0:?}; expected one of round-robin, random, kv, kv-adaptive, kv-locality, direct"
 )]
 pub struct UnknownPolicy(pub String);
 
@@ -88,6 +99,7 @@ impl FromStr for Policy {
             "random" => Ok(Policy::Random),
             "kv" => Ok(Policy::Kv),
             "kv-adaptive" | "kv_adaptive" => Ok(Policy::KvAdaptive),
+            "kv-locality" | "kv_locality" => Ok(Policy::KvLocality),
             "direct" => Ok(Policy::Direct),
             other => Err(UnknownPolicy(other.to_owned())),
         }

@@ -4,9 +4,11 @@
 //! Entry types: [`Scheduler`] (register workers with [`WorkerSpec`], [`Scheduler::select`] a
 //! worker for a [`SelectRequest`], then track the request with [`Scheduler::add_request`],
 //! [`Scheduler::mark_prefill_completed`], [`Scheduler::add_output_tokens`], [`Scheduler::free`]
-//! and [`Scheduler::expire`]) and [`AdmissionQueue`]. The cost has two presets of
-//! [`CostWeights`]: [`CostWeights::reference`], the reference's default, and
-//! [`CostWeights::load_adaptive`], whose prefill weight rises with the fleet's prefill backlog.
+//! and [`Scheduler::expire`]) and [`AdmissionQueue`]. The cost has three presets of
+//! [`CostWeights`]: [`CostWeights::reference`], the reference's default;
+//! [`CostWeights::locality`], which weighs prefill and a prompt's own cache above decode load
+//! (the router's default policy); and [`CostWeights::load_adaptive`], whose prefill weight rises
+//! with the fleet's prefill backlog.
 //!
 //! It is a synchronous, deterministic core: time (`now` as a [`std::time::Duration`] since any
 //! fixed epoch) and randomness (any [`rand::Rng`]) come in as arguments. It must not depend on

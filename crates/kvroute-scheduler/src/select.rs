@@ -11,7 +11,8 @@
 //! active there. `scale` is `prefill_load_scale` for the reference's cost and rises with the
 //! eligible workers' prefill backlog for the load-adaptive one ([`CostWeights::prefill_scale_at`]);
 //! `credit` is `overlap_credit`, optionally falling with the share of the prompt that is cached
-//! ([`CostWeights::credit`]); `host_blocks` and `disk_blocks` are the worker's runs of prompt
+//! ([`CostWeights::credit`]) and with the worker's prefill backlog above the eligible workers'
+//! least ([`CostWeights::credit_decay_at`]); `host_blocks` and `disk_blocks` are the worker's runs of prompt
 //! blocks in slower tiers continuing its device prefix, credited by the
 //! [`CacheHitWeights`](crate::CacheHitWeights) (0.75 and 0.25 by default).
 
@@ -119,7 +120,8 @@ pub struct CandidateCost {
     /// `overlap_blocks` without lower-tier blocks.
     pub weighted_overlap_blocks: f64,
     /// Prefill blocks credited per device-cached block: `overlap_credit * share ^
-    /// cached_share_exponent` (see [`CostWeights::credit`]).
+    /// cached_share_exponent` (see [`CostWeights::credit`]), divided by the backlog decay when
+    /// one is set ([`CostWeights::credit_decay_at`]).
     pub credit: f64,
     /// Outstanding prefill plus this prompt, in blocks (0 when prefill is not tracked).
     pub prefill_blocks: f64,
@@ -609,6 +611,17 @@ impl Scheduler {
             w.prefill_scale_at(outstanding as f64 / budget.max(1) as f64)
         };
         s.prefill_load_scale = scale;
+        // The eligible workers' least outstanding prefill, only when the credit decays with it.
+        let floor_prefill = if w.overlap_credit_decay > 0.0 && w.track_prefill_tokens {
+            s.eligible
+                .iter()
+                .filter_map(|&i| workers.slot(i))
+                .map(|slot| slot.load.prefill_tokens)
+                .min()
+                .unwrap_or(0)
+        } else {
+            0
+        };
         s.candidates.clear();
         for &idx in &s.eligible {
             let Some(slot) = workers.slot(idx) else {
@@ -626,7 +639,9 @@ impl Scheduler {
             } else {
                 0.0
             };
-            let credit = w.credit(overlap_blocks, req.block_hashes.len());
+            let excess = slot.load.prefill_tokens.saturating_sub(floor_prefill) as f64 / block_size;
+            let credit = w.credit(overlap_blocks, req.block_hashes.len())
+                * w.credit_decay_at(excess, req.block_hashes.len());
             // Exactly 0.0 without lower-tier blocks (or with zero weights), so the cost is then
             // bit for bit the device-only one.
             let lower_credit =

@@ -79,10 +79,11 @@ pub(crate) struct ReplayArgs {
     #[arg(long, default_value_t = 8, value_name = "N")]
     workers: usize,
     /// A routing policy to compare (repeatable): round-robin, random, kv (the reference's
-    /// default cost), kv-adaptive (the router's default: prefill weighs more as prefill queues
-    /// build), kv-affinity (an earlier tuning of kv's weights), or default (whatever `kvroute
-    /// serve` uses when no policy is set: today kv-adaptive). Without --policy: all but
-    /// kv-affinity.
+    /// default cost), kv-locality (the router's default: prefill and a prompt's own cache weigh
+    /// more than decode load), kv-adaptive (prefill weighs more as prefill queues build),
+    /// kv-affinity (an earlier tuning of kv's weights), or default (whatever `kvroute serve` uses
+    /// when no policy is set: today kv-locality). Without --policy: round-robin, random, kv and
+    /// kv-locality.
     #[arg(long = "policy", value_name = "P", value_parser = ReplayPolicy::parse)]
     policies: Vec<ReplayPolicy>,
     /// Replay speed: 2.0 makes requests arrive twice as fast as the trace says.
@@ -124,6 +125,11 @@ pub(crate) struct ReplayArgs {
     /// Write the results as JSON here, and an HTML report beside it (same name, .html).
     #[arg(long, value_name = "OUT")]
     json: Option<PathBuf>,
+    /// Write one JSON line per request and policy to FILE: where it was routed, its prompt
+    /// length, the blocks cached there and on the best candidate, the chosen worker's load terms
+    /// at routing, and its time to first token; to see which requests were slow and why.
+    #[arg(long, value_name = "FILE")]
+    requests_out: Option<PathBuf>,
 }
 
 /// How each simulated engine is sized and timed; --block-size and --cache-blocks override the
@@ -379,6 +385,10 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
         oracle.block_hit_rate() * 100.0,
     );
 
+    if let Some(path) = &args.requests_out {
+        write(path, &request_lines(&plan.policies, &runs, &trace)?)?;
+        eprintln!("wrote {}", path.display());
+    }
     if let Some(json_path) = &args.json {
         let json = ReplayJson {
             setup: &setup,
@@ -405,6 +415,36 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
         eprintln!("wrote {} and {}", json_path.display(), html_path.display());
     }
     Ok(())
+}
+
+/// The `--requests-out` lines: one JSON object per request and policy.
+fn request_lines(
+    policies: &[ReplayPolicy],
+    runs: &[PolicyRun],
+    trace: &Trace,
+) -> anyhow::Result<String> {
+    #[derive(serde::Serialize)]
+    struct Line<'a> {
+        policy: &'a str,
+        id: usize,
+        session: Option<u64>,
+        #[serde(flatten)]
+        detail: &'a metrics::RequestDetail,
+    }
+    let mut out = String::new();
+    for (policy, run) in policies.iter().zip(runs) {
+        for (id, detail) in run.recorder.details.iter().enumerate() {
+            let line = Line {
+                policy: policy.name(),
+                id,
+                session: trace.sessions.get(id).copied().flatten(),
+                detail,
+            };
+            out.push_str(&serde_json::to_string(&line).context("serializing a request line")?);
+            out.push('\n');
+        }
+    }
+    Ok(out)
 }
 
 fn write(path: &Path, text: &str) -> anyhow::Result<()> {

@@ -663,3 +663,63 @@ fn weighted_cached_tokens_reduce_tracked_prefill_and_free_to_zero() {
     s.free(RequestId(9)).expect("active");
     assert_eq!(s.worker_load(w(1)), Some(WorkerLoad::default()));
 }
+
+#[test]
+fn locality_keeps_a_long_context_on_its_cache_where_the_reference_moves_it() {
+    // w0 caches 36 of the prompt's 40 blocks but also runs another 40-block request that has
+    // finished its prefill; w1 is idle.
+    let mut s = scheduler(2);
+    add(&mut s, 1, w(0), &blocks(1000, 40));
+    s.mark_prefill_completed(RequestId(1)).expect("active");
+    let prompt = blocks(100, 40);
+    let overlaps = [(w(0), 36)];
+    let mut req = SelectRequest::new(40 * u64::from(BS), &prompt, &overlaps);
+    // The reference: w0 = (40 - 36) + 40 + 40 = 84 > w1 = 40 + 40 = 80, so 36 cached blocks are
+    // given up for 40 fewer decode blocks.
+    req.weights = Some(CostWeights::reference());
+    let d = s.select(&req, &mut rng()).expect("selected");
+    assert_eq!(cost_of(d.candidates, w(0)).cost, 84.0);
+    assert_eq!(d.chosen.worker, w(1));
+    // Locality: the credit is 1.5 * (36 / 40)^2 = 1.215 per cached block, which covers the
+    // prompt, so w0 = 4 * 0 + 80 = 80 against w1 = 4 * 40 + 40 = 200.
+    req.weights = Some(CostWeights::locality());
+    let d = s.select(&req, &mut rng()).expect("selected");
+    let w0 = cost_of(d.candidates, w(0));
+    assert!((w0.credit - 1.215).abs() < 1e-9, "{w0:?}");
+    assert_eq!(w0.cost, 80.0);
+    assert_eq!(cost_of(d.candidates, w(1)).cost, 200.0);
+    assert_eq!(d.chosen.worker, w(0));
+}
+
+#[test]
+fn credit_decays_with_prefill_backlog_above_the_fleets_least_when_asked() {
+    // w0 holds the whole 8-block prompt but has 2 blocks of another prompt still to prefill;
+    // w1 is idle, so w0's backlog is 2 blocks above the floor.
+    let mut s = scheduler(2);
+    add(&mut s, 1, w(0), &blocks(1000, 2));
+    let prompt = blocks(100, 8);
+    let overlaps = [(w(0), 8)];
+    let mut req = SelectRequest::new(8 * u64::from(BS), &prompt, &overlaps);
+    req.weights = Some(CostWeights::reference());
+    let d = s.select(&req, &mut rng()).expect("selected");
+    // No decay: w0 = (2 + 8 - 8) + (2 + 8) = 12.
+    assert_eq!(cost_of(d.candidates, w(0)).credit, 1.0);
+    assert_eq!(cost_of(d.candidates, w(0)).cost, 12.0);
+    // Decay 1: the credit is 1 / (1 + 1 * 2 / 8) = 0.8, w0 = (10 - 6.4) + 10 = 13.6; w1 at the
+    // floor keeps its (empty) credit whole: 8 + 8 = 16.
+    req.weights = Some(CostWeights {
+        overlap_credit_decay: 1.0,
+        ..CostWeights::reference()
+    });
+    let d = s.select(&req, &mut rng()).expect("selected");
+    let w0 = cost_of(d.candidates, w(0));
+    assert!((w0.credit - 0.8).abs() < 1e-12, "{w0:?}");
+    assert!((w0.cost - 13.6).abs() < 1e-9, "{w0:?}");
+    assert_eq!(cost_of(d.candidates, w(1)).cost, 16.0);
+    // A negative decay is refused like any other weight.
+    req.weights = Some(CostWeights {
+        overlap_credit_decay: -1.0,
+        ..CostWeights::reference()
+    });
+    assert!(s.select(&req, &mut rng()).is_err());
+}

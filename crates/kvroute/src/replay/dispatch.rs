@@ -140,7 +140,22 @@ impl RunState {
         now: Duration,
     ) -> Option<usize> {
         match core.route(route, now, &mut self.rng) {
-            Ok(routed) => Some(routed.worker.worker_id as usize),
+            Ok(routed) => {
+                if let Some(d) = self.recorder.detail(routed.id.0) {
+                    d.isl_tokens = routed.isl_tokens;
+                    d.overlap_blocks = routed.overlap_blocks;
+                    d.best_overlap_blocks = routed
+                        .candidates
+                        .iter()
+                        .map(|c| c.overlap_blocks)
+                        .max()
+                        .unwrap_or(routed.overlap_blocks);
+                    d.prefill_blocks = routed.cost.prefill_blocks;
+                    d.decode_blocks = routed.cost.decode_blocks;
+                    d.candidates = routed.candidates.len();
+                }
+                Some(routed.worker.worker_id as usize)
+            }
             Err(e) => {
                 self.error.get_or_insert(e);
                 None

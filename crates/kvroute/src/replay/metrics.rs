@@ -21,6 +21,31 @@ pub(crate) struct Recorder {
     /// Arrival to last token of every finished request.
     pub(crate) e2e: Vec<Duration>,
     pub(crate) load: LoadTimeline,
+    /// Per request id: how it was routed and served (for `--requests-out`).
+    pub(crate) details: Vec<RequestDetail>,
+}
+
+/// How one request was routed and what it saw, as `--requests-out` writes it.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub(crate) struct RequestDetail {
+    /// Arrival, ms of virtual time.
+    pub(crate) arrival_ms: f64,
+    /// The worker it was routed to (its last one in disaggregated replay).
+    pub(crate) worker: usize,
+    /// Prompt length in tokens.
+    pub(crate) isl_tokens: u64,
+    /// Prompt blocks the index saw cached on the chosen worker.
+    pub(crate) overlap_blocks: u32,
+    /// The most prompt blocks cached on any candidate.
+    pub(crate) best_overlap_blocks: u32,
+    /// The chosen worker's outstanding prefill plus this prompt, in blocks, at routing.
+    pub(crate) prefill_blocks: f64,
+    /// The chosen worker's decode blocks (with this prompt's) at routing.
+    pub(crate) decode_blocks: f64,
+    /// Candidates scored.
+    pub(crate) candidates: usize,
+    /// Time to first token (ms); `None` when it produced none.
+    pub(crate) ttft_ms: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -41,11 +66,21 @@ impl Recorder {
             itl: Vec::new(),
             e2e: Vec::new(),
             load: LoadTimeline::new(workers, bucket),
+            details: Vec::new(),
         }
+    }
+
+    /// The detail of request `id`, created on first use.
+    pub(crate) fn detail(&mut self, id: u64) -> Option<&mut RequestDetail> {
+        detail_in(&mut self.details, id)
     }
 
     /// Request `id` was sent to `worker` at `now`.
     pub(crate) fn arrived(&mut self, id: u64, worker: usize, now: Duration) {
+        if let Some(d) = self.detail(id) {
+            d.arrival_ms = ms_f64(now);
+            d.worker = worker;
+        }
         self.in_flight.insert(
             id,
             Flight {
@@ -66,6 +101,9 @@ impl Recorder {
             return;
         };
         let from = std::mem::replace(&mut f.worker, worker);
+        if let Some(d) = self.details.get_mut(id as usize) {
+            d.worker = worker;
+        }
         self.load.change(from, now, -1);
         self.load.change(worker, now, 1);
     }
@@ -77,7 +115,11 @@ impl Recorder {
         };
         if f.first.is_none() {
             f.first = Some(token.at);
-            self.ttft.push(token.at.saturating_sub(f.arrived));
+            let ttft = token.at.saturating_sub(f.arrived);
+            self.ttft.push(ttft);
+            if let Some(d) = detail_in(&mut self.details, token.request_id) {
+                d.ttft_ms = Some(ms_f64(ttft));
+            }
         }
         f.last = token.at;
         f.tokens += 1;
@@ -207,6 +249,19 @@ impl WorkerLine {
         }
         self.since = at;
     }
+}
+
+/// The entry of request `id` in `details`, created on first use.
+fn detail_in(details: &mut Vec<RequestDetail>, id: u64) -> Option<&mut RequestDetail> {
+    let i = usize::try_from(id).ok()?;
+    if details.len() <= i {
+        details.resize(i + 1, RequestDetail::default());
+    }
+    details.get_mut(i)
+}
+
+fn ms_f64(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
 }
 
 /// The `q` quantile (nearest rank, as the mocker's summaries) of sorted `samples`; zero when

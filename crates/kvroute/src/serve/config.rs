@@ -96,7 +96,7 @@ pub(crate) struct RouterOptions {
     /// (default 16).
     #[arg(long)]
     pub(crate) block_size: Option<u32>,
-    /// kv-adaptive, kv, round-robin, random or direct (default kv-adaptive).
+    /// kv-locality, kv-adaptive, kv, round-robin, random or direct (default kv-locality).
     #[arg(long)]
     pub(crate) policy: Option<String>,
     /// Selection temperature, 0 picks the cheapest worker (default 0).
@@ -479,8 +479,8 @@ impl ServeOptions {
                     "router.policy",
                     "policy",
                     "a serve policy: kv-affinity is a replay preset (kv with overlap_credit 2 and \
-                     a prefill load scale of 4), not a policy of its own; kv-adaptive, kv, \
-                     round-robin, random or direct",
+                     a prefill load scale of 4), not a policy of its own; kv-locality (its \
+                     successor), kv-adaptive, kv, round-robin, random or direct",
                     "kv-affinity",
                 ));
             }
@@ -488,7 +488,7 @@ impl ServeOptions {
                 invalid(
                     "router.policy",
                     "policy",
-                    "one of kv-adaptive, kv, round-robin, random, direct",
+                    "one of kv-locality, kv-adaptive, kv, round-robin, random, direct",
                     name,
                 )
             })?,

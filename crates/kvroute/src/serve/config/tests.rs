@@ -76,7 +76,7 @@ fn defaults_serve_the_mock_model_with_registration() {
         "",
         &[],
         Ok(
-            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-adaptive migrations 3; registry 127.0.0.1:7100 ttl 5s; models [\"mock\"]",
+            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-locality migrations 3; registry 127.0.0.1:7100 ttl 5s; models [\"mock\"]",
         ),
     );
 }
@@ -87,7 +87,7 @@ fn nats_replaces_the_registry_and_takes_the_lease_ttl() {
         "[nats]\nurl = \"nats://10.0.0.5:4222\"\n[discovery]\nlease_ttl = \"2s\"",
         &["--nats-namespace", "fleet-1"],
         Ok(
-            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-adaptive migrations 3; nats nats://10.0.0.5:4222 ns fleet-1 ttl 2s; snapshots every 30s; models [\"mock\"]",
+            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-locality migrations 3; nats nats://10.0.0.5:4222 ns fleet-1 ttl 2s; snapshots every 30s; models [\"mock\"]",
         ),
     );
     // A registry beside NATS only when asked for, and the snapshot interval from either side.
@@ -95,7 +95,7 @@ fn nats_replaces_the_registry_and_takes_the_lease_ttl() {
         "[nats]\nurl = \"nats://10.0.0.5:4222\"\nsnapshot_interval = \"5s\"",
         &["--registry-listen", "127.0.0.1:7101"],
         Ok(
-            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-adaptive migrations 3; nats nats://10.0.0.5:4222 ns kvroute ttl 5s + registry 127.0.0.1:7101; snapshots every 5s; models [\"mock\"]",
+            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-locality migrations 3; nats nats://10.0.0.5:4222 ns kvroute ttl 5s + registry 127.0.0.1:7101; snapshots every 5s; models [\"mock\"]",
         ),
     );
 }
@@ -160,7 +160,7 @@ fn bad_values_name_the_key_the_flag_and_what_was_expected() {
         "[router]\npolicy = \"fastest\"",
         &[],
         Err(
-            "`router.policy` (flag --policy): expected one of kv-adaptive, kv, round-robin, random, direct, got \"fastest\"",
+            "`router.policy` (flag --policy): expected one of kv-locality, kv-adaptive, kv, round-robin, random, direct, got \"fastest\"",
         ),
     );
     check(
@@ -345,7 +345,7 @@ fn a_static_fleet_of_engines_can_be_written_inline() {
         "",
         &["--model", "llama,lora=sql-lora,lora=chat-lora"],
         Ok(
-            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-adaptive migrations 3; registry 127.0.0.1:7100 ttl 5s; models [\"llama\"]",
+            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-locality migrations 3; registry 127.0.0.1:7100 ttl 5s; models [\"llama\"]",
         ),
     );
 }
