@@ -1,6 +1,6 @@
 //! A compact hash table from `u64` to `u64` for the index's hot tables.
 //!
-//! Linear probing in Robin Hood order (each run of slots sorted by home slot) over 16-byte slots
+//! Linear probing in Robin Hood order (each run of slots sorted by mixed hash, so by home slot) over 16-byte slots
 //! with backward-shift deletion, which stops at the first entry sitting at its home, so deletes
 //! stay short at high load. No tombstones, so a table under
 //! endless churn keeps the size its live set needs (hashbrown keeps tombstones and doubles when it
@@ -50,7 +50,13 @@ impl U64Map {
     /// (multiply-shift, so the array need not be a power of two).
     #[inline]
     fn home(&self, key: u64) -> usize {
-        ((u128::from(fold_mul(key, MIX)) * self.slots.len() as u128) >> 64) as usize
+        self.scale(fold_mul(key, MIX))
+    }
+
+    /// The home slot of a key whose mixed hash is `mixed`.
+    #[inline]
+    fn scale(&self, mixed: u64) -> usize {
+        ((u128::from(mixed) * self.slots.len() as u128) >> 64) as usize
     }
 
     /// The slot after `i`, wrapping at the end of the array.
@@ -139,18 +145,24 @@ impl U64Map {
     }
 
     /// The slot holding `key` (`Ok`), or where it goes (`Err`). Robin Hood order: along a run,
-    /// entries sit sorted by home slot, so the key is absent once the probe meets an empty slot
-    /// or an entry whose home lies after the key's (nearer to its home than the probe is).
+    /// entries sit sorted by mixed hash (so by home slot), so the key is absent once the probe
+    /// meets an empty slot or an entry sorting after it.
     #[inline]
     fn probe(&self, key: u64) -> Result<usize, usize> {
-        let mut i = self.home(key);
+        let mixed = fold_mul(key, MIX);
+        let mut i = self.scale(mixed);
         let mut probed = 0;
         loop {
             let k = self.slots[i].0;
             if k == key {
                 return Ok(i);
             }
-            if k == EMPTY || self.distance(self.home(k), i) < probed {
+            if k == EMPTY {
+                return Err(i);
+            }
+            let other = fold_mul(k, MIX);
+            let from_home = self.distance(self.scale(other), i);
+            if from_home < probed || (from_home == probed && other > mixed) {
                 return Err(i);
             }
             i = self.next(i);
@@ -237,11 +249,10 @@ impl U64Map {
         let size = (n * 5 / 3 + 1).next_multiple_of(8).max(8);
         let old = std::mem::replace(&mut self.slots, vec![(EMPTY, 0); size]);
         self.len = 0;
-        // Read from an empty slot on, the old entries come nearly sorted by mixed hash (runs
-        // sorted by home, homes monotone in the hash; only entries sharing an old home may come
-        // out of order), so an entry whose home is at least the last one's goes to the first free
-        // slot from its home without a probe. The others, and entries running past the end, take
-        // the probe.
+        // Read from an empty slot on, the old entries come sorted by mixed hash (runs are sorted
+        // by it), so each new home is at least the last one's: an entry goes to the first free
+        // slot from its home without a probe. Entries running past the end take the probe (as
+        // would any out of order).
         let start = old.iter().position(|(k, _)| *k == EMPTY).unwrap_or(0);
         let (mut last, mut free) = (0, 0);
         for &(k, v) in old[start..].iter().chain(&old[..start]) {
@@ -264,7 +275,7 @@ impl U64Map {
     }
 
     /// Whether every run is in Robin Hood order: an entry away from its home follows an entry
-    /// no nearer to its own home than one slot less.
+    /// whose home comes before its own, or the same home and a mixed hash no larger.
     #[cfg(test)]
     pub(crate) fn in_order(&self) -> bool {
         let n = self.slots.len();
@@ -275,7 +286,11 @@ impl U64Map {
             }
             let d = self.distance(self.home(k), i);
             let prev = self.slots[(i + n - 1) % n].0;
-            d == 0 || (prev != EMPTY && self.distance(self.home(prev), (i + n - 1) % n) + 1 >= d)
+            if d == 0 {
+                return true;
+            }
+            let dp = self.distance(self.home(prev), (i + n - 1) % n) + 1;
+            prev != EMPTY && (dp > d || (dp == d && fold_mul(prev, MIX) <= fold_mul(k, MIX)))
         })
     }
 
