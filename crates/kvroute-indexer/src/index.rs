@@ -20,7 +20,7 @@
 //! shared prefix) needs neither hashing nor a lookup.
 //!
 //! Per indexed block this costs one 16-byte lane entry plus, shared by every worker holding the
-//! block, one 16-byte location entry and 24 bytes and a bit of segment; the tables sit at 3/5 to
+//! block, one 16-byte location entry and one 24-byte segment position; the tables sit at 3/5 to
 //! 3/4 load (see [`crate::table`]), so about 75 bytes a block when workers share little.
 
 use kvroute_protocols::kv_events::{
@@ -588,9 +588,9 @@ impl KvIndex {
         let mut seq = next_seq_hash(None, first).0;
         'walk: while let Some((seg, mut p)) = nodes.locate(seq) {
             let segment = nodes.segment(seg);
-            let (locals, bits) = (&segment.locals[..], &segment.bits[..]);
+            let run = &segment.pos[..];
             loop {
-                let kept = active & bits[p];
+                let kept = active & run[p].bits;
                 if kept != active {
                     emit(active & !kept, depth);
                     active = kept;
@@ -600,28 +600,22 @@ impl KvIndex {
                 }
                 depth += 1;
                 // Skip the stretch where the prompt follows the segment and every slot still
-                // walking holds each block: local hashes compared, no hashing, and bits read
-                // only where they change (elsewhere they equal bits already checked).
-                let same = locals[p + 1..]
+                // walking holds each block: local hashes and bits side by side, no hashing.
+                let same = run[p + 1..]
                     .iter()
                     .zip(&local[depth..])
-                    .enumerate()
-                    .take_while(|&(i, (&at, want))| {
-                        at == want.0
-                            && (!segment.changes_at(p + 1 + i)
-                                || bits[p + 1 + i] & active == active)
-                    })
+                    .take_while(|(at, want)| at.local == want.0 && at.bits & active == active)
                     .count();
                 p += same;
                 depth += same;
                 let Some(&want) = local.get(depth) else {
                     break 'walk;
                 };
-                match locals.get(p + 1) {
+                match run.get(p + 1) {
                     // The segment goes on with this block: its sequence hash is known. A dead
                     // position (no bits) may live on elsewhere, so it is looked up.
-                    Some(&next) if next == want.0 => {
-                        if bits[p + 1] == 0 {
+                    Some(next) if next.local == want.0 => {
+                        if next.bits == 0 {
                             seq = segment.seqs[p + 1];
                             continue 'walk;
                         }

@@ -25,113 +25,22 @@ use crate::hash::{SequenceHash, next_seq_hash};
 use crate::table::U64Map;
 use kvroute_protocols::kv_events::LocalBlockHash;
 
-/// A run of consecutive blocks of one chain, one array per field. A walk streams the local
-/// hashes (8 bytes a block) and one bit a block saying where the slot bits change, and reads the
-/// bits only there: along a stretch every worker stored alike, the bits are all equal.
-#[derive(Debug, Default)]
-pub(super) struct Segment {
-    /// Each block's local hash.
-    pub(super) locals: Vec<u64>,
-    /// Slots 0..64 holding each block's prefix (0 once dead).
-    pub(super) bits: Vec<u64>,
-    /// Bit `p % 64` of word `p / 64` is set where `bits[p]` differs from `bits[p - 1]` (and at
-    /// `p = 0`); bits past the end are clear.
-    changes: Vec<u64>,
-    /// Each block's sequence hash.
-    pub(super) seqs: Vec<u64>,
-    live: u32,
+/// What a walk reads of each block of a segment.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Pos {
+    /// The block's local hash.
+    pub(super) local: u64,
+    /// Slots 0..64 holding the prefix (0 once dead).
+    pub(super) bits: u64,
 }
 
-impl Segment {
-    /// Blocks in the segment.
-    #[inline]
-    pub(super) fn len(&self) -> usize {
-        self.locals.len()
-    }
-
-    /// Whether the bits of position `p` differ from those of `p - 1` (always at 0).
-    #[inline]
-    pub(super) fn changes_at(&self, p: usize) -> bool {
-        self.changes[p / 64] >> (p % 64) & 1 != 0
-    }
-
-    fn mark(&mut self, p: usize, changed: bool) {
-        let word = &mut self.changes[p / 64];
-        let bit = 1u64 << (p % 64);
-        if changed {
-            *word |= bit;
-        } else {
-            *word &= !bit;
-        }
-    }
-
-    /// Sets the bits of position `p`, keeping the change marks of `p` and `p + 1`.
-    #[inline]
-    fn set_bits(&mut self, p: usize, new: u64) {
-        if self.bits[p] == new {
-            return;
-        }
-        self.bits[p] = new;
-        self.mark(p, p == 0 || self.bits[p - 1] != new);
-        if let Some(&after) = self.bits.get(p + 1) {
-            self.mark(p + 1, after != new);
-        }
-    }
-
-    /// Appends a block held by nobody yet.
-    fn push(&mut self, local: u64, seq: u64) {
-        let p = self.len();
-        self.locals.push(local);
-        self.bits.push(0);
-        self.seqs.push(seq);
-        if p.is_multiple_of(64) {
-            self.changes.push(0);
-        }
-        self.mark(p, p == 0 || self.bits[p - 1] != 0);
-    }
-
-    /// Drops the last block.
-    fn pop(&mut self) {
-        let p = self.len() - 1;
-        self.mark(p, false);
-        self.locals.pop();
-        self.bits.pop();
-        self.seqs.pop();
-        self.changes.truncate(p.div_ceil(64));
-    }
-
-    fn reserve(&mut self, extra: usize) {
-        self.locals.reserve(extra);
-        self.bits.reserve(extra);
-        self.seqs.reserve(extra);
-        self.changes
-            .reserve((self.len() + extra).div_ceil(64) - self.changes.len());
-    }
-
-    fn capacity(&self) -> usize {
-        self.locals.capacity()
-    }
-
-    fn clear(&mut self) {
-        self.locals.clear();
-        self.bits.clear();
-        self.seqs.clear();
-        self.changes.clear();
-    }
-
-    fn shrink_to(&mut self, fit: usize) {
-        self.locals.shrink_to(fit);
-        self.bits.shrink_to(fit);
-        self.seqs.shrink_to(fit);
-        self.changes.shrink_to(fit.div_ceil(64));
-    }
-
-    fn bytes(&self) -> usize {
-        8 * (self.locals.capacity()
-            + self.bits.capacity()
-            + self.seqs.capacity()
-            + self.changes.capacity())
-    }
+/// A run of consecutive blocks of one chain. The sequence hashes sit apart from what a walk
+/// scans, so a long prompt's walk streams 16 bytes a block through memory.
+#[derive(Debug, Default)]
+pub(super) struct Segment {
+    pub(super) pos: Vec<Pos>,
+    pub(super) seqs: Vec<u64>,
+    live: u32,
 }
 
 /// Shared nodes of one tier: which slots hold each prefix.
@@ -223,7 +132,7 @@ impl TierNodes {
     pub(super) fn peek_at(&self, loc: Loc) -> u64 {
         let (seg, p) = decode(loc);
         let s = &self.segs[seg as usize];
-        s.bits.get(p).copied().unwrap_or(0) ^ s.seqs.get(p).copied().unwrap_or(0)
+        s.pos.get(p).map_or(0, |at| at.bits) ^ s.seqs.get(p).copied().unwrap_or(0)
     }
 
     /// Peeks at the location entry of the node at `loc` if releasing `slot` would free it.
@@ -231,8 +140,8 @@ impl TierNodes {
     pub(super) fn peek_death(&self, loc: Loc, slot: u32) -> u64 {
         let (seg, p) = decode(loc);
         let s = &self.segs[seg as usize];
-        match s.bits.get(p) {
-            Some(&bits) if bits & !(1u64 << (slot % 64)) == 0 => self.loc.peek(s.seqs[p]),
+        match s.pos.get(p) {
+            Some(at) if at.bits & !(1u64 << (slot % 64)) == 0 => self.loc.peek(s.seqs[p]),
             _ => 0,
         }
     }
@@ -244,9 +153,8 @@ impl TierNodes {
     #[inline]
     pub(super) fn next_live(&self, parent: Loc, local: u64) -> Option<Loc> {
         let (seg, p) = decode(parent);
-        let s = &self.segs[seg as usize];
-        match (s.locals.get(p + 1), s.bits.get(p + 1)) {
-            (Some(&next), Some(&bits)) if next == local && bits != 0 => Some(encode(seg, p + 1)),
+        match self.segs[seg as usize].pos.get(p + 1) {
+            Some(next) if next.local == local && next.bits != 0 => Some(encode(seg, p + 1)),
             _ => None,
         }
     }
@@ -255,7 +163,7 @@ impl TierNodes {
     #[inline]
     pub(super) fn bits(&self, seq: u64) -> Option<u64> {
         self.locate(seq)
-            .map(|(seg, p)| self.segs[seg as usize].bits[p])
+            .map(|(seg, p)| self.segs[seg as usize].pos[p].bits)
     }
 
     /// Bytes reserved by the tier: the location table, the segments and the spill bits.
@@ -264,7 +172,11 @@ impl TierNodes {
             + super::table_bytes(&self.hi)
             + self.hi.values().map(|w| w.len() * 8).sum::<usize>()
             + self.segs.capacity() * std::mem::size_of::<Segment>()
-            + self.segs.iter().map(Segment::bytes).sum::<usize>()
+            + self
+                .segs
+                .iter()
+                .map(|s| s.pos.capacity() * std::mem::size_of::<Pos>() + s.seqs.capacity() * 8)
+                .sum::<usize>()
             + self.free.capacity() * 4
     }
 
@@ -295,10 +207,10 @@ impl TierNodes {
             None => self.locate(p.seq),
         });
         let after = parent
-            .filter(|&(seg, at)| at + 1 == self.segs[seg as usize].len())
+            .filter(|&(seg, at)| at + 1 == self.segs[seg as usize].pos.len())
             .map(|(seg, _)| seg);
         let (new_seg, new_pos) = match after {
-            Some(seg) => (seg, self.segs[seg as usize].len()),
+            Some(seg) => (seg, self.segs[seg as usize].pos.len()),
             None => (
                 self.free.last().copied().unwrap_or(self.segs.len() as u32),
                 0,
@@ -312,11 +224,14 @@ impl TierNodes {
                 self.segs.push(Segment::default());
             }
             let s = &mut self.segs[seg as usize];
-            if s.len() == s.capacity() {
+            if s.pos.len() == s.pos.capacity() {
                 // Room for the rest of the chain at once (still at least doubling).
-                s.reserve(self.room.max(1));
+                let want = self.room.max(1);
+                s.pos.reserve(want);
+                s.seqs.reserve(want);
             }
-            s.push(local, seq);
+            s.pos.push(Pos { local, bits: 0 });
+            s.seqs.push(seq);
             s.live += 1;
         }
         self.room = self.room.saturating_sub(1);
@@ -328,11 +243,11 @@ impl TierNodes {
     pub(super) fn hold(&mut self, loc: Loc, seq: u64, slot: u32) -> bool {
         if slot < INLINE_SLOTS {
             let (seg, p) = decode(loc);
-            let s = &mut self.segs[seg as usize];
-            let bits = s.bits[p];
+            let bits = &mut self.segs[seg as usize].pos[p].bits;
             let mask = 1u64 << slot;
-            s.set_bits(p, bits | mask);
-            return bits & mask != 0;
+            let had = *bits & mask != 0;
+            *bits |= mask;
+            return had;
         }
         let word = (slot / 64 - 1) as usize;
         let mask = 1u64 << (slot % 64);
@@ -355,10 +270,9 @@ impl TierNodes {
     pub(super) fn release(&mut self, loc: Loc, slot: u32) {
         let (seg, p) = decode(loc);
         if slot < INLINE_SLOTS {
-            let s = &mut self.segs[seg as usize];
-            let bits = s.bits[p] & !(1u64 << slot);
-            s.set_bits(p, bits);
-            if bits != 0
+            let bits = &mut self.segs[seg as usize].pos[p].bits;
+            *bits &= !(1u64 << slot);
+            if *bits != 0
                 || (!self.hi.is_empty() && self.hi.contains_key(&self.segs[seg as usize].seqs[p]))
             {
                 return;
@@ -375,7 +289,7 @@ impl TierNodes {
                 }
                 self.hi.remove(&seq);
             }
-            if self.segs[seg as usize].bits[p] != 0 {
+            if self.segs[seg as usize].pos[p].bits != 0 {
                 return;
             }
         }
@@ -391,31 +305,36 @@ impl TierNodes {
         if s.live == 0 {
             // A small segment keeps its memory for the next chain (churn stores and frees them
             // by the million); a large one gives it back.
-            if s.capacity() > REUSED_SEGMENT_BLOCKS {
+            if s.pos.capacity() > REUSED_SEGMENT_BLOCKS {
                 *s = Segment::default();
             } else {
-                s.clear();
+                s.pos.clear();
+                s.seqs.clear();
             }
             self.free.push(seg);
             return;
         }
-        if p + 1 < s.len() {
+        if p + 1 < s.pos.len() {
             // The segment's last position is live: nothing to cut.
             return;
         }
         // Without spill bits a position is live exactly when it has bits; with them, ask `loc`.
         let spill = !self.hi.is_empty();
-        while let (Some(&last), Some(&last_seq)) = (s.bits.last(), s.seqs.last()) {
-            if last != 0 || (spill && self.loc.get(last_seq) == Some(encode(seg, s.len() - 1))) {
+        while let (Some(last), Some(&last_seq)) = (s.pos.last(), s.seqs.last()) {
+            if last.bits != 0
+                || (spill && self.loc.get(last_seq) == Some(encode(seg, s.pos.len() - 1)))
+            {
                 break;
             }
-            s.pop();
+            s.pos.pop();
+            s.seqs.pop();
         }
         // Give memory back once a segment is a quarter full, to the power of two pushing would
         // have reached (shrinking at every halving would copy back and forth at a boundary).
-        let fit = s.len().next_power_of_two().max(4);
-        if s.capacity() >= 4 * fit {
-            s.shrink_to(fit);
+        let fit = s.pos.len().next_power_of_two().max(4);
+        if s.pos.capacity() >= 4 * fit {
+            s.pos.shrink_to(fit);
+            s.seqs.shrink_to(fit);
         }
     }
 
@@ -429,29 +348,22 @@ impl TierNodes {
             }
         }
         for (i, s) in self.segs.iter().enumerate() {
-            if s.bits.len() != s.len()
-                || s.seqs.len() != s.len()
-                || s.changes.len() != s.len().div_ceil(64)
-            {
-                return Err(format!("segment {i}: its arrays differ in length"));
+            if s.pos.len() != s.seqs.len() {
+                return Err(format!(
+                    "segment {i}: blocks and sequence hashes differ in number"
+                ));
             }
             let mut live = 0;
-            for (p, &seq) in s.seqs.iter().enumerate() {
+            for (p, (at, &seq)) in s.pos.iter().zip(&s.seqs).enumerate() {
                 let here = self.loc.get(seq) == Some(encode(i as u32, p));
                 live += u32::from(here);
-                if !here && s.bits[p] != 0 {
+                if !here && at.bits != 0 {
                     return Err(format!("segment {i} position {p} is dead but has bits"));
                 }
                 let prev = p.checked_sub(1).map(|q| SequenceHash(s.seqs[q]));
-                if p > 0 && next_seq_hash(prev, LocalBlockHash(s.locals[p])).0 != seq {
+                if p > 0 && next_seq_hash(prev, LocalBlockHash(at.local)).0 != seq {
                     return Err(format!("segment {i} position {p} does not chain"));
                 }
-                if s.changes_at(p) != (p == 0 || s.bits[p] != s.bits[p - 1]) {
-                    return Err(format!("segment {i} position {p}: wrong change mark"));
-                }
-            }
-            if s.len() % 64 != 0 && s.changes.last().is_some_and(|w| w >> (s.len() % 64) != 0) {
-                return Err(format!("segment {i}: change marks past its end"));
             }
             if live != s.live {
                 return Err(format!(
