@@ -1,15 +1,16 @@
 //! A compact hash table from `u64` to `u64` for the index's hot tables.
 //!
-//! Linear probing in Robin Hood order (each run of slots sorted by mixed hash, so by home slot) over 16-byte slots
-//! with backward-shift deletion, which stops at the first entry sitting at its home, so deletes
-//! stay short at high load. No tombstones, so a table under
-//! endless churn keeps the size its live set needs (hashbrown keeps tombstones and doubles when it
-//! meets them above half load, which cost the index 2x memory under eviction churn). The slot
-//! array is any multiple of 8 long (a key's home slot is its mixed hash scaled onto the array by
-//! multiply-shift, not masked), rebuilt at 3/5 load whenever it passes 3/4 (or falls below 3/10),
-//! so a table of steady size sits at 3/5 to 3/4 load: 21-27 bytes an entry. A probe touches
-//! consecutive slots, four to a cache line. Key 0 marks an empty slot, so a real key 0 is kept
-//! aside in `zero`.
+//! Linear probing over 16-byte slots in Robin Hood order (each run of slots sorted by mixed hash,
+//! so by home slot), with backward-shift deletion that stops at the first entry sitting at its
+//! home, so deletes stay short at high load. No tombstones, so a table under endless churn keeps
+//! the size its live set needs (hashbrown keeps tombstones and doubles when it meets them above
+//! half load, which cost the index 2x memory under eviction churn). The slot array is any multiple
+//! of 8 long (a key's home slot is its mixed hash scaled onto the array by multiply-shift, not
+//! masked) and is rebuilt at 3/5 load whenever it passes 3/4 (or falls below 3/10): a table whose
+//! size levels off holds 3/5 to 3/4 of its peak, 21-27 bytes an entry at the peak (a power-of-two
+//! array sat anywhere from 3/8 up, at half load for a 16,384-block cache). A rebuild reads the old
+//! runs in hash order and only appends. A probe touches consecutive slots, four to a cache line.
+//! Key 0 marks an empty slot, so a real key 0 is kept aside in `zero`.
 //!
 //! [`U64Map::peek`] prefetches the slot where a key's probe starts, so a batch of accesses can
 //! issue its cache misses together; it is the crate's only `unsafe` (a prefetch hint, which cannot
