@@ -1,10 +1,16 @@
 //! A compact hash table from `u64` to `u64` for the index's hot tables.
 //!
-//! Linear probing over 16-byte slots with backward-shift deletion: no tombstones, so a table under
-//! endless churn keeps the size its live set needs (hashbrown keeps tombstones and doubles when it
-//! meets them above half load, which cost the index 2x memory under eviction churn). Load stays
-//! at most 3/4; a probe touches consecutive slots, four to a cache line. Key 0 marks an empty slot,
-//! so a real key 0 is kept aside in `zero`.
+//! Linear probing over 16-byte slots in Robin Hood order (each run of slots sorted by mixed hash,
+//! so by home slot), with backward-shift deletion that stops at the first entry sitting at its
+//! home, so deletes stay short at high load. No tombstones, so a table under endless churn keeps
+//! the size its live set needs (hashbrown keeps tombstones and doubles when it meets them above
+//! half load, which cost the index 2x memory under eviction churn). The slot array is any multiple
+//! of 8 long (a key's home slot is its mixed hash scaled onto the array by multiply-shift, not
+//! masked) and is rebuilt at 3/5 load whenever it passes 3/4 (or falls below 3/10): a table whose
+//! size levels off holds 3/5 to 3/4 of its peak, 21-27 bytes an entry at the peak (a power-of-two
+//! array sat anywhere from 3/8 up, at half load for a 16,384-block cache). A rebuild reads the old
+//! runs in hash order and only appends. A probe touches consecutive slots, four to a cache line.
+//! Key 0 marks an empty slot, so a real key 0 is kept aside in `zero`.
 //!
 //! [`U64Map::peek`] prefetches the slot where a key's probe starts, so a batch of accesses can
 //! issue its cache misses together; it is the crate's only `unsafe` (a prefetch hint, which cannot
@@ -41,22 +47,46 @@ impl U64Map {
         self.slots.capacity() * std::mem::size_of::<(u64, u64)>()
     }
 
+    /// The slot where the probe for `key` starts: the mixed key scaled onto the slot array
+    /// (multiply-shift, so the array need not be a power of two).
     #[inline]
     fn home(&self, key: u64) -> usize {
-        fold_mul(key, MIX) as usize & (self.slots.len() - 1)
+        self.scale(fold_mul(key, MIX))
+    }
+
+    /// The home slot of a key whose mixed hash is `mixed`.
+    #[inline]
+    fn scale(&self, mixed: u64) -> usize {
+        ((u128::from(mixed) * self.slots.len() as u128) >> 64) as usize
+    }
+
+    /// The slot after `i`, wrapping at the end of the array.
+    #[inline]
+    fn next(&self, i: usize) -> usize {
+        let j = i + 1;
+        if j < self.slots.len() { j } else { 0 }
+    }
+
+    /// How far slot `j` lies after slot `from`, going round the array.
+    #[inline]
+    fn distance(&self, from: usize, j: usize) -> usize {
+        if j >= from {
+            j - from
+        } else {
+            j + self.slots.len() - from
+        }
     }
 
     /// The slot holding `key`, or the empty slot where it would go.
     #[inline]
     fn find(&self, key: u64) -> usize {
-        let mask = self.slots.len() - 1;
         let mut i = self.home(key);
         loop {
             let k = self.slots[i].0;
             if k == key || k == EMPTY {
                 return i;
             }
-            i = (i + 1) & mask;
+            i = self.next(i);
         }
     }
 
@@ -106,13 +136,52 @@ impl U64Map {
             return (self.zero.get_or_insert(default), fresh);
         }
         self.reserve(1);
-        let i = self.find(key);
-        let fresh = self.slots[i].0 == EMPTY;
-        if fresh {
-            self.slots[i] = (key, default);
-            self.len += 1;
+        match self.probe(key) {
+            Ok(i) => (&mut self.slots[i].1, false),
+            Err(i) => {
+                let _ = self.insert_at(i, (key, default));
+                (&mut self.slots[i].1, true)
+            }
         }
-        (&mut self.slots[i].1, fresh)
+    }
+
+    /// The slot holding `key` (`Ok`), or where it goes (`Err`). Robin Hood order: along a run,
+    /// entries sit sorted by mixed hash (so by home slot), so the key is absent once the probe
+    /// meets an empty slot or an entry sorting after it.
+    #[inline]
+    fn probe(&self, key: u64) -> Result<usize, usize> {
+        let mixed = fold_mul(key, MIX);
+        let mut i = self.scale(mixed);
+        let mut probed = 0;
+        loop {
+            let k = self.slots[i].0;
+            if k == key {
+                return Ok(i);
+            }
+            if k == EMPTY {
+                return Err(i);
+            }
+            let other = fold_mul(k, MIX);
+            let from_home = self.distance(self.scale(other), i);
+            if from_home < probed || (from_home == probed && other > mixed) {
+                return Err(i);
+            }
+            i = self.next(i);
+            probed += 1;
+        }
+    }
+
+    /// Puts `entry` at slot `i`, moving the run from `i` up to the next empty slot on by one.
+    #[inline]
+    fn insert_at(&mut self, i: usize, entry: (u64, u64)) -> usize {
+        let mut carry = std::mem::replace(&mut self.slots[i], entry);
+        let mut j = i;
+        while carry.0 != EMPTY {
+            j = self.next(j);
+            carry = std::mem::replace(&mut self.slots[j], carry);
+        }
+        self.len += 1;
+        j
     }
 
     /// Inserts `key -> value` unless `key` is present; says whether it inserted.
@@ -134,22 +203,17 @@ impl U64Map {
         if k != key {
             return None;
         }
-        // Shift later members of the probe run back so no lookup meets a hole before its key.
-        let mask = self.slots.len() - 1;
-        let mut j = hole;
+        // Shift the rest of the run back by one, up to an empty slot or an entry at its home (in
+        // Robin Hood order nothing after that one is displaced past the hole).
+        let mut j = self.next(hole);
         loop {
-            j = (j + 1) & mask;
             let entry = self.slots[j];
-            if entry.0 == EMPTY {
+            if entry.0 == EMPTY || self.home(entry.0) == j {
                 break;
             }
-            // The entry may move into the hole unless its home lies cyclically in (hole, j],
-            // that is unless it is nearer to its home than the hole is.
-            let from_home = j.wrapping_sub(self.home(entry.0)) & mask;
-            if from_home >= j.wrapping_sub(hole) & mask {
-                self.slots[hole] = entry;
-                hole = j;
-            }
+            self.slots[hole] = entry;
+            hole = j;
+            j = self.next(j);
         }
         self.slots[hole] = (EMPTY, 0);
         self.len -= 1;
@@ -172,21 +236,63 @@ impl U64Map {
         }
     }
 
-    /// Shrinks the slot array when the live set fell below 1/8 of it.
+    /// Shrinks the slot array when the live set fell below 3/10 of it.
     pub(crate) fn maybe_shrink(&mut self) {
-        if self.slots.len() > 64 && self.len * 8 < self.slots.len() {
+        if self.slots.len() > 64 && self.len * 10 < self.slots.len() * 3 {
             self.rebuild(self.len);
         }
     }
 
-    /// Re-lays the entries out in the smallest power-of-two array holding `n` at 3/4 load.
+    /// Re-lays the entries out at 3/5 load for `n` entries: growth by a quarter before the next
+    /// rebuild, so a table whose size levels off sits at 3/5 to 3/4 load (a power-of-two array
+    /// would sit anywhere from 3/8 up, and at half load for a 16,384-block cache).
     fn rebuild(&mut self, n: usize) {
-        let size = (n * 4 / 3 + 1).next_power_of_two().max(8);
+        let size = (n * 5 / 3 + 1).next_multiple_of(8).max(8);
         let old = std::mem::replace(&mut self.slots, vec![(EMPTY, 0); size]);
-        for (k, v) in old.into_iter().filter(|(k, _)| *k != EMPTY) {
-            let i = self.find(k);
-            self.slots[i] = (k, v);
+        self.len = 0;
+        // Read from an empty slot on, the old entries come sorted by mixed hash (runs are sorted
+        // by it), so each new home is at least the last one's: an entry goes to the first free
+        // slot from its home without a probe. Entries running past the end take the probe (as
+        // would any out of order).
+        let start = old.iter().position(|(k, _)| *k == EMPTY).unwrap_or(0);
+        let (mut last, mut free) = (0, 0);
+        for &(k, v) in old[start..].iter().chain(&old[..start]) {
+            if k == EMPTY {
+                continue;
+            }
+            let home = self.home(k);
+            let at = home.max(free);
+            if home >= last && at < size {
+                self.slots[at] = (k, v);
+                self.len += 1;
+                (last, free) = (home, at + 1);
+            } else if let Err(i) = self.probe(k) {
+                let end = self.insert_at(i, (k, v));
+                if end >= i {
+                    free = free.max(end + 1);
+                }
+            }
         }
+    }
+
+    /// Whether every run is in Robin Hood order: an entry away from its home follows an entry
+    /// whose home comes before its own, or the same home and a mixed hash no larger.
+    #[cfg(test)]
+    pub(crate) fn in_order(&self) -> bool {
+        let n = self.slots.len();
+        (0..n).all(|i| {
+            let (k, _) = self.slots[i];
+            if k == EMPTY {
+                return true;
+            }
+            let d = self.distance(self.home(k), i);
+            let prev = self.slots[(i + n - 1) % n].0;
+            if d == 0 {
+                return true;
+            }
+            let dp = self.distance(self.home(prev), (i + n - 1) % n) + 1;
+            prev != EMPTY && (dp > d || (dp == d && fold_mul(prev, MIX) <= fold_mul(k, MIX)))
+        })
     }
 
     /// Whether both maps hold the same entries.

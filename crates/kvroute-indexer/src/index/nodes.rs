@@ -180,6 +180,11 @@ impl TierNodes {
             + self.free.capacity() * 4
     }
 
+    /// Gives back location-table memory once most nodes are gone.
+    pub(super) fn maybe_shrink(&mut self) {
+        self.loc.maybe_shrink();
+    }
+
     /// Says that a chain of `blocks` blocks is about to be stored, so a segment it starts or
     /// extends grows once for all of them.
     pub(super) fn expect_chain(&mut self, blocks: usize) {

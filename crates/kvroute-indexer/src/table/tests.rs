@@ -37,6 +37,7 @@ proptest! {
                 Op::Shrink => map.maybe_shrink(),
             }
             prop_assert_eq!(map.len(), model.len());
+            prop_assert!(map.in_order());
         }
         for (k, v) in &model {
             prop_assert_eq!(map.get(*k), Some(*v));
