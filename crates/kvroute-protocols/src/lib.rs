@@ -1,10 +1,12 @@
 //! Wire types shared by everything in kvroute: the OpenAI `nvext` extension and routing headers
 //! (wire-compatible with NVIDIA Dynamo), the preprocessed request and engine output that travel on
-//! the request plane, the `Annotated` stream envelope, worker identities, and KV cache events both
-//! as the router sees them (`RouterEvent`) and as engines publish them over ZMQ.
+//! the request plane, the `Annotated` stream envelope, worker identities, the load a worker
+//! reports of itself, and KV cache events both as the router sees them (`RouterEvent`) and as
+//! engines publish them over ZMQ.
 //!
 //! Entry types: [`NvExt`], [`PreprocessedRequest`], [`LLMEngineOutput`], [`Annotated`],
-//! [`kv_events::RouterEvent`], [`WorkerWithDpRank`]; every error is a [`ProtocolError`].
+//! [`kv_events::RouterEvent`], [`WorkerWithDpRank`], [`WorkerLoadReport`]; every error is a
+//! [`ProtocolError`].
 //! JSON is for the HTTP edge, bincode (see [`codec`]) for the request plane: the same types speak
 //! both, omitting `None` fields from JSON only.
 //!
@@ -16,6 +18,7 @@ pub mod codec;
 pub mod error;
 pub mod headers;
 pub mod kv_events;
+pub mod load_report;
 pub mod nvext;
 pub mod output;
 pub mod request;
@@ -30,6 +33,7 @@ pub mod zmq_events;
 pub use annotated::Annotated;
 pub use error::ProtocolError;
 pub use headers::{HeaderOverrides, apply_header_routing_overrides};
+pub use load_report::WorkerLoadReport;
 pub use nvext::{
     AgentHints, NvExt, NvExtBuilder, NvExtResponse, SessionAction, SessionControl, TimingInfo,
     WorkerIdInfo,

@@ -7,7 +7,7 @@ use crate::codec;
 use crate::headers::apply_header_routing_overrides;
 use crate::{
     Annotated, FinishReason, LLMEngineOutput, Limits, NvExt, PreprocessedRequest, RequestPhase,
-    RoutingHints, SessionAction, SessionControl, parse_nvext_json,
+    RoutingHints, SessionAction, SessionControl, WorkerLoadReport, parse_nvext_json,
 };
 
 /// Small enough that a test can exceed it.
@@ -450,4 +450,79 @@ fn codec_rejects_garbage_without_panicking() {
     );
     // Encoding past the limit is an error too.
     assert!(codec::encode_bounded(&vec![0u32; 100], 64).is_err());
+}
+
+#[track_caller]
+fn check_load_report(input: &str, expect: &str) {
+    let got = match WorkerLoadReport::from_json(input.as_bytes()) {
+        Ok(report) => {
+            let json = serde_json::to_string(&report).expect("a report serializes");
+            let bin = codec::encode(&report).expect("a report encodes");
+            assert_eq!(
+                codec::decode::<WorkerLoadReport>(&bin, 1 << 10).expect("decodes"),
+                report
+            );
+            format!("{json} requests={:?}", report.requests())
+        }
+        Err(e) => format!("error: {e}"),
+    };
+    assert_eq!(got, expect, "input: {input}");
+}
+
+#[test]
+fn load_reports_decode_with_defaults_and_validate() {
+    // The reference's `ActiveLoad` shape (its other fields ignored), rank defaulting to 0.
+    check_load_report(
+        r#"{"worker_id": 7, "kv_used_blocks": 120, "active_decode_blocks": 3}"#,
+        r#"{"worker_id":7,"dp_rank":0,"kv_used_blocks":120} requests=None"#,
+    );
+    check_load_report(
+        r#"{"worker_id": 7, "dp_rank": 2, "requests_running": 3, "requests_waiting": 4}"#,
+        r#"{"worker_id":7,"dp_rank":2,"requests_running":3,"requests_waiting":4} requests=Some(7)"#,
+    );
+    check_load_report(
+        r#"{"worker_id": 7, "requests_running": 0, "requests_waiting": 0}"#,
+        r#"{"worker_id":7,"dp_rank":0,"requests_running":0,"requests_waiting":0} requests=Some(0)"#,
+    );
+    check_load_report(
+        r#"{"worker_id": 7}"#,
+        "error: worker load report must be at least one of kv_used_blocks, \
+         requests_running + requests_waiting, got no figure",
+    );
+    check_load_report(
+        r#"{"worker_id": 7, "requests_running": 3}"#,
+        "error: requests_waiting must be present when requests_running is, got nothing",
+    );
+    check_load_report(
+        r#"{"worker_id": 7, "kv_used_blocks": 1, "requests_waiting": 3}"#,
+        "error: requests_running must be present when requests_waiting is, got nothing",
+    );
+    check_load_report(
+        r#"{"worker_id": 7, "requests_running": 18446744073709551615, "requests_waiting": 1}"#,
+        "error: requests_running + requests_waiting must be at most 18446744073709551615, \
+         got 18446744073709551615 + 1",
+    );
+    check_load_report(
+        r#"{"worker_id": 7, "requests_running": -1, "requests_waiting": 0}"#,
+        "error: invalid JSON at `requests_running`: invalid value: integer `-1`, expected u64 \
+         at line 1 column 39",
+    );
+    check_load_report(
+        r#"{"dp_rank": 1, "kv_used_blocks": 1}"#,
+        "error: invalid JSON at `.`: missing field `worker_id` at line 1 column 35",
+    );
+}
+
+#[test]
+fn load_report_builders_match_the_decoded_form() {
+    let report = WorkerLoadReport::new(9)
+        .with_dp_rank(1)
+        .with_requests(2, 5)
+        .with_kv_used_blocks(64);
+    assert_eq!(report.validate(), Ok(()));
+    assert_eq!(report.worker(), crate::WorkerWithDpRank::new(9, 1));
+    assert_eq!(report.requests(), Some(7));
+    let json = serde_json::to_vec(&report).expect("serializes");
+    assert_eq!(WorkerLoadReport::from_json(&json), Ok(report));
+    assert!(WorkerLoadReport::new(9).validate().is_err());
 }

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use kvroute_indexer::hash::{compute_block_hashes, next_seq_hash};
 use kvroute_indexer::{ApproxIndex, EventGap, EventOrder, FastMap, GapTracker, KvIndex};
 use kvroute_protocols::kv_events::{LocalBlockHash, RouterEvent};
-use kvroute_protocols::{WorkerId, WorkerWithDpRank};
+use kvroute_protocols::{ProtocolError, WorkerId, WorkerLoadReport, WorkerWithDpRank};
 use kvroute_scheduler::{
     ConfigError, LoadError, NewRequest, RequestId, RequestLoad, Scheduler, SelectRequest,
     TierOverlap, WorkerError, WorkerLoad, WorkerSpec,
@@ -45,6 +45,8 @@ pub struct KvRouterCore<S: AffinityStore = InMemoryAffinityStore> {
     scheduler: Scheduler,
     sessions: SessionCoordinator<S>,
     active: FastMap<RequestId, Active>,
+    /// The last load each (worker, dp rank) reported of itself.
+    reports: FastMap<WorkerWithDpRank, WorkerLoadReport>,
     rr_next: u64,
     stats: CoreStats,
     scratch: Scratch,
@@ -70,6 +72,11 @@ pub struct CoreStats {
     pub events_unregistered: u64,
     /// Events applied from gap recovery or dumps.
     pub events_recovered: u64,
+    /// Load reports recorded (and held against the tracked load).
+    pub load_reports_applied: u64,
+    /// Load reports from (worker, dp rank)s this core does not serve: skipped, like their
+    /// events.
+    pub load_reports_unregistered: u64,
 }
 
 /// What [`KvRouterCore::expire`] dropped.
@@ -130,6 +137,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
             scheduler,
             sessions: SessionCoordinator::new(store, config.session_loss),
             active: FastMap::default(),
+            reports: FastMap::default(),
             rr_next: 0,
             stats: CoreStats::default(),
             scratch: Scratch::default(),
@@ -182,6 +190,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
         self.approx.remove_worker(worker_id);
         self.gaps.forget_worker(worker_id);
         self.origin.remove(&worker_id);
+        self.reports.retain(|w, _| w.worker_id != worker_id);
         let dropped = self.scheduler.remove_worker(worker_id);
         tracing::info!(
             worker = worker_id,
@@ -607,6 +616,54 @@ impl<S: AffinityStore> KvRouterCore<S> {
             requests,
             session_closes,
         }
+    }
+
+    // ----- load the workers report -----
+
+    /// Records what a (worker, dp rank) reports of its own load at `now` and, when it reports
+    /// its request counts, holds the load tracked on it against them
+    /// ([`Scheduler::reconcile_reported`]): if the engine holds fewer requests than are
+    /// tracked, the oldest requests other replicas routed there (older than the scheduler's
+    /// `report_grace`) are freed, as many as the excess, and returned. A request this core
+    /// routed is never freed here, whatever the report says: its guard ends it.
+    ///
+    /// A report that does not validate is an error and changes nothing; one from a (worker,
+    /// dp rank) not registered here is skipped and counted (like its events).
+    pub fn on_load_report(
+        &mut self,
+        report: &WorkerLoadReport,
+        now: Duration,
+    ) -> Result<Vec<RequestId>, ProtocolError> {
+        report.validate()?;
+        let worker = report.worker();
+        if self.scheduler.worker_load(worker).is_none() {
+            self.stats.load_reports_unregistered += 1;
+            return Ok(Vec::new());
+        }
+        self.stats.load_reports_applied += 1;
+        self.reports.insert(worker, *report);
+        let Some(reported) = report.requests() else {
+            return Ok(Vec::new());
+        };
+        let active = &self.active;
+        let freed = self
+            .scheduler
+            .reconcile_reported(worker, reported, now, |id| active.contains_key(&id))
+            .unwrap_or_default();
+        if !freed.is_empty() {
+            tracing::info!(
+                %worker,
+                reported,
+                freed = freed.len(),
+                "freed other replicas' requests the worker no longer holds"
+            );
+        }
+        Ok(freed)
+    }
+
+    /// The last load `worker` reported of itself, if it reported any since it was registered.
+    pub fn reported_load(&self, worker: WorkerWithDpRank) -> Option<&WorkerLoadReport> {
+        self.reports.get(&worker)
     }
 
     // ----- load of other router replicas -----

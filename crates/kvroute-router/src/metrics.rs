@@ -18,13 +18,20 @@
 //! | `routing_overhead_seconds` | histogram | `phase` = hashing, find_matches, scheduling | time in each routing phase |
 //! | `worker_active_blocks` | gauge | `worker`, `dp_rank` | active decode blocks (cost model view) |
 //! | `worker_prefill_tokens` | gauge | `worker`, `dp_rank` | prompt tokens not yet prefilled |
-//! | `worker_active_requests` | gauge | `worker`, `dp_rank` | requests in flight |
+//! | `worker_active_requests` | gauge | `worker`, `dp_rank` | requests in flight (the predicted count) |
+//! | `worker_reported_requests` | gauge | `worker`, `dp_rank` | requests running plus waiting, as the worker last reported them |
+//! | `worker_reported_kv_blocks` | gauge | `worker`, `dp_rank` | KV blocks in use, as the worker last reported them |
+//! | `requests_reconciled_total` | counter | | other replicas' requests freed because their worker's report no longer counted them |
 //! | `prediction_error_tokens` | histogram | `worker` | per request whose engine reported its cached prompt tokens: reported minus predicted (negative: the router over-predicted) |
 //! | `cache_report_prompt_tokens_total` | counter | `worker` | prompt tokens of those requests |
 //! | `cache_report_predicted_tokens_total` | counter | `worker` | tokens the router predicted cached for them |
 //! | `cache_report_reported_tokens_total` | counter | `worker` | tokens the engines reported cached for them |
 //!
-//! The last three give, per worker, the predicted and the reported hit rate over the same
+//! `worker_active_requests` against `worker_reported_requests` shows, per worker rank, how far
+//! the router's prediction is from the engine's own queue (only for workers that report one;
+//! the reported figure lags by the report interval, and counts requests other routers sent).
+//!
+//! The last three cache-report counters give, per worker, the predicted and the reported hit rate over the same
 //! requests (`predicted / prompt` against `reported / prompt`): where the two part, the index does
 //! not see the engine's cache as it is (wrong block size, salt, tokenizer, or lost events).
 //!
@@ -42,7 +49,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::request::PhaseTimings;
-use kvroute_protocols::WorkerWithDpRank;
+use kvroute_protocols::{WorkerLoadReport, WorkerWithDpRank};
 use kvroute_scheduler::WorkerLoad;
 use std::sync::atomic::AtomicU64;
 
@@ -103,6 +110,9 @@ pub struct RouterMetrics {
     worker_blocks: Family<Labels, Gauge<f64, AtomicU64>>,
     worker_prefill: Family<Labels, Gauge>,
     worker_requests: Family<Labels, Gauge>,
+    worker_reported_requests: Family<Labels, Gauge>,
+    worker_reported_blocks: Family<Labels, Gauge>,
+    requests_reconciled: Counter,
     prediction_error: Family<Labels, Histogram, fn() -> Histogram>,
     report_prompt: Family<Labels, Counter>,
     report_predicted: Family<Labels, Counter>,
@@ -152,6 +162,9 @@ impl RouterMetrics {
             worker_blocks: Family::default(),
             worker_prefill: Family::default(),
             worker_requests: Family::default(),
+            worker_reported_requests: Family::default(),
+            worker_reported_blocks: Family::default(),
+            requests_reconciled: Counter::default(),
             prediction_error: Family::new_with_constructor(prediction_error_histogram),
             report_prompt: Family::default(),
             report_predicted: Family::default(),
@@ -233,6 +246,21 @@ impl RouterMetrics {
             "worker_active_requests",
             "Requests in flight per worker rank",
             self.worker_requests.clone(),
+        );
+        registry.register(
+            "worker_reported_requests",
+            "Requests running plus waiting per worker rank, as the worker last reported them",
+            self.worker_reported_requests.clone(),
+        );
+        registry.register(
+            "worker_reported_kv_blocks",
+            "KV blocks in use per worker rank, as the worker last reported them",
+            self.worker_reported_blocks.clone(),
+        );
+        registry.register(
+            "requests_reconciled",
+            "Other replicas' requests freed because their worker's report no longer counted them",
+            self.requests_reconciled.clone(),
         );
         registry.register(
             "prediction_error_tokens",
@@ -354,6 +382,39 @@ impl RouterMetrics {
                 .get_or_create(&labels)
                 .set(i64::try_from(load.active_requests).unwrap_or(i64::MAX));
         }
+    }
+
+    /// Replaces the reported-load gauges with these reports (workers not listed disappear; a
+    /// figure a worker did not report has no sample).
+    pub fn set_worker_reports<'a>(
+        &self,
+        reports: impl IntoIterator<Item = (WorkerWithDpRank, &'a WorkerLoadReport)>,
+    ) {
+        self.worker_reported_requests.clear();
+        self.worker_reported_blocks.clear();
+        for (w, report) in reports {
+            let labels = vec![
+                ("worker", w.worker_id.to_string()),
+                ("dp_rank", w.dp_rank.to_string()),
+            ];
+            if let Some(requests) = report.requests() {
+                self.worker_reported_requests
+                    .get_or_create(&labels)
+                    .set(i64::try_from(requests).unwrap_or(i64::MAX));
+            }
+            if let Some(blocks) = report.kv_used_blocks {
+                self.worker_reported_blocks
+                    .get_or_create(&labels)
+                    .set(i64::try_from(blocks).unwrap_or(i64::MAX));
+            }
+        }
+    }
+
+    /// Brings `requests_reconciled_total` up to `total`, the scheduler's own monotonic count
+    /// (a smaller `total` changes nothing: a counter never goes down).
+    pub fn set_requests_reconciled(&self, total: u64) {
+        let delta = total.saturating_sub(self.requests_reconciled.get());
+        self.requests_reconciled.inc_by(delta);
     }
 
     /// The Prometheus text exposition of every metric (for a `/metrics` endpoint).

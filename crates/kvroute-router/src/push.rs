@@ -571,15 +571,23 @@ impl Inner {
     }
 
     fn refresh_worker_gauges(&self) {
-        let loads: Vec<_> = {
+        let (loads, reports, reconciled): (Vec<_>, Vec<_>, _) = {
             let state = self.state.lock();
-            state
-                .core
-                .workers()
-                .filter_map(|w| state.core.worker_load(w).map(|l| (w, l)))
-                .collect()
+            let core = &state.core;
+            (
+                core.workers()
+                    .filter_map(|w| core.worker_load(w).map(|l| (w, l)))
+                    .collect(),
+                core.workers()
+                    .filter_map(|w| core.reported_load(w).map(|r| (w, *r)))
+                    .collect(),
+                core.scheduler().metrics().snapshot().requests_reconciled,
+            )
         };
         self.metrics.set_worker_loads(loads);
+        self.metrics
+            .set_worker_reports(reports.iter().map(|(w, r)| (*w, r)));
+        self.metrics.set_requests_reconciled(reconciled);
     }
 
     /// Runs one session command on its worker; says whether it succeeded.

@@ -8,6 +8,10 @@ use kvroute_protocols::RouterConfigOverride;
 /// the issue asks for five minutes, which also bounds how long a leaked request skews routing).
 pub const DEFAULT_REQUEST_EXPIRY: Duration = Duration::from_secs(300);
 
+/// Default age below which a request is kept whatever its worker reports: long enough for a
+/// routed request to reach the engine and for the engine's report to reach the router.
+pub const DEFAULT_REPORT_GRACE: Duration = Duration::from_secs(5);
+
 /// Everything the scheduler needs to know up front.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SchedulerConfig {
@@ -24,6 +28,10 @@ pub struct SchedulerConfig {
     pub track_output_blocks: bool,
     /// A request nobody freed is dropped from the load after this long.
     pub request_expiry: Duration,
+    /// A request tracked for less than this is never freed because its worker's report does
+    /// not count it ([`crate::Scheduler::reconcile_reported`]); zero frees any the report
+    /// leaves out.
+    pub report_grace: Duration,
     /// Above these a worker is not eligible at all.
     pub busy: LoadThresholds,
     /// Above these a worker is "full": when every eligible worker is full, requests wait.
@@ -43,6 +51,7 @@ impl SchedulerConfig {
             temperature: 0.0,
             track_output_blocks: false,
             request_expiry: DEFAULT_REQUEST_EXPIRY,
+            report_grace: DEFAULT_REPORT_GRACE,
             busy: LoadThresholds::default(),
             queue_threshold: LoadThresholds::default(),
             cache_hit_weights: CacheHitWeights::reference(),

@@ -4,7 +4,8 @@
 //! Entry types: [`Scheduler`] (register workers with [`WorkerSpec`], [`Scheduler::select`] a
 //! worker for a [`SelectRequest`], then track the request with [`Scheduler::add_request`],
 //! [`Scheduler::mark_prefill_completed`], [`Scheduler::add_output_tokens`], [`Scheduler::free`]
-//! and [`Scheduler::expire`]) and [`AdmissionQueue`]. The cost has three presets of
+//! and [`Scheduler::expire`], holding it against what a worker reports with
+//! [`Scheduler::reconcile_reported`]) and [`AdmissionQueue`]. The cost has three presets of
 //! [`CostWeights`]: [`CostWeights::reference`], the reference's default;
 //! [`CostWeights::locality`], which weighs prefill and a prompt's own cache above decode load
 //! (the router's default policy); and [`CostWeights::load_adaptive`], whose prefill weight rises
@@ -25,8 +26,8 @@ mod select;
 mod workers;
 
 pub use config::{
-    CacheHitWeights, ConfigError, CostWeights, DEFAULT_BATCH_BUDGET_TOKENS, DEFAULT_REQUEST_EXPIRY,
-    LoadThresholds, PrefillThreshold, SchedulerConfig,
+    CacheHitWeights, ConfigError, CostWeights, DEFAULT_BATCH_BUDGET_TOKENS, DEFAULT_REPORT_GRACE,
+    DEFAULT_REQUEST_EXPIRY, LoadThresholds, PrefillThreshold, SchedulerConfig,
 };
 pub use load::{LoadError, NewRequest, RequestId, RequestLoad, WorkerLoad};
 pub use queue::{AdmissionQueue, QueueMeta, QueuePolicy, TryPushError};

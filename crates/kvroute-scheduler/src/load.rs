@@ -400,6 +400,37 @@ impl Requests {
         expired
     }
 
+    /// Frees, oldest first, at most `excess` requests on slot `slot_idx` that started before
+    /// `started_before` and that `owned` says nobody owns; returns their ids.
+    pub(crate) fn reconcile(
+        &mut self,
+        workers: &mut Workers,
+        slot_idx: u32,
+        excess: u64,
+        started_before: Duration,
+        mut owned: impl FnMut(RequestId) -> bool,
+    ) -> Vec<RequestId> {
+        let mut stale: Vec<(Duration, RequestId)> = self
+            .slab
+            .iter()
+            .flatten()
+            .filter(|s| s.slot == slot_idx && s.started_at < started_before)
+            .map(|s| (s.started_at, s.id))
+            .filter(|&(_, id)| !owned(id))
+            .collect();
+        stale.sort_unstable();
+        let mut freed = Vec::new();
+        for (_, id) in stale {
+            if freed.len() as u64 >= excess {
+                break;
+            }
+            if self.free(workers, id).is_ok() {
+                freed.push(id);
+            }
+        }
+        freed
+    }
+
     fn is_live(&self, started: Duration, id: RequestId, ri: u32) -> bool {
         matches!(&self.slab[ri as usize], Some(s) if s.id == id && s.started_at == started)
     }

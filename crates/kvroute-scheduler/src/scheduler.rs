@@ -153,6 +153,44 @@ impl Scheduler {
         expired
     }
 
+    /// Holds the load tracked on `worker` against the `reported_requests` (running plus
+    /// waiting) its engine says it holds at `now`. When more are tracked there, the oldest
+    /// requests that `owned` says nobody owns and that started more than
+    /// [`SchedulerConfig::report_grace`] before `now` are freed, at most as many as the excess,
+    /// and counted as reconciled; their ids are returned. The grace keeps requests routed in the
+    /// last moments, which the engine may not have received when it reported. An owned request
+    /// is never freed here: its caller ends it, and one waiting in the engine's queue is load.
+    /// Costs O(1) when the engine holds at least as many requests as are tracked.
+    pub fn reconcile_reported(
+        &mut self,
+        worker: WorkerWithDpRank,
+        reported_requests: u64,
+        now: Duration,
+        owned: impl FnMut(RequestId) -> bool,
+    ) -> Result<Vec<RequestId>, LoadError> {
+        let Some(&idx) = self.workers.slot_of.get(&worker) else {
+            return Err(LoadError::UnknownWorker(worker));
+        };
+        let Some(slot) = self.workers.slot(idx) else {
+            return Err(LoadError::UnknownWorker(worker));
+        };
+        let excess = slot.load.active_requests.saturating_sub(reported_requests);
+        // Nothing started before the epoch plus the grace can be older than the grace.
+        let Some(started_before) = now.checked_sub(self.config.report_grace) else {
+            return Ok(Vec::new());
+        };
+        if excess == 0 {
+            return Ok(Vec::new());
+        }
+        let freed = self
+            .requests
+            .reconcile(&mut self.workers, idx, excess, started_before, owned);
+        self.metrics
+            .requests_reconciled
+            .fetch_add(freed.len() as u64, Ordering::Relaxed);
+        Ok(freed)
+    }
+
     /// Number of active requests across all workers.
     pub fn active_requests(&self) -> usize {
         self.requests.len()
@@ -180,6 +218,7 @@ pub struct SchedulerMetrics {
     pub(crate) requests_added: AtomicU64,
     pub(crate) requests_freed: AtomicU64,
     pub(crate) requests_expired: AtomicU64,
+    pub(crate) requests_reconciled: AtomicU64,
     pub(crate) decisions: AtomicU64,
     pub(crate) selection_errors: AtomicU64,
 }
@@ -193,6 +232,9 @@ pub struct MetricsSnapshot {
     pub requests_freed: u64,
     /// Requests nobody freed, dropped after the expiry time.
     pub requests_expired: u64,
+    /// Requests nobody owned that a worker's report showed it no longer held, dropped
+    /// ([`Scheduler::reconcile_reported`]).
+    pub requests_reconciled: u64,
     /// Successful selections.
     pub decisions: u64,
     /// Selections that returned an error.
@@ -206,6 +248,7 @@ impl SchedulerMetrics {
             requests_added: self.requests_added.load(Ordering::Relaxed),
             requests_freed: self.requests_freed.load(Ordering::Relaxed),
             requests_expired: self.requests_expired.load(Ordering::Relaxed),
+            requests_reconciled: self.requests_reconciled.load(Ordering::Relaxed),
             decisions: self.decisions.load(Ordering::Relaxed),
             selection_errors: self.selection_errors.load(Ordering::Relaxed),
         }

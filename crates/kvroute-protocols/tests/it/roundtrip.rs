@@ -117,6 +117,9 @@ proptest! {
     fn worker_with_dp_rank_round_trip(v in worker_with_dp_rank()) { round_trip(&v)?; }
 
     #[test]
+    fn worker_load_report_round_trip(v in worker_load_report()) { round_trip(&v)?; }
+
+    #[test]
     fn router_event_round_trip(v in router_event()) { round_trip(&v)?; }
 
     /// Any prefix of a valid frame is rejected cleanly, never decoded into something else.

@@ -15,7 +15,7 @@ use kvroute_protocols::{
     MmRoutingInfo, NvExt, NvExtResponse, OutputOptions, PrefillResult, PreprocessedRequest,
     PromptTokensDetails, RequestPhase, RouterConfigOverride, RoutingConstraints, RoutingHints,
     SamplingOptions, SessionAction, SessionControl, StopConditions, TimingInfo, WorkerIdInfo,
-    WorkerWithDpRank,
+    WorkerLoadReport, WorkerWithDpRank,
 };
 use proptest::collection::vec;
 use proptest::option::of;
@@ -468,6 +468,27 @@ pub(crate) fn annotated_output() -> impl Strategy<Value = Annotated<LLMEngineOut
 
 pub(crate) fn worker_with_dp_rank() -> impl Strategy<Value = WorkerWithDpRank> {
     (any::<u64>(), any::<u32>()).prop_map(|(w, r)| WorkerWithDpRank::new(w, r))
+}
+
+pub(crate) fn worker_load_report() -> impl Strategy<Value = WorkerLoadReport> {
+    (
+        any::<u64>(),
+        any::<u32>(),
+        of(any::<u64>()),
+        of(any::<u64>()),
+        of(any::<u64>()),
+    )
+        .prop_map(
+            |(worker_id, dp_rank, kv_used_blocks, requests_running, requests_waiting)| {
+                WorkerLoadReport {
+                    worker_id,
+                    dp_rank,
+                    kv_used_blocks,
+                    requests_running,
+                    requests_waiting,
+                }
+            },
+        )
 }
 
 pub(crate) fn router_event() -> impl Strategy<Value = RouterEvent> {

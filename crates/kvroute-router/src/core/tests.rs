@@ -6,7 +6,7 @@ use kvroute_protocols::kv_events::{
     KvCacheStoredBlockData, RouterEvent, StorageTier,
 };
 use kvroute_protocols::{
-    RequestPhase, RoutingHints, SessionAction, SessionControl, WorkerWithDpRank,
+    RequestPhase, RoutingHints, SessionAction, SessionControl, WorkerLoadReport, WorkerWithDpRank,
 };
 use kvroute_scheduler::{CacheHitWeights, RequestId, WorkerSpec};
 use kvroute_sessions::{AffinityStore, SessionCommand};
@@ -420,6 +420,86 @@ fn expire_keeps_routed_requests_however_long_they_wait_and_frees_unowned_load() 
     assert_eq!(core.scheduler().metrics().snapshot().requests_expired, 1);
     core.on_finished(RequestId(1));
     assert_idle(&core);
+}
+
+#[test]
+fn a_load_report_frees_other_replicas_requests_the_worker_no_longer_holds() {
+    let mut core = core(Policy::Kv, &[(1, KvMode::Events), (2, KvMode::Events)]);
+    core.route(&RouteRequest::new(RequestId(1), &prompt(8)), T0, &mut rng())
+        .unwrap();
+    let routed_to = core.request_worker(RequestId(1)).unwrap();
+    let load = core.request_load(RequestId(1)).unwrap();
+    // Three requests of a replica that died, on the same worker, the last one recent.
+    for (id, at) in [(10, 0), (11, 1), (12, 58)] {
+        core.add_remote_request(RequestId(id), &load, Duration::from_secs(at))
+            .unwrap();
+    }
+    let now = Duration::from_secs(60);
+    let report = WorkerLoadReport::new(routed_to.worker_id).with_requests(0, 1);
+    // The engine holds one request (ours, queued); the two old remote ones go, the one routed
+    // within the grace stays, and ours stays whatever the report says.
+    assert_eq!(
+        core.on_load_report(&report, now),
+        Ok(vec![RequestId(10), RequestId(11)])
+    );
+    assert_eq!(core.worker_load(routed_to).unwrap().active_requests, 2);
+    assert_eq!(core.reported_load(routed_to), Some(&report));
+    assert_eq!(core.scheduler().metrics().snapshot().requests_reconciled, 2);
+    // An idle report frees the last remote request once it is old enough, never ours.
+    let idle = WorkerLoadReport::new(routed_to.worker_id).with_requests(0, 0);
+    assert_eq!(core.on_load_report(&idle, now), Ok(vec![]));
+    assert_eq!(
+        core.on_load_report(&idle, Duration::from_secs(70)),
+        Ok(vec![RequestId(12)])
+    );
+    assert_eq!(core.request_worker(RequestId(1)), Some(routed_to));
+    assert_eq!(core.stats().load_reports_applied, 3);
+    // Their replica's late `Freed` is harmless.
+    assert!(core.on_finished(RequestId(10)).is_empty());
+    core.on_finished(RequestId(1));
+    assert_idle(&core);
+}
+
+#[test]
+fn load_reports_without_counts_are_recorded_bad_ones_refused_unknown_ones_skipped() {
+    let mut core = core(Policy::Kv, &[(1, KvMode::Events)]);
+    let load = kvroute_scheduler::RequestLoad {
+        worker: w(1),
+        prefill_tokens: 8,
+        block_hashes: vec![1, 2],
+        expected_output_tokens: None,
+    };
+    core.add_remote_request(RequestId(10), &load, T0).unwrap();
+    let later = Duration::from_secs(60);
+    // Blocks only: recorded, no request count to hold the load against.
+    let blocks = WorkerLoadReport::new(1).with_kv_used_blocks(40);
+    assert_eq!(core.on_load_report(&blocks, later), Ok(vec![]));
+    assert_eq!(core.reported_load(w(1)), Some(&blocks));
+    assert_eq!(core.worker_load(w(1)).unwrap().active_requests, 1);
+    // Half a queue is refused and changes nothing.
+    let half = WorkerLoadReport {
+        requests_running: Some(0),
+        ..WorkerLoadReport::new(1)
+    };
+    let err = core.on_load_report(&half, later).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "requests_waiting must be present when requests_running is, got nothing"
+    );
+    assert_eq!(core.reported_load(w(1)), Some(&blocks));
+    // A rank or a worker this core does not serve: skipped, counted, not recorded.
+    for report in [
+        WorkerLoadReport::new(1).with_dp_rank(3).with_requests(0, 0),
+        WorkerLoadReport::new(9).with_requests(0, 0),
+    ] {
+        assert_eq!(core.on_load_report(&report, later), Ok(vec![]));
+        assert_eq!(core.reported_load(report.worker()), None);
+    }
+    assert_eq!(core.stats().load_reports_unregistered, 2);
+    assert_eq!(core.stats().load_reports_applied, 1);
+    // Removing the worker forgets its report.
+    assert_eq!(core.remove_worker(1), vec![RequestId(10)]);
+    assert_eq!(core.reported_load(w(1)), None);
 }
 
 /// A `Stored` event from `worker` caching, in `tier`, full blocks `from..to` of `tokens`, its

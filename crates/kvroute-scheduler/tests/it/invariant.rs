@@ -15,6 +15,12 @@ const BS: u32 = 4;
 const WORKERS: u64 = 6;
 const ONE: u64 = 1 << 16;
 const TTL: u64 = 50;
+const GRACE: u64 = 10;
+
+/// Who owns a request in the reconcile operations.
+fn owned(id: RequestId) -> bool {
+    id.0.is_multiple_of(3)
+}
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -34,6 +40,11 @@ enum Op {
     Free(usize),
     /// Advance the clock by this many seconds and run expiry.
     Tick(u64),
+    /// `worker`'s engine reports holding `requests` (reconciled, ids divisible by 3 owned).
+    Report {
+        worker: u64,
+        requests: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -44,6 +55,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (any::<prop::sample::Index>(), 0..12u64).prop_map(|(i, n)| Op::Output(i.index(1 << 16), n)),
         3 => any::<prop::sample::Index>().prop_map(|i| Op::Free(i.index(1 << 16))),
         1 => (1..30u64).prop_map(Op::Tick),
+        1 => (0..WORKERS, 0..4u64).prop_map(|(worker, requests)| Op::Report { worker, requests }),
     ]
 }
 
@@ -100,6 +112,7 @@ fn model_load(reqs: &BTreeMap<u64, ModelReq>, worker: u64) -> WorkerLoad {
 fn run(ops: &[Op]) -> Result<(), TestCaseError> {
     let mut config = SchedulerConfig::new(BS);
     config.request_expiry = Duration::from_secs(TTL);
+    config.report_grace = Duration::from_secs(GRACE);
     // The model grows output blocks, so the scheduler must too.
     config.track_output_blocks = true;
     let mut s = Scheduler::new(config).expect("valid config");
@@ -194,6 +207,30 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                 want.sort();
                 prop_assert_eq!(&expired, &want);
                 model.retain(|_, r| r.started + TTL > now);
+            }
+            Op::Report { worker, requests } => {
+                let freed = s
+                    .reconcile_reported(w(worker), requests, Duration::from_secs(now), owned)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                let tracked = model.values().filter(|r| r.worker == worker).count() as u64;
+                let mut stale: Vec<(u64, u64)> = model
+                    .iter()
+                    .filter(|(id, r)| {
+                        r.worker == worker && !owned(RequestId(**id)) && now - r.started > GRACE
+                    })
+                    .map(|(id, r)| (r.started, *id))
+                    .collect();
+                stale.sort();
+                let excess = tracked.saturating_sub(requests) as usize;
+                let want: Vec<RequestId> = stale
+                    .iter()
+                    .take(excess)
+                    .map(|&(_, id)| RequestId(id))
+                    .collect();
+                prop_assert_eq!(&freed, &want);
+                for id in &want {
+                    model.remove(&id.0);
+                }
             }
         }
         for id in 0..WORKERS {

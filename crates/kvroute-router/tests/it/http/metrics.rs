@@ -3,11 +3,14 @@
 //! OpenMetrics either way.
 
 use std::collections::HashSet;
+use std::time::Duration;
 
 use kvroute_prefill::PrefillRouterConfig;
+use kvroute_protocols::{WorkerLoadReport, WorkerWithDpRank};
 use kvroute_router::http::{AppState, Disagg};
 use kvroute_router::{KvPhaseRouter, KvPushRouter, ModelRegistry, Policy, role_filtered};
 use kvroute_runtime::{Discovery, WorkerRole};
+use kvroute_scheduler::{RequestId, RequestLoad};
 use serde_json::json;
 
 use super::usage::{UsageEngine, disagg_server};
@@ -239,6 +242,56 @@ fn the_engines_cached_tokens_are_compared_with_the_prediction_per_worker() {
             assert!(text.contains(expected), "missing {expected:?} in\n{text}");
         }
         eventually("all load is freed", || idle(&router)).await;
+    });
+}
+
+#[test]
+fn reported_load_shows_beside_the_predicted_and_reconciled_requests_are_counted() {
+    run(async {
+        let fleet = Fleet::start(1).await;
+        let router = fleet.router(Policy::Kv).await;
+        eventually("the worker to join", || {
+            router.with_core(|c| c.workers().count()) == 1
+        })
+        .await;
+        let worker = WorkerWithDpRank::from_worker_id(1);
+        let freed = router.with_core(|core| {
+            // Two requests of another replica that died; the worker reports one request.
+            let load = RequestLoad {
+                worker,
+                prefill_tokens: 8,
+                block_hashes: vec![1, 2],
+                expected_output_tokens: None,
+            };
+            for id in [1 << 40, (1 << 40) + 1] {
+                core.add_remote_request(RequestId(id), &load, Duration::ZERO)
+                    .unwrap();
+            }
+            let report = WorkerLoadReport::new(1)
+                .with_requests(1, 0)
+                .with_kv_used_blocks(12);
+            core.on_load_report(&report, Duration::from_secs(60))
+                .unwrap()
+        });
+        assert_eq!(freed, vec![RequestId(1 << 40)]);
+        let text = router.metrics_text();
+        assert_openmetrics(&text);
+        for expected in [
+            "kvroute_router_worker_active_requests{worker=\"1\",dp_rank=\"0\"} 1\n",
+            "kvroute_router_worker_reported_requests{worker=\"1\",dp_rank=\"0\"} 1\n",
+            "kvroute_router_worker_reported_kv_blocks{worker=\"1\",dp_rank=\"0\"} 12\n",
+            "kvroute_router_requests_reconciled_total 1\n",
+        ] {
+            assert!(text.contains(expected), "missing {expected:?} in\n{text}");
+        }
+        // Reading the metrics again does not count the reconciled request twice.
+        assert!(
+            router
+                .metrics_text()
+                .contains("kvroute_router_requests_reconciled_total 1\n")
+        );
+        router.with_core(|core| core.on_finished(RequestId((1 << 40) + 1)));
+        assert!(idle(&router));
     });
 }
 
