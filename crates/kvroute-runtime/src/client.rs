@@ -10,6 +10,7 @@ use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use kvroute_protocols::SessionControl;
 use kvroute_protocols::WorkerId;
+use kvroute_protocols::WorkerLoadReport;
 use kvroute_protocols::kv_events::RouterEvent;
 use parking_lot::Mutex;
 use serde::Serialize;
@@ -211,14 +212,29 @@ where
         &self,
         from: Option<u64>,
     ) -> Result<ClientStream<RouterEvent>, RequestError> {
+        self.open_feed(Kind::SubscribeKvEvents, &from).await
+    }
+
+    /// Opens a long-lived stream of the worker's load reports (see
+    /// [`crate::LoadReporter::subscribe`]): every rank's latest at once, then on every change
+    /// and every heartbeat, until the stream is dropped or the connection closes. Only call it
+    /// on a worker whose metadata states [`crate::LOAD_REPORTS_METADATA`] `= "true"`: an older
+    /// worker does not know the call and drops the connection. Fails with
+    /// [`RequestError::Unsupported`] when the worker sends no reports.
+    pub async fn subscribe_load_reports(
+        &self,
+    ) -> Result<ClientStream<WorkerLoadReport>, RequestError> {
+        self.open_feed(Kind::SubscribeLoadReports, &()).await
+    }
+
+    /// Opens a long-lived stream of `kind` (a subscription), with no first-response deadline.
+    async fn open_feed<T, B: Serialize>(
+        &self,
+        kind: Kind,
+        body: &B,
+    ) -> Result<ClientStream<T>, RequestError> {
         let (id, rx) = self.conn.open_slot()?;
-        let sent = frame::encode(
-            Kind::SubscribeKvEvents,
-            id,
-            &from,
-            self.conn.config.max_frame_bytes,
-        );
-        let sent = match sent {
+        let sent = match frame::encode(kind, id, body, self.conn.config.max_frame_bytes) {
             Ok(f) => self
                 .conn
                 .tx

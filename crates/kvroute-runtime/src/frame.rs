@@ -56,6 +56,10 @@ pub(crate) enum Kind {
     /// A long-lived stream of the worker's KV events: `Option<u64>`, the first event id wanted
     /// (`None`: only events published from now on). Items are `RouterEvent`s.
     SubscribeKvEvents = 0x08,
+    /// A long-lived stream of the worker's load reports (empty body `()`). Items are
+    /// `WorkerLoadReport`s; only workers that state `load_reports = "true"` in their metadata
+    /// know this kind.
+    SubscribeLoadReports = 0x09,
     /// Server hello acknowledgement: [`HelloAck`].
     HelloAck = 0x81,
     /// One response item of a stream.
@@ -83,6 +87,7 @@ impl Kind {
             0x06 => Kind::KvDump,
             0x07 => Kind::Ping,
             0x08 => Kind::SubscribeKvEvents,
+            0x09 => Kind::SubscribeLoadReports,
             0x81 => Kind::HelloAck,
             0x82 => Kind::Item,
             0x83 => Kind::End,

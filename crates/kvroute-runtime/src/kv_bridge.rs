@@ -7,6 +7,10 @@
 //! worker's event ids asks the worker for the range (or a dump). The bridge resumes a dropped
 //! stream from the id after the last one it forwarded, so a reconnect loses nothing the worker
 //! still holds. With a real broker the workers publish there themselves and no bridge runs.
+//!
+//! A worker whose metadata states [`LOAD_REPORTS_METADATA`] `= "true"` also has its load
+//! reports followed (`subscribe_load_reports`) and republished as JSON on
+//! [`LOAD_REPORT_SUBJECT`]; they need no repair, since the worker repeats them every heartbeat.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -22,6 +26,7 @@ use crate::discovery::{DiscoveryEvent, InstanceInfo, InstanceSet, diff_instances
 use crate::error::RequestError;
 use crate::event_plane::{EventPlane, encode_router_event};
 use crate::kv_publisher::KV_EVENT_SUBJECT;
+use crate::load_reporter::{LOAD_REPORT_SUBJECT, LOAD_REPORTS_METADATA, encode_load_report};
 
 /// The instance metadata key whose value `"false"` says the worker publishes no KV events (the
 /// bridge then does not subscribe). kvroute-router reads the same key.
@@ -79,12 +84,14 @@ impl Drop for KvEventBridge {
     }
 }
 
-/// Aborts its forwarder when dropped, so that the map of feeds owns them.
-struct Feed(JoinHandle<()>);
+/// Aborts its forwarders when dropped, so that the map of feeds owns them.
+struct Feed(Vec<JoinHandle<()>>);
 
 impl Drop for Feed {
     fn drop(&mut self) {
-        self.0.abort();
+        for task in &self.0 {
+            task.abort();
+        }
     }
 }
 
@@ -107,12 +114,29 @@ async fn follow(
                         .metadata
                         .get(KV_EVENTS_METADATA)
                         .is_none_or(|v| v != "false");
+                    let reports = info
+                        .metadata
+                        .get(LOAD_REPORTS_METADATA)
+                        .is_some_and(|v| v == "true");
                     // Inserting replaces (and so stops) the feed of an earlier registration.
                     feeds.remove(&info.id);
+                    let mut tasks = Vec::new();
                     if publishes {
-                        let task =
-                            tokio::spawn(forward(info.clone(), plane.clone(), config.clone()));
-                        feeds.insert(info.id, Feed(task));
+                        tasks.push(tokio::spawn(forward(
+                            info.clone(),
+                            plane.clone(),
+                            config.clone(),
+                        )));
+                    }
+                    if reports {
+                        tasks.push(tokio::spawn(forward_reports(
+                            info.clone(),
+                            plane.clone(),
+                            config.clone(),
+                        )));
+                    }
+                    if !tasks.is_empty() {
+                        feeds.insert(info.id, Feed(tasks));
                     }
                 }
             }
@@ -166,6 +190,57 @@ async fn stream_once(
             .await
         {
             tracing::warn!(worker = info.id, %error, "the event plane refused a KV event");
+        }
+        forwarded = true;
+    }
+    Ok(forwarded)
+}
+
+/// Forwards one worker's load reports until aborted, reconnecting with backoff.
+async fn forward_reports(
+    info: InstanceInfo,
+    plane: Arc<dyn EventPlane>,
+    config: Arc<KvEventBridgeConfig>,
+) {
+    let mut backoff = config.backoff_initial;
+    loop {
+        match reports_once(&info, plane.as_ref(), &config).await {
+            Ok(true) => backoff = config.backoff_initial,
+            Ok(false) => {}
+            Err(error) => {
+                tracing::debug!(worker = info.id, %error, "load report feed dropped; reconnecting");
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(config.backoff_max);
+    }
+}
+
+/// Runs one load-report subscription. Returns whether any report was forwarded.
+async fn reports_once(
+    info: &InstanceInfo,
+    plane: &dyn EventPlane,
+    config: &KvEventBridgeConfig,
+) -> Result<bool, RequestError> {
+    let client: Client<(), ()> = Client::connect(&info.address, config.client.clone()).await?;
+    let mut reports = client.subscribe_load_reports().await?;
+    let mut forwarded = false;
+    while let Some(report) = reports.next().await {
+        let report = report?;
+        if report.worker_id != info.id {
+            // A worker speaks only for itself: another id is a misconfigured fleet.
+            tracing::warn!(
+                worker = info.id,
+                reported = report.worker_id,
+                "dropping a load report about another worker"
+            );
+            continue;
+        }
+        if let Err(error) = plane
+            .publish(LOAD_REPORT_SUBJECT, encode_load_report(&report))
+            .await
+        {
+            tracing::debug!(worker = info.id, %error, "the event plane refused a load report");
         }
         forwarded = true;
     }

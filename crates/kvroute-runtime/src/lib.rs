@@ -9,7 +9,8 @@
 //! the caller, [`Discovery`] ([`InProcessDiscovery`], [`StaticDiscovery`], and across processes
 //! [`RegistryServer`] with [`RemoteDiscovery`]), [`EventPlane`] ([`InProcessEventPlane`]),
 //! [`KvEventPublisher`] (whose events a router in another process receives through
-//! [`KvEventBridge`], a `subscribe_kv_events` stream per worker), [`ZmqKvListener`].
+//! [`KvEventBridge`], a `subscribe_kv_events` stream per worker), [`LoadReporter`] (the
+//! worker's own load, followed the same way), [`ZmqKvListener`].
 //!
 //! One machine needs no external service: workers register with the router's
 //! [`RegistryServer`] and the router subscribes to each worker's KV events over the request
@@ -69,6 +70,7 @@ mod frame;
 mod kv_bridge;
 mod kv_publisher;
 mod llm;
+mod load_reporter;
 mod push_router;
 mod server;
 mod zmq_listener;
@@ -91,6 +93,10 @@ pub use kv_bridge::{KV_EVENTS_METADATA, KvEventBridge, KvEventBridgeConfig};
 pub use kv_publisher::{
     DEFAULT_RING_CAPACITY, KV_EVENT_BASE_METADATA, KV_EVENT_SUBJECT, KvDump, KvEventPublisher,
     RangeError, incarnation_event_base,
+};
+pub use load_reporter::{
+    DEFAULT_REPORT_HEARTBEAT, LOAD_REPORT_SUBJECT, LOAD_REPORTS_METADATA, LoadReporter,
+    encode_load_report,
 };
 pub use llm::{LlmClient, LlmClientStream, LlmEngine, LlmPushRouter, LlmResponse, LlmRoutedStream};
 pub use push_router::{PushRouter, PushRouterConfig, RouteError, RouteMode, RoutedStream};

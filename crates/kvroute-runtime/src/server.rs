@@ -18,6 +18,7 @@ use tokio_util::codec::{FramedRead, FramedWrite};
 use crate::engine::{Engine, EngineError, RequestContext};
 use crate::frame::{self, CancelKind, Frame, HelloAck, Kind, WireError, WireErrorCode};
 use crate::kv_publisher::{KvEventPublisher, RangeError};
+use crate::load_reporter::LoadReporter;
 
 /// How a [`WorkerServer`] runs.
 #[derive(Debug, Clone)]
@@ -34,6 +35,9 @@ pub struct WorkerServerConfig {
     /// The KV event publisher whose ring answers gap-recovery calls; without one those calls are
     /// answered as unsupported.
     pub kv_events: Option<KvEventPublisher>,
+    /// The reporter whose load reports `subscribe_load_reports` streams; without one that call
+    /// is answered as unsupported.
+    pub load_reports: Option<LoadReporter>,
 }
 
 impl WorkerServerConfig {
@@ -46,12 +50,19 @@ impl WorkerServerConfig {
             handshake_timeout: Duration::from_secs(5),
             max_streams_per_connection: 65_536,
             kv_events: None,
+            load_reports: None,
         }
     }
 
     /// The same config answering gap-recovery and dump calls from `publisher`.
     pub fn with_kv_events(mut self, publisher: KvEventPublisher) -> Self {
         self.kv_events = Some(publisher);
+        self
+    }
+
+    /// The same config streaming `reporter`'s load reports to subscribers.
+    pub fn with_load_reports(mut self, reporter: LoadReporter) -> Self {
+        self.load_reports = Some(reporter);
         self
     }
 }
@@ -352,6 +363,31 @@ async fn run_streams<E: Engine>(
                     }
                 }
             }
+            Kind::SubscribeLoadReports => {
+                if streams.contains_key(&f.stream) {
+                    break Err(format!("stream id {} is already in use", f.stream));
+                }
+                match &shared.config.load_reports {
+                    None => {
+                        let e = WireError {
+                            code: WireErrorCode::Unsupported,
+                            message: "this worker sends no load reports".to_owned(),
+                        };
+                        send_error(tx, f.stream, e.code, e.message, max).await;
+                    }
+                    Some(reporter) => {
+                        let context = RequestContext::new("load-reports");
+                        let task = tasks.spawn(run_report_feed(
+                            f.stream,
+                            reporter.clone(),
+                            context.clone(),
+                            tx.clone(),
+                            max,
+                        ));
+                        streams.insert(f.stream, StreamEntry { context, task });
+                    }
+                }
+            }
             Kind::Ping => {
                 let _ = tx.send(frame::encode_raw(Kind::Pong, f.stream, &[])).await;
             }
@@ -438,6 +474,35 @@ async fn run_kv_feed(
             Err(broadcast::error::RecvError::Closed) => break,
         };
         if !send_event(&tx, stream, &event, max).await {
+            return stream;
+        }
+    }
+    let _ = tx.send(frame::encode_raw(Kind::End, stream, &[])).await;
+    stream
+}
+
+/// Streams a load-report subscription ([`LoadReporter::subscribe`]) until the caller cancels,
+/// the connection closes or the reporter is dropped.
+async fn run_report_feed(
+    stream: u64,
+    reporter: LoadReporter,
+    context: RequestContext,
+    tx: mpsc::Sender<Bytes>,
+    max: usize,
+) -> u64 {
+    let mut reports = std::pin::pin!(reporter.subscribe());
+    drop(reporter);
+    loop {
+        let report = tokio::select! {
+            () = context.stopped() => break,
+            report = reports.next() => report,
+        };
+        let Some(report) = report else { break };
+        let sent = match frame::encode(Kind::Item, stream, &report, max) {
+            Ok(f) => tx.send(f).await.is_ok(),
+            Err(_) => true,
+        };
+        if !sent {
             return stream;
         }
     }

@@ -9,6 +9,7 @@ mod failure;
 mod frames;
 mod kv;
 mod kv_publishers;
+mod load_reports;
 mod remote;
 mod router;
 mod streams;
