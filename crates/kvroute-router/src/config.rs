@@ -1,5 +1,7 @@
 //! The router core's configuration and the per-worker KV mode.
 
+use std::time::Duration;
+
 use kvroute_indexer::ApproxConfig;
 use kvroute_scheduler::{CacheHitWeights, SchedulerConfig};
 use kvroute_sessions::{DEFAULT_MAX_SESSIONS, WorkerLossMode};
@@ -22,7 +24,14 @@ pub struct RouterConfig {
     pub session_loss: WorkerLossMode,
     /// Most sticky sessions held at once.
     pub max_sessions: usize,
+    /// A worker's load report older than this is forgotten (its `worker_reported_*` gauges
+    /// disappear): the worker stopped reporting. Workers repeat their reports every second by
+    /// default ([`kvroute_runtime::DEFAULT_REPORT_HEARTBEAT`]).
+    pub report_ttl: Duration,
 }
+
+/// How long a load report is kept without a newer one, unless configured otherwise.
+pub const DEFAULT_REPORT_TTL: Duration = Duration::from_secs(10);
 
 impl RouterConfig {
     /// The defaults for engines with `block_size` tokens per KV block: the default policy
@@ -35,6 +44,7 @@ impl RouterConfig {
             approx: ApproxConfig::default(),
             session_loss: WorkerLossMode::Soft,
             max_sessions: DEFAULT_MAX_SESSIONS,
+            report_ttl: DEFAULT_REPORT_TTL,
         }
     }
 

@@ -46,7 +46,8 @@ pub struct KvRouterCore<S: AffinityStore = InMemoryAffinityStore> {
     sessions: SessionCoordinator<S>,
     active: FastMap<RequestId, Active>,
     /// The last load each (worker, dp rank) reported of itself.
-    reports: FastMap<WorkerWithDpRank, WorkerLoadReport>,
+    /// Each rank's last load report and when it came.
+    reports: FastMap<WorkerWithDpRank, (WorkerLoadReport, Duration)>,
     rr_next: u64,
     stats: CoreStats,
     scratch: Scratch,
@@ -612,6 +613,9 @@ impl<S: AffinityStore> KvRouterCore<S> {
         }
         self.approx.expire(now);
         session_closes.extend(self.sessions.expire(now));
+        let ttl = self.config.report_ttl;
+        self.reports
+            .retain(|_, (_, at)| now.saturating_sub(*at) <= ttl);
         Expired {
             requests,
             session_closes,
@@ -641,7 +645,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
             return Ok(Vec::new());
         }
         self.stats.load_reports_applied += 1;
-        self.reports.insert(worker, *report);
+        self.reports.insert(worker, (*report, now));
         let Some(reported) = report.requests() else {
             return Ok(Vec::new());
         };
@@ -661,9 +665,10 @@ impl<S: AffinityStore> KvRouterCore<S> {
         Ok(freed)
     }
 
-    /// The last load `worker` reported of itself, if it reported any since it was registered.
+    /// The last load `worker` reported of itself, if it reported any since it was registered
+    /// and within the configured `report_ttl` (as of the last [`Self::expire`]).
     pub fn reported_load(&self, worker: WorkerWithDpRank) -> Option<&WorkerLoadReport> {
-        self.reports.get(&worker)
+        self.reports.get(&worker).map(|(report, _)| report)
     }
 
     // ----- load of other router replicas -----

@@ -64,7 +64,7 @@ mod push;
 mod request;
 pub mod tokenizer;
 
-pub use config::{KvMode, RouterConfig};
+pub use config::{DEFAULT_REPORT_TTL, KvMode, RouterConfig};
 pub use core::{
     CoreStats, Expired, IndexSnapshot, KvRouterCore, LaneSnapshot, SnapshotError, WorkerSnapshot,
 };

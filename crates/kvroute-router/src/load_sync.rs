@@ -163,6 +163,18 @@ impl LoadSync {
         self.free(inner, &dropped);
     }
 
+    /// Stops tracking remote requests already freed elsewhere (by a worker's load report), so
+    /// that `remote_requests` counts only live ones and a late `Freed` finds nothing.
+    pub(crate) fn forget(&self, ids: &[RequestId]) {
+        if ids.is_empty() {
+            return;
+        }
+        let ids: HashSet<RequestId> = ids.iter().copied().collect();
+        for remote in self.remote.lock().values_mut() {
+            remote.requests.retain(|_, id| !ids.contains(id));
+        }
+    }
+
     fn free(&self, inner: &Inner, ids: &[RequestId]) {
         if ids.is_empty() {
             return;

@@ -22,6 +22,7 @@
 //! | `worker_reported_requests` | gauge | `worker`, `dp_rank` | requests running plus waiting, as the worker last reported them |
 //! | `worker_reported_kv_blocks` | gauge | `worker`, `dp_rank` | KV blocks in use, as the worker last reported them |
 //! | `requests_reconciled_total` | counter | | other replicas' requests freed because their worker's report no longer counted them |
+//! | `load_reports_total` | counter | `outcome` = applied, unregistered (a worker this router does not serve), invalid (undecodable or failing validation; dropped) | worker load reports received |
 //! | `prediction_error_tokens` | histogram | `worker` | per request whose engine reported its cached prompt tokens: reported minus predicted (negative: the router over-predicted) |
 //! | `cache_report_prompt_tokens_total` | counter | `worker` | prompt tokens of those requests |
 //! | `cache_report_predicted_tokens_total` | counter | `worker` | tokens the router predicted cached for them |
@@ -66,6 +67,10 @@ pub const ROUTER_PREFILL: &str = "prefill";
 pub const ROUTER_DECODE: &str = "decode";
 
 type Labels = Vec<(&'static str, String)>;
+
+fn outcome_labels(outcome: &str) -> Labels {
+    vec![("outcome", outcome.to_owned())]
+}
 
 /// How a request ended, for `requests_finished_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,6 +118,7 @@ pub struct RouterMetrics {
     worker_reported_requests: Family<Labels, Gauge>,
     worker_reported_blocks: Family<Labels, Gauge>,
     requests_reconciled: Counter,
+    load_reports: Family<Labels, Counter>,
     prediction_error: Family<Labels, Histogram, fn() -> Histogram>,
     report_prompt: Family<Labels, Counter>,
     report_predicted: Family<Labels, Counter>,
@@ -165,6 +171,7 @@ impl RouterMetrics {
             worker_reported_requests: Family::default(),
             worker_reported_blocks: Family::default(),
             requests_reconciled: Counter::default(),
+            load_reports: Family::default(),
             prediction_error: Family::new_with_constructor(prediction_error_histogram),
             report_prompt: Family::default(),
             report_predicted: Family::default(),
@@ -263,6 +270,11 @@ impl RouterMetrics {
             self.requests_reconciled.clone(),
         );
         registry.register(
+            "load_reports",
+            "Worker load reports received, by outcome",
+            self.load_reports.clone(),
+        );
+        registry.register(
             "prediction_error_tokens",
             "Per request, cached prompt tokens the engine reported minus those the router predicted",
             self.prediction_error.clone(),
@@ -355,7 +367,7 @@ impl RouterMetrics {
     /// A request ended.
     pub fn on_finished(&self, outcome: Outcome) {
         self.finished
-            .get_or_create(&vec![("outcome", outcome.label().to_owned())])
+            .get_or_create(&outcome_labels(outcome.label()))
             .inc();
     }
 
@@ -415,6 +427,22 @@ impl RouterMetrics {
     pub fn set_requests_reconciled(&self, total: u64) {
         let delta = total.saturating_sub(self.requests_reconciled.get());
         self.requests_reconciled.inc_by(delta);
+    }
+
+    /// Brings `load_reports_total{outcome="applied"|"unregistered"}` up to the core's own
+    /// monotonic counts (smaller figures change nothing).
+    pub fn set_load_reports(&self, applied: u64, unregistered: u64) {
+        for (outcome, total) in [("applied", applied), ("unregistered", unregistered)] {
+            let counter = self.load_reports.get_or_create(&outcome_labels(outcome));
+            counter.inc_by(total.saturating_sub(counter.get()));
+        }
+    }
+
+    /// A load report was dropped: undecodable, or failing validation.
+    pub fn on_invalid_load_report(&self) {
+        self.load_reports
+            .get_or_create(&outcome_labels("invalid"))
+            .inc();
     }
 
     /// The Prometheus text exposition of every metric (for a `/metrics` endpoint).

@@ -18,7 +18,7 @@ use kvroute_protocols::{
 };
 use kvroute_runtime::{
     DiscoveryEvent, EventPlane, EventPlaneError, InstanceInfo, InstanceSet, KV_EVENT_BASE_METADATA,
-    KV_EVENT_SUBJECT, LlmPushRouter, PushRouterConfig, RouteMode, SnapshotStore, Subscription,
+    KV_EVENT_SUBJECT, LOAD_REPORT_SUBJECT, LlmPushRouter, PushRouterConfig, RouteMode, SnapshotStore, Subscription,
     decode_router_event, diff_instances,
 };
 use kvroute_scheduler::{ConfigError, RequestId, WorkerSpec};
@@ -276,6 +276,7 @@ impl KvPushRouter {
             Some(sequence) => events.subscribe_after(KV_EVENT_SUBJECT, sequence).await?,
             None => events.subscribe(KV_EVENT_SUBJECT).await?,
         };
+        let report_subscription = events.subscribe(LOAD_REPORT_SUBJECT).await?;
         let load_subscription = match &config.load_sync {
             Some(_) => Some(
                 events
@@ -319,6 +320,7 @@ impl KvPushRouter {
             tokio::spawn(event_loop(inner.clone(), subscription)),
             tokio::spawn(discovery_loop(inner.clone(), instances, initial)),
             tokio::spawn(expire_loop(inner.clone())),
+            tokio::spawn(report_loop(inner.clone(), report_subscription)),
         ];
         if inner.snapshots.is_some() {
             tasks.push(tokio::spawn(snapshot_loop(inner.clone())));
@@ -571,7 +573,7 @@ impl Inner {
     }
 
     fn refresh_worker_gauges(&self) {
-        let (loads, reports, reconciled): (Vec<_>, Vec<_>, _) = {
+        let (loads, reports, reconciled, stats): (Vec<_>, Vec<_>, _, _) = {
             let state = self.state.lock();
             let core = &state.core;
             (
@@ -582,8 +584,11 @@ impl Inner {
                     .filter_map(|w| core.reported_load(w).map(|r| (w, *r)))
                     .collect(),
                 core.scheduler().metrics().snapshot().requests_reconciled,
+                core.stats(),
             )
         };
+        self.metrics
+            .set_load_reports(stats.load_reports_applied, stats.load_reports_unregistered);
         self.metrics.set_worker_loads(loads);
         self.metrics
             .set_worker_reports(reports.iter().map(|(w, r)| (*w, r)));
@@ -941,6 +946,39 @@ async fn discovery_loop(
             inner.on_discovery(event).await;
         }
         known = current;
+    }
+}
+
+/// Holds the tracked load against the workers' own reports ([`LOAD_REPORT_SUBJECT`]): each
+/// report is recorded (for `/metrics`) and frees other replicas' requests the worker no longer
+/// holds ([`KvRouterCore::on_load_report`]). An undecodable or invalid report is counted and
+/// dropped.
+async fn report_loop(inner: Arc<Inner>, mut subscription: Subscription) {
+    while let Some(message) = subscription.next().await {
+        let report = match kvroute_protocols::WorkerLoadReport::from_json(&message.payload) {
+            Ok(report) => report,
+            Err(error) => {
+                inner.metrics.on_invalid_load_report();
+                tracing::warn!(%error, "dropping an invalid worker load report");
+                continue;
+            }
+        };
+        let freed = inner
+            .state
+            .lock()
+            .core
+            .on_load_report(&report, inner.now());
+        match freed {
+            Ok(freed) => {
+                if let Some(sync) = &inner.load_sync {
+                    sync.forget(&freed);
+                }
+            }
+            Err(error) => {
+                inner.metrics.on_invalid_load_report();
+                tracing::warn!(%error, "dropping an invalid worker load report");
+            }
+        }
     }
 }
 

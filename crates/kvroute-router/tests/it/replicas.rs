@@ -1,15 +1,16 @@
 //! Router replicas sharing active load over one event plane (`KvPushRouterConfig::load_sync`):
 //! a request routed by one replica counts on its worker at every replica until it ends, and a
-//! replica that falls silent has its requests freed elsewhere after the configured silence.
+//! replica that falls silent has its requests freed elsewhere after the configured silence; a
+//! worker's load report frees other replicas' requests it no longer holds.
 
 use std::time::Duration;
 
 use futures::StreamExt;
-use kvroute_protocols::WorkerWithDpRank;
+use kvroute_protocols::{WorkerLoadReport, WorkerWithDpRank};
 use kvroute_router::{
     KvMode, KvPushRouter, KvPushRouterConfig, KvResponse, LoadSyncConfig, Policy,
 };
-use kvroute_runtime::Discovery as _;
+use kvroute_runtime::{Discovery as _, EventPlane as _, LOAD_REPORT_SUBJECT, encode_load_report};
 
 use crate::support::{BLOCK, Behaviour, Fleet, eventually, idle, request, run};
 
@@ -106,5 +107,110 @@ fn a_silent_replicas_requests_are_freed_after_the_silence() {
         eventually("replica b frees the silent replica's request", || idle(&b)).await;
         assert_eq!(b.load_sync_stats().unwrap().remote_freed, 1);
         drop(stalled);
+    });
+}
+
+/// Publishes `report` as a worker would (its reporter, or the bridge).
+async fn publish_report(fleet: &Fleet, report: &WorkerLoadReport) {
+    fleet
+        .plane
+        .publish(LOAD_REPORT_SUBJECT, encode_load_report(report))
+        .await
+        .unwrap();
+}
+
+fn metric(text: &str, sample: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(sample)?.trim().parse().ok())
+}
+
+#[test]
+fn a_workers_report_frees_other_replicas_requests_it_no_longer_holds_but_never_a_local_one() {
+    run(async {
+        let fleet = Fleet::start(2).await;
+        let a = replica(&fleet, 1).await;
+        let b = {
+            let mut config = KvPushRouterConfig::new(BLOCK);
+            config.core.policy = Policy::Kv;
+            // Free at once what the report leaves out (the default waits 5 s for requests
+            // the engine may not have received yet).
+            config.core.scheduler.report_grace = Duration::ZERO;
+            config.expire_interval = Duration::from_millis(50);
+            config.load_sync = Some(LoadSyncConfig {
+                router_id: 2,
+                heartbeat: Duration::from_millis(50),
+                // Long enough that only the report can free a's request here.
+                silence: Duration::from_secs(60),
+            });
+            KvPushRouter::start(config, fleet.discovery.watch(), fleet.plane.clone())
+                .await
+                .unwrap()
+        };
+        let stalled = send(&a, (0..32).collect(), Behaviour::Stall).await;
+        let worker = stalled.worker().worker_id;
+        eventually("replica b counts a's request", || {
+            active_on(&b, worker) == 1
+        })
+        .await;
+
+        // The worker says it holds nothing (as if a's request had ended and the end were
+        // lost): b frees a's request, a keeps its own, which its guard ends.
+        publish_report(&fleet, &WorkerLoadReport::new(worker).with_requests(0, 0)).await;
+        eventually("replica b frees the request the worker no longer holds", || {
+            active_on(&b, worker) == 0
+        })
+        .await;
+        assert_eq!(b.load_sync_stats().unwrap().remote_requests, 0);
+        let text = b.metrics_text();
+        assert_eq!(
+            metric(&text, "kvroute_router_requests_reconciled_total"),
+            Some(1.0)
+        );
+        let labels = format!("{{worker=\"{worker}\",dp_rank=\"0\"}}");
+        assert_eq!(
+            metric(&text, &format!("kvroute_router_worker_reported_requests{labels}")),
+            Some(0.0)
+        );
+        assert_eq!(active_on(&a, worker), 1, "a report never frees a local request");
+        let text = a.metrics_text();
+        assert_eq!(
+            metric(&text, "kvroute_router_requests_reconciled_total"),
+            Some(0.0)
+        );
+        assert_eq!(
+            metric(
+                &text,
+                "kvroute_router_load_reports_total{outcome=\"applied\"}"
+            ),
+            Some(1.0)
+        );
+
+        // A report that does not validate, one that is not JSON, and one about a worker
+        // nobody serves: counted, and nothing changes.
+        publish_report(&fleet, &WorkerLoadReport::new(worker)).await;
+        fleet
+            .plane
+            .publish(LOAD_REPORT_SUBJECT, "not json".into())
+            .await
+            .unwrap();
+        publish_report(&fleet, &WorkerLoadReport::new(999).with_requests(1, 0)).await;
+        eventually("a counts the bad reports", || {
+            let text = a.metrics_text();
+            metric(
+                &text,
+                "kvroute_router_load_reports_total{outcome=\"invalid\"}",
+            ) == Some(2.0)
+                && metric(
+                    &text,
+                    "kvroute_router_load_reports_total{outcome=\"unregistered\"}",
+                ) == Some(1.0)
+        })
+        .await;
+        assert_eq!(active_on(&a, worker), 1);
+
+        drop(stalled);
+        for replica in [&a, &b] {
+            eventually("every replica's load drains to zero", || idle(replica)).await;
+        }
     });
 }
