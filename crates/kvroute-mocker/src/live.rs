@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvroute_protocols::kv_events::{
@@ -16,7 +17,7 @@ use kvroute_protocols::kv_events::{
 };
 use kvroute_protocols::{
     Annotated, CompletionUsage, DpRank, FinishReason as WireFinish, LLMEngineOutput,
-    PreprocessedRequest, PromptTokensDetails, SessionAction, SessionControl,
+    PreprocessedRequest, PromptTokensDetails, SessionAction, SessionControl, WorkerLoadReport,
 };
 use kvroute_runtime::{EngineError, KvEventPublisher, RequestContext, ResponseStream};
 use parking_lot::Mutex;
@@ -52,6 +53,8 @@ struct Shared {
     role: Option<Role>,
     block_size: u32,
     speedup: f64,
+    /// Decode requests fetching their prompt's KV, not yet in the engine.
+    fetching: AtomicUsize,
 }
 
 struct State {
@@ -134,6 +137,7 @@ impl LiveMocker {
             role,
             block_size,
             speedup,
+            fetching: AtomicUsize::new(0),
         });
         tokio::spawn(drive(Arc::clone(&shared)));
         Ok(Self { shared })
@@ -142,6 +146,26 @@ impl LiveMocker {
     /// The publisher the engine's KV events go to.
     pub fn publisher(&self) -> &KvEventPublisher {
         &self.shared.publisher
+    }
+
+    /// The engine's own load now, as its worker reports it: requests in the running batch,
+    /// requests waiting (queued, preempted, or fetching their prompt's KV from a prefill
+    /// worker), and KV blocks referenced by a sequence or a session.
+    pub fn load_report(&self) -> WorkerLoadReport {
+        let shared = &self.shared;
+        let (running, waiting, used) = {
+            let state = shared.state.lock();
+            (
+                state.engine.num_running(),
+                state.engine.num_waiting(),
+                state.engine.kv_usage().used,
+            )
+        };
+        let waiting = waiting + shared.fetching.load(Ordering::Relaxed);
+        WorkerLoadReport::new(shared.publisher.worker_id())
+            .with_dp_rank(shared.dp_rank)
+            .with_requests(running as u64, waiting as u64)
+            .with_kv_used_blocks(used as u64)
     }
 
     fn now(&self) -> Duration {
@@ -333,6 +357,8 @@ async fn fetch_then_admit(shared: Arc<Shared>, source: KvSource, admission: Admi
     };
     let tokens = admission.request.token_ids.len();
     let transfer = disagg::transfer_time(config, tokens, shared.block_size, shared.speedup);
+    shared.fetching.fetch_add(1, Ordering::Relaxed);
+    let fetching = Fetching(&shared.fetching);
     let fetch = async {
         if let KvSource::Bootstrap(info) = &source {
             let params = disagg::pull(info, config.pull_timeout).await?;
@@ -346,12 +372,23 @@ async fn fetch_then_admit(shared: Arc<Shared>, source: KvSource, admission: Admi
         () = admission.context.stopped() => return,
         () = admission.tx.closed() => return,
     };
+    // Counted in the engine's queue from here on.
+    drop(fetching);
     let tx = admission.tx.clone();
     let result = fetched.and_then(|()| admit(&shared, admission).map_err(|e| e.to_string()));
     if let Err(message) = result {
         let _ = tx.send(Annotated::from_error(format!(
             "cannot fetch the prefilled KV: {message}"
         )));
+    }
+}
+
+/// Counts a request out of [`Shared::fetching`] however its fetch ends.
+struct Fetching<'a>(&'a AtomicUsize);
+
+impl Drop for Fetching<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

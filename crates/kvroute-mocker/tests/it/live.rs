@@ -250,3 +250,42 @@ async fn the_adapter_serves_as_a_worker_over_tcp() {
         "the prompt's blocks were published"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_load_report_counts_the_batch_the_queue_and_the_blocks_in_use() {
+    let config = MockerConfig {
+        max_num_seqs: 1,
+        ..MockerConfig::default()
+    };
+    let mocker = LiveMocker::spawn(config, 2, KvEventPublisher::new(7, 1024)).expect("valid");
+    let idle = mocker.load_report();
+    assert_eq!((idle.worker_id, idle.dp_rank), (7, 2));
+    assert_eq!(idle.requests(), Some(0));
+    assert_eq!(idle.kv_used_blocks, Some(0));
+    let mut streams: Vec<_> = (0..3)
+        .map(|i| {
+            mocker
+                .generate(llm_request(4), RequestContext::new(format!("r{i}")))
+                .expect("accepted")
+        })
+        .collect();
+    // One sequence at a time: the first runs, the other two wait.
+    let first = streams[0].next().await.expect("a token");
+    assert!(first.data.is_some());
+    let busy = mocker.load_report();
+    assert_eq!(
+        (busy.requests_running, busy.requests_waiting),
+        (Some(1), Some(2))
+    );
+    // The running request's 40-token prompt plus its first token hold three 16-token blocks.
+    assert_eq!(busy.kv_used_blocks, Some(3));
+    assert!(busy.validate().is_ok());
+    for stream in &mut streams {
+        while stream.next().await.is_some() {}
+    }
+    let drained = mocker.load_report();
+    assert_eq!(
+        (drained.requests(), drained.kv_used_blocks),
+        (Some(0), Some(0))
+    );
+}
