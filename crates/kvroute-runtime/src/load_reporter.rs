@@ -86,6 +86,17 @@ impl LoadReporter {
         Ok(())
     }
 
+    /// Forgets every report (the engine's load can no longer be read): subscribers send
+    /// nothing until the next report, so routers stop counting on a stale one once their
+    /// report ttl passes.
+    pub fn clear(&self) {
+        self.reports.send_if_modified(|reports| {
+            let had = !reports.is_empty();
+            reports.clear();
+            had
+        });
+    }
+
     /// Every rank's latest report, by rank.
     pub fn latest(&self) -> Vec<WorkerLoadReport> {
         self.reports.borrow().values().copied().collect()

@@ -26,10 +26,10 @@ use kvroute_mocker::MockerConfig;
 use kvroute_mocker::disagg::{DecodeConfig, Role};
 use kvroute_mocker::live::LiveMocker;
 use kvroute_protocols::kv_events::KvCacheEvent;
-use kvroute_protocols::{PreprocessedRequest, SessionAction, SessionControl};
+use kvroute_protocols::{PreprocessedRequest, SessionAction, SessionControl, WorkerLoadReport};
 use kvroute_runtime::{
     DEFAULT_RING_CAPACITY, Discovery, Engine, EngineError, InstanceInfo, KvEventPublisher,
-    LlmEngine, LlmResponse, RemoteDiscovery, RemoteDiscoveryConfig, RequestContext, ResponseStream,
+    LOAD_REPORTS_METADATA, LlmEngine, LoadReporter, LlmResponse, RemoteDiscovery, RemoteDiscoveryConfig, RequestContext, ResponseStream,
     WorkerRole, WorkerServer, WorkerServerConfig,
 };
 use parking_lot::Mutex;
@@ -123,7 +123,15 @@ pub(crate) struct WorkerArgs {
     /// the same flag and format as `kvroute serve --drain-timeout`).
     #[arg(long, default_value = "30s", value_name = "DURATION")]
     drain_timeout: HumanDuration,
+    /// How often the worker reads its engine's load (requests running and waiting, KV blocks
+    /// in use) and reports it to the routers, which hold their predicted load against it
+    /// (at least 50ms). The report is repeated at this interval while it does not change.
+    #[arg(long, default_value = "1s", value_name = "DURATION")]
+    load_report_interval: HumanDuration,
 }
+
+/// The shortest `--load-report-interval`.
+const MIN_LOAD_REPORT_INTERVAL: Duration = Duration::from_millis(50);
 
 /// `--role` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -135,6 +143,12 @@ enum RoleArg {
 
 /// Runs the worker until a shutdown signal.
 pub(crate) fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    if args.load_report_interval.0 < MIN_LOAD_REPORT_INTERVAL {
+        bail!(
+            "--load-report-interval must be at least {MIN_LOAD_REPORT_INTERVAL:?}, got {:?}",
+            args.load_report_interval.0
+        );
+    }
     if args.engine.is_some() {
         if args.mocker_config.is_some() || args.speedup.is_some() {
             bail!(
@@ -201,6 +215,14 @@ async fn serve(args: WorkerArgs, mocker: MockerConfig) -> anyhow::Result<()> {
         Some(role) => LiveMocker::spawn_with_role(mocker, 0, publisher.clone(), role),
     }
     .context("starting the simulated engine")?;
+    let engine = Arc::new(engine);
+    let interval = args.load_report_interval.0;
+    let reporter = LoadReporter::new(id, interval);
+    let sampled = engine.clone();
+    let sampler = spawn_load_sampler(reporter.clone(), interval, move || {
+        let report = sampled.load_report();
+        async move { anyhow::Ok(vec![report]) }
+    });
     let mut metadata = BTreeMap::new();
     metadata.insert("engine".to_owned(), "mocker".to_owned());
     metadata.insert(
@@ -214,8 +236,9 @@ async fn serve(args: WorkerArgs, mocker: MockerConfig) -> anyhow::Result<()> {
         metadata,
         publisher,
         adapter: None,
+        load: Some((reporter, sampler)),
     };
-    run_worker(&args, worker, Arc::new(engine)).await
+    run_worker(&args, worker, engine).await
 }
 
 /// `--engine`: a real engine behind the adapter.
@@ -241,6 +264,7 @@ async fn serve_engine(args: WorkerArgs) -> anyhow::Result<()> {
         metadata: adapter.metadata(),
         publisher: adapter.publisher.clone(),
         adapter: Some(Arc::new(adapter)),
+        load: None,
     };
     run_worker(&args, worker, engine).await
 }
@@ -256,6 +280,9 @@ struct Worker {
     metadata: BTreeMap<String, String>,
     publisher: KvEventPublisher,
     adapter: Option<Arc<Adapter>>,
+    /// The engine's load reports and the task sampling them, when the engine's load can be
+    /// read.
+    load: Option<(LoadReporter, LoadSampler)>,
 }
 
 /// Serves `engine` as `worker`, registers it, and runs until a shutdown signal (or, behind an
@@ -272,6 +299,7 @@ async fn run_worker<E: LlmEngine>(
         metadata,
         publisher,
         adapter,
+        load,
     } = worker;
     let publisher_first_id = publisher.first_event_id();
     let stats = Arc::new(WorkerStats::default());
@@ -287,10 +315,16 @@ async fn run_worker<E: LlmEngine>(
             let shared =
                 crate::serve::nats::connect(url, &args.nats_namespace, args.lease_ttl.0).await?;
             publisher.forward_to(Arc::new(shared.plane.clone()));
+            if let Some((reporter, _)) = &load {
+                reporter.forward_to(Arc::new(shared.plane.clone()));
+            }
             Some(shared)
         }
     };
-    let config = WorkerServerConfig::new(id).with_kv_events(publisher);
+    let mut config = WorkerServerConfig::new(id).with_kv_events(publisher);
+    if let Some((reporter, _)) = &load {
+        config = config.with_load_reports(reporter.clone());
+    }
     let server = WorkerServer::bind(args.listen, engine, config)
         .await
         .with_context(|| format!("binding the request plane on {}", args.listen))?;
@@ -317,6 +351,10 @@ async fn run_worker<E: LlmEngine>(
         kvroute_runtime::KV_EVENT_BASE_METADATA.to_owned(),
         publisher_first_id.to_string(),
     );
+    if load.is_some() {
+        // Routers' bridges subscribe to the reports of workers that say they send them.
+        info.metadata.insert(LOAD_REPORTS_METADATA.to_owned(), "true".to_owned());
+    }
     let registration = match (&args.router, &args.nats) {
         (None, None) => None,
         (_, Some(url)) => {
@@ -419,6 +457,56 @@ async fn run_worker<E: LlmEngine>(
     }
     tracing::info!("stopped");
     outcome
+}
+
+/// The task reading the engine's load into a [`LoadReporter`]; stops when dropped.
+struct LoadSampler(tokio::task::JoinHandle<()>);
+
+impl Drop for LoadSampler {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Reads the engine's load with `sample` every `interval` into `reporter`. A failed read is
+/// logged (at WARN on the first of a streak) and clears the reports, so routers stop counting
+/// on a stale figure; the next good read reports again.
+fn spawn_load_sampler<F, Fut>(reporter: LoadReporter, interval: Duration, sample: F) -> LoadSampler
+where
+    F: Fn() -> Fut + Send + 'static,
+    Fut: Future<Output = anyhow::Result<Vec<WorkerLoadReport>>> + Send,
+{
+    LoadSampler(tokio::spawn(async move {
+        let mut failures = 0u32;
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let reports = sample().await.and_then(|reports| {
+                reports
+                    .into_iter()
+                    .try_for_each(|report| reporter.report(report))
+                    .context("the engine's load does not make a valid report")
+            });
+            match reports {
+                Ok(()) => {
+                    if failures > 0 {
+                        tracing::info!("the engine's load can be read again");
+                    }
+                    failures = 0;
+                }
+                Err(error) => {
+                    failures += 1;
+                    reporter.clear();
+                    if failures == 1 {
+                        tracing::warn!(error = %format!("{error:#}"), "cannot read the engine's load; not reporting it until it can be read");
+                    } else {
+                        tracing::debug!(error = %format!("{error:#}"), failures, "still cannot read the engine's load");
+                    }
+                }
+            }
+        }
+    }))
 }
 
 /// A worker's registration: the registry client and its lease, taken away while the engine

@@ -49,6 +49,14 @@ async fn a_subscriber_gets_every_rank_then_changes_then_heartbeats() {
     assert_eq!(start.elapsed(), Duration::from_millis(1500));
     assert_eq!(reporter.latest(), vec![busier, rank1]);
 
+    // Cleared (the engine's load cannot be read): nothing more is sent, not even heartbeats.
+    reporter.clear();
+    assert!(reporter.latest().is_empty());
+    let quiet = tokio::time::timeout(Duration::from_secs(5), feed.next()).await;
+    assert!(quiet.is_err(), "nothing after a clear, got {quiet:?}");
+    reporter.report(rank1).unwrap();
+    assert_eq!(feed.next().await, Some(rank1));
+
     // The feed ends with the reporter.
     drop(reporter);
     assert_eq!(feed.next().await, None);

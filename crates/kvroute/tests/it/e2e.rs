@@ -199,12 +199,14 @@ impl Fleet {
         }
     }
 
-    /// Asserts that, once everything has ended, the router holds no load on any worker.
+    /// Asserts that, once everything has ended, the router holds no load on any worker, and
+    /// every worker's own report (its engine's queue, sent every second) agrees.
     async fn assert_idle(&self, workers: &[u64]) {
-        self.eventually("zero active load on every worker", |m| {
+        self.eventually("zero active and reported load on every worker", |m| {
             workers.iter().all(|&w| {
                 active_requests(m, w) == Some(0)
                     && gauge(m, "worker_prefill_tokens", w) == Some(0.0)
+                    && gauge(m, "worker_reported_requests", w) == Some(0.0)
             })
         })
         .await;

@@ -8,7 +8,9 @@ use std::time::Duration;
 use kvroute_nats::testing::NatsServer;
 use serde_json::{Value, json};
 
-use crate::e2e::{BOUND, Proc, active_requests, chat_body, conversation, decode_worker};
+use crate::e2e::{
+    BOUND, Proc, active_requests, chat_body, conversation, decode_worker, gauge,
+};
 use crate::support::scratch;
 
 const WORKERS: u64 = 6;
@@ -353,8 +355,12 @@ async fn three_routers_share_the_fleets_kv_events_and_a_restarted_router_catches
     );
     assert!(text.contains("kvroute_nats_connected 1"), "{text}");
     for router in &routers {
+        // The workers' own reports travel on NATS too, and agree.
         eventually(&http, router, "zero load on every worker", |m| {
-            (1..=WORKERS).all(|w| active_requests(m, w) == Some(0))
+            (1..=WORKERS).all(|w| {
+                active_requests(m, w) == Some(0)
+                    && gauge(m, "worker_reported_requests", w) == Some(0.0)
+            })
         })
         .await;
     }
@@ -436,8 +442,12 @@ async fn a_routers_own_registry_serves_its_workers_to_every_replica() {
         "router B predicted no cached tokens for the registry's workers:\n{text}"
     );
     for router in [&a, &b] {
+        // Router A bridges the workers' load reports to NATS as well, where B reads them.
         eventually(&http, router, "zero load", |m| {
-            (1..=2).all(|w| active_requests(m, w) == Some(0))
+            (1..=2).all(|w| {
+                active_requests(m, w) == Some(0)
+                    && gauge(m, "worker_reported_requests", w) == Some(0.0)
+            })
         })
         .await;
     }
