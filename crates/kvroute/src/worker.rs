@@ -460,7 +460,7 @@ async fn run_worker<E: LlmEngine>(
 }
 
 /// The task reading the engine's load into a [`LoadReporter`]; stops when dropped.
-struct LoadSampler(tokio::task::JoinHandle<()>);
+pub(crate) struct LoadSampler(tokio::task::JoinHandle<()>);
 
 impl Drop for LoadSampler {
     fn drop(&mut self) {
@@ -471,7 +471,7 @@ impl Drop for LoadSampler {
 /// Reads the engine's load with `sample` every `interval` into `reporter`. A failed read is
 /// logged (at WARN on the first of a streak) and clears the reports, so routers stop counting
 /// on a stale figure; the next good read reports again.
-fn spawn_load_sampler<F, Fut>(reporter: LoadReporter, interval: Duration, sample: F) -> LoadSampler
+pub(crate) fn spawn_load_sampler<F, Fut>(reporter: LoadReporter, interval: Duration, sample: F) -> LoadSampler
 where
     F: Fn() -> Fut + Send + 'static,
     Fut: Future<Output = anyhow::Result<Vec<WorkerLoadReport>>> + Send,

@@ -20,14 +20,19 @@ use kvroute_router::http::{AppState, HttpConfig, serve};
 use kvroute_router::{KvPushRouter, KvPushRouterConfig, ModelRegistry, Policy};
 use kvroute_runtime::{
     DEFAULT_RING_CAPACITY, Discovery, Engine, EngineError, EventPlane, InProcessDiscovery,
-    InProcessEventPlane, InstanceInfo, KvEventPublisher, Lease, LlmResponse, RequestContext,
-    ResponseStream, WorkerServer, WorkerServerConfig,
+    InProcessEventPlane, InstanceInfo, KvEventPublisher, Lease, LlmResponse, LoadReporter,
+    RequestContext, ResponseStream, WorkerServer, WorkerServerConfig,
 };
+
+use crate::worker::{LoadSampler, spawn_load_sampler};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 /// The name of the served mock model.
 pub(crate) const MODEL: &str = "mock";
+
+/// How often each engine's load is reported.
+const LOAD_REPORT_INTERVAL: Duration = Duration::from_millis(100);
 
 /// What one worker's engine reported.
 #[derive(Debug, Default)]
@@ -44,7 +49,7 @@ pub(crate) struct WorkerStats {
 
 /// A [`LiveMocker`] that counts what it serves.
 struct Counted {
-    inner: LiveMocker,
+    inner: Arc<LiveMocker>,
     stats: Arc<WorkerStats>,
 }
 
@@ -102,6 +107,8 @@ impl Engine for Counted {
 struct Worker {
     id: u64,
     stats: Arc<WorkerStats>,
+    /// Reads the engine's load into reports on the event plane.
+    _load: LoadSampler,
     _server: WorkerServer,
     _lease: Lease,
 }
@@ -132,9 +139,21 @@ impl Fleet {
                 ..mocker.clone()
             };
             let stats = Arc::new(WorkerStats::default());
-            let engine = Counted {
-                inner: LiveMocker::spawn(config, 0, publisher.clone())
+            let live = Arc::new(
+                LiveMocker::spawn(config, 0, publisher.clone())
                     .context("starting a simulated engine")?,
+            );
+            // The engine's own queue, reported as a `kvroute worker` does (more often: the
+            // idle check at the end waits for it).
+            let reporter = LoadReporter::new(id, LOAD_REPORT_INTERVAL);
+            reporter.forward_to(plane.clone() as Arc<dyn EventPlane>);
+            let sampled = live.clone();
+            let load = spawn_load_sampler(reporter, LOAD_REPORT_INTERVAL, move || {
+                let report = sampled.load_report();
+                async move { anyhow::Ok(vec![report]) }
+            });
+            let engine = Counted {
+                inner: live,
                 stats: stats.clone(),
             };
             let server = WorkerServer::bind(
@@ -152,6 +171,7 @@ impl Fleet {
             workers.push(Worker {
                 id,
                 stats,
+                _load: load,
                 _server: server,
                 _lease: lease,
             });
@@ -285,6 +305,11 @@ impl Service {
                     )),
                     None => problems.push(format!("worker {w}: no load record")),
                 }
+                match core.reported_load(w).and_then(|r| r.requests()) {
+                    Some(0) => {}
+                    Some(n) => problems.push(format!("worker {w}'s engine reports {n} requests")),
+                    None => problems.push(format!("worker {w}'s engine has not reported its load")),
+                }
             }
         });
         for (id, stats) in fleet.stats() {
@@ -299,10 +324,11 @@ impl Service {
 
 /// The per-worker load gauges of a Prometheus exposition that are not zero.
 pub(crate) fn nonzero_worker_gauges(text: &str) -> Vec<String> {
-    const GAUGES: [&str; 3] = [
+    const GAUGES: [&str; 4] = [
         "kvroute_router_worker_active_requests{",
         "kvroute_router_worker_prefill_tokens{",
         "kvroute_router_worker_active_blocks{",
+        "kvroute_router_worker_reported_requests{",
     ];
     text.lines()
         .filter(|line| GAUGES.iter().any(|g| line.starts_with(g)))
