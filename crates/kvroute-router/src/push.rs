@@ -18,8 +18,8 @@ use kvroute_protocols::{
 };
 use kvroute_runtime::{
     DiscoveryEvent, EventPlane, EventPlaneError, InstanceInfo, InstanceSet, KV_EVENT_BASE_METADATA,
-    KV_EVENT_SUBJECT, LOAD_REPORT_SUBJECT, LlmPushRouter, PushRouterConfig, RouteMode, SnapshotStore, Subscription,
-    decode_router_event, diff_instances,
+    KV_EVENT_SUBJECT, LOAD_REPORT_SUBJECT, LlmPushRouter, PushRouterConfig, RouteMode,
+    SnapshotStore, Subscription, decode_router_event, diff_instances,
 };
 use kvroute_scheduler::{ConfigError, RequestId, WorkerSpec};
 use kvroute_sessions::{AffinityStore, InMemoryAffinityStore, SessionCommand};
@@ -963,11 +963,7 @@ async fn report_loop(inner: Arc<Inner>, mut subscription: Subscription) {
                 continue;
             }
         };
-        let freed = inner
-            .state
-            .lock()
-            .core
-            .on_load_report(&report, inner.now());
+        let freed = inner.state.lock().core.on_load_report(&report, inner.now());
         match freed {
             Ok(freed) => {
                 if let Some(sync) = &inner.load_sync {

@@ -94,11 +94,11 @@ pub use kv_publisher::{
     DEFAULT_RING_CAPACITY, KV_EVENT_BASE_METADATA, KV_EVENT_SUBJECT, KvDump, KvEventPublisher,
     RangeError, incarnation_event_base,
 };
+pub use llm::{LlmClient, LlmClientStream, LlmEngine, LlmPushRouter, LlmResponse, LlmRoutedStream};
 pub use load_reporter::{
     DEFAULT_REPORT_HEARTBEAT, LOAD_REPORT_SUBJECT, LOAD_REPORTS_METADATA, LoadReporter,
     encode_load_report,
 };
-pub use llm::{LlmClient, LlmClientStream, LlmEngine, LlmPushRouter, LlmResponse, LlmRoutedStream};
 pub use push_router::{PushRouter, PushRouterConfig, RouteError, RouteMode, RoutedStream};
 pub use server::{WorkerServer, WorkerServerConfig};
 pub use zmq_listener::{

@@ -29,8 +29,9 @@ use kvroute_protocols::kv_events::KvCacheEvent;
 use kvroute_protocols::{PreprocessedRequest, SessionAction, SessionControl, WorkerLoadReport};
 use kvroute_runtime::{
     DEFAULT_RING_CAPACITY, Discovery, Engine, EngineError, InstanceInfo, KvEventPublisher,
-    LOAD_REPORTS_METADATA, LlmEngine, LoadReporter, LlmResponse, RemoteDiscovery, RemoteDiscoveryConfig, RequestContext, ResponseStream,
-    WorkerRole, WorkerServer, WorkerServerConfig,
+    LOAD_REPORTS_METADATA, LlmEngine, LlmResponse, LoadReporter, RemoteDiscovery,
+    RemoteDiscoveryConfig, RequestContext, ResponseStream, WorkerRole, WorkerServer,
+    WorkerServerConfig,
 };
 use parking_lot::Mutex;
 
@@ -353,7 +354,8 @@ async fn run_worker<E: LlmEngine>(
     );
     if load.is_some() {
         // Routers' bridges subscribe to the reports of workers that say they send them.
-        info.metadata.insert(LOAD_REPORTS_METADATA.to_owned(), "true".to_owned());
+        info.metadata
+            .insert(LOAD_REPORTS_METADATA.to_owned(), "true".to_owned());
     }
     let registration = match (&args.router, &args.nats) {
         (None, None) => None,
@@ -471,7 +473,11 @@ impl Drop for LoadSampler {
 /// Reads the engine's load with `sample` every `interval` into `reporter`. A failed read is
 /// logged (at WARN on the first of a streak) and clears the reports, so routers stop counting
 /// on a stale figure; the next good read reports again.
-pub(crate) fn spawn_load_sampler<F, Fut>(reporter: LoadReporter, interval: Duration, sample: F) -> LoadSampler
+pub(crate) fn spawn_load_sampler<F, Fut>(
+    reporter: LoadReporter,
+    interval: Duration,
+    sample: F,
+) -> LoadSampler
 where
     F: Fn() -> Fut + Send + 'static,
     Fut: Future<Output = anyhow::Result<Vec<WorkerLoadReport>>> + Send,

@@ -509,13 +509,21 @@ fn a_report_not_renewed_within_the_ttl_is_forgotten() {
     let report = WorkerLoadReport::new(1).with_requests(2, 0);
     core.on_load_report(&report, T0).unwrap();
     core.expire(T0 + ttl);
-    assert_eq!(core.reported_load(w(1)), Some(&report), "kept up to the ttl");
+    assert_eq!(
+        core.reported_load(w(1)),
+        Some(&report),
+        "kept up to the ttl"
+    );
     // Renewed: the ttl counts from the newest report.
     core.on_load_report(&report, T0 + ttl).unwrap();
     core.expire(T0 + ttl + ttl);
     assert_eq!(core.reported_load(w(1)), Some(&report));
     core.expire(T0 + ttl + ttl + Duration::from_millis(1));
-    assert_eq!(core.reported_load(w(1)), None, "the worker stopped reporting");
+    assert_eq!(
+        core.reported_load(w(1)),
+        None,
+        "the worker stopped reporting"
+    );
 }
 
 /// A `Stored` event from `worker` caching, in `tier`, full blocks `from..to` of `tokens`, its

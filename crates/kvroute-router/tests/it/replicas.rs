@@ -156,9 +156,10 @@ fn a_workers_report_frees_other_replicas_requests_it_no_longer_holds_but_never_a
         // The worker says it holds nothing (as if a's request had ended and the end were
         // lost): b frees a's request, a keeps its own, which its guard ends.
         publish_report(&fleet, &WorkerLoadReport::new(worker).with_requests(0, 0)).await;
-        eventually("replica b frees the request the worker no longer holds", || {
-            active_on(&b, worker) == 0
-        })
+        eventually(
+            "replica b frees the request the worker no longer holds",
+            || active_on(&b, worker) == 0,
+        )
         .await;
         assert_eq!(b.load_sync_stats().unwrap().remote_requests, 0);
         let text = b.metrics_text();
@@ -168,10 +169,17 @@ fn a_workers_report_frees_other_replicas_requests_it_no_longer_holds_but_never_a
         );
         let labels = format!("{{worker=\"{worker}\",dp_rank=\"0\"}}");
         assert_eq!(
-            metric(&text, &format!("kvroute_router_worker_reported_requests{labels}")),
+            metric(
+                &text,
+                &format!("kvroute_router_worker_reported_requests{labels}")
+            ),
             Some(0.0)
         );
-        assert_eq!(active_on(&a, worker), 1, "a report never frees a local request");
+        assert_eq!(
+            active_on(&a, worker),
+            1,
+            "a report never frees a local request"
+        );
         let text = a.metrics_text();
         assert_eq!(
             metric(&text, "kvroute_router_requests_reconciled_total"),

@@ -7,9 +7,9 @@ use std::time::Duration;
 use futures::StreamExt;
 use kvroute_protocols::WorkerLoadReport;
 use kvroute_runtime::{
-    EventPlane, InProcessEventPlane, InstanceInfo, InstanceSet, KV_EVENTS_METADATA,
-    KvEventBridge, KvEventBridgeConfig, LOAD_REPORT_SUBJECT, LOAD_REPORTS_METADATA, LoadReporter,
-    RequestError, WorkerServerConfig,
+    EventPlane, InProcessEventPlane, InstanceInfo, InstanceSet, KV_EVENTS_METADATA, KvEventBridge,
+    KvEventBridgeConfig, LOAD_REPORT_SUBJECT, LOAD_REPORTS_METADATA, LoadReporter, RequestError,
+    WorkerServerConfig,
 };
 use tokio::sync::watch;
 

@@ -8,9 +8,7 @@ use std::time::Duration;
 use kvroute_nats::testing::NatsServer;
 use serde_json::{Value, json};
 
-use crate::e2e::{
-    BOUND, Proc, active_requests, chat_body, conversation, decode_worker, gauge,
-};
+use crate::e2e::{BOUND, Proc, active_requests, chat_body, conversation, decode_worker, gauge};
 use crate::support::scratch;
 
 const WORKERS: u64 = 6;
