@@ -182,7 +182,12 @@ fn parse_value(s: &str) -> Option<f64> {
         "+Inf" | "Inf" => Some(f64::INFINITY),
         "-Inf" => Some(f64::NEG_INFINITY),
         "NaN" => Some(f64::NAN),
-        _ if s.bytes().all(|b| b.is_ascii_digit() || b"+-.eE".contains(&b)) => s.parse().ok(),
+        _ if s
+            .bytes()
+            .all(|b| b.is_ascii_digit() || b"+-.eE".contains(&b)) =>
+        {
+            s.parse().ok()
+        }
         _ => None,
     }
 }

@@ -7,12 +7,13 @@
 //!
 //! - vLLM: `vllm:num_requests_running` and `vllm:num_requests_waiting` (which counts the requests
 //!   waiting for capacity and those deferred), one series per engine core labelled
-//!   `engine="N"`, the data-parallel rank. KV: `vllm:kv_cache_usage_perc` (before 0.10:
-//!   `vllm:gpu_cache_usage_perc`) is `1 - free / (num_gpu_blocks - 1)` (the null block aside), and
-//!   `vllm:cache_config_info` states `num_gpu_blocks` and `block_size` as labels, so the blocks in
-//!   use are `usage * (num_gpu_blocks - 1)`. A server fronting several engines states the SUM of
-//!   their blocks there (`core_client.py`), so each engine's own total, and its blocks in use,
-//!   cannot be known: the KV figure is then `None`.
+//!   `engine="N"`, the data-parallel rank. KV: `vllm:kv_cache_usage_perc` (older vLLM:
+//!   `vllm:gpu_cache_usage_perc`, deprecated by vllm-project/vllm#18354) is
+//!   `1 - free / (num_gpu_blocks - 1)` (the null block aside), and `vllm:cache_config_info`
+//!   states `num_gpu_blocks` and `block_size` as labels, so the blocks in use are
+//!   `usage * (num_gpu_blocks - 1)`, rounded to the nearest whole block. A server fronting
+//!   several engines states the SUM of their blocks there (`core_client.py`), so each engine's
+//!   own total, and its blocks in use, cannot be known: the KV figure is then `None`.
 //! - SGLang (`--enable-metrics`): `sglang:num_running_reqs`, `sglang:num_queue_reqs` plus
 //!   `sglang:num_grammar_queue_reqs` (requests waiting for their grammar), labelled `dp_rank`
 //!   under data parallelism. With priority scheduling the totals are the series with
@@ -99,7 +100,9 @@ pub enum LoadError {
         message: String,
     },
     /// A metric the load needs is absent.
-    #[error("engine metrics at {url} have no `{metric}`{}", missing_hint(metric))]
+    #[error(
+        "engine metrics at {url} have no `{metric}` (is the engine the kind the config names?)"
+    )]
     MissingMetric {
         /// The metrics endpoint.
         url: String,
@@ -124,14 +127,6 @@ fn metrics_hint(status: u16) -> &'static str {
             " (is the engine serving metrics? SGLang needs --enable-metrics, llama-server --metrics)"
         }
         _ => "",
-    }
-}
-
-fn missing_hint(metric: &str) -> &'static str {
-    if metric.contains("_requests_") || metric.contains("_reqs") {
-        " (is this the engine the config names?)"
-    } else {
-        ""
     }
 }
 
@@ -161,15 +156,16 @@ pub(crate) fn read(
     match kind {
         EngineKind::Vllm => reader.vllm(block_size),
         EngineKind::Sglang => reader.sglang(block_size),
-        EngineKind::Llamacpp => reader.requests(
-            &Names {
-                running: "llamacpp:requests_processing",
-                waiting: "llamacpp:requests_deferred",
-                waiting_extra: None,
-            },
-            &Ranks::Single,
-        )
-        .map(|loads| loads.into_values().collect()),
+        EngineKind::Llamacpp => reader
+            .requests(
+                &Names {
+                    running: "llamacpp:requests_processing",
+                    waiting: "llamacpp:requests_deferred",
+                    waiting_extra: None,
+                },
+                &Ranks::Single,
+            )
+            .map(|loads| loads.into_values().collect()),
         EngineKind::Trtllm | EngineKind::Openai => Err(LoadError::Unsupported { kind }),
     }
 }
@@ -263,7 +259,8 @@ impl Reader<'_, '_> {
             Ranks::VllmEngine => "engine",
             Ranks::SglangDpRank => "dp_rank",
         };
-        let lacking = |name: &str, rank: DpRank| self.missing(format!("{name}{{{rank_label}=\"{rank}\"}}"));
+        let lacking =
+            |name: &str, rank: DpRank| self.missing(format!("{name}{{{rank_label}=\"{rank}\"}}"));
         if let Some(&rank) = waiting.keys().find(|r| !running.contains_key(r)) {
             return Err(lacking(names.running, rank));
         }
@@ -273,7 +270,8 @@ impl Reader<'_, '_> {
                 let waiting = waiting
                     .get(&rank)
                     .ok_or_else(|| lacking(names.waiting, rank))?;
-                let requests_waiting = waiting.saturating_add(extra.get(&rank).copied().unwrap_or(0));
+                let requests_waiting =
+                    waiting.saturating_add(extra.get(&rank).copied().unwrap_or(0));
                 Ok((
                     rank,
                     EngineLoad {
@@ -321,9 +319,11 @@ impl Reader<'_, '_> {
         for sample in self.samples.iter().filter(|s| s.name == name) {
             match ranks {
                 Ranks::Single => {
-                    out.entry(0)
-                        .and_modify(|e| e.1 += sample.value)
-                        .or_insert((sample, sample.value, (0, 0)));
+                    out.entry(0).and_modify(|e| e.1 += sample.value).or_insert((
+                        sample,
+                        sample.value,
+                        (0, 0),
+                    ));
                 }
                 Ranks::VllmEngine => {
                     let rank = self.rank(sample, "engine")?;

@@ -21,7 +21,10 @@ fn names_with_colons_and_labels() {
          vllm:num_requests_running{engine=\"0\",model_name=\"Qwen/Qwen3-0.6B\"} 3.0\n",
         "vllm:num_requests_running{engine=\"0\",model_name=\"Qwen/Qwen3-0.6B\"} 3.0",
     );
-    check("llamacpp:requests_deferred 2", "llamacpp:requests_deferred 2.0");
+    check(
+        "llamacpp:requests_deferred 2",
+        "llamacpp:requests_deferred 2.0",
+    );
     check("a_b:c9 1e3\n\n   \n", "a_b:c9 1000.0");
 }
 
@@ -56,7 +59,10 @@ fn garbage_is_an_error_with_its_line() {
     );
     check("a", "error: line 1: expected a value in `a`");
     check("a one", "error: line 1: `one` is not a number in `a one`");
-    check("a 0x10", "error: line 1: `0x10` is not a number in `a 0x10`");
+    check(
+        "a 0x10",
+        "error: line 1: `0x10` is not a number in `a 0x10`",
+    );
     check(
         "a{b=\"1\" 2",
         "error: line 1: expected `,` or `}` after label `b` in `a{b=\"1\" 2`",
@@ -77,7 +83,10 @@ fn garbage_is_an_error_with_its_line() {
         "a 1 2 3",
         "error: line 1: unexpected `3` after the timestamp in `a 1 2 3`",
     );
-    check("{a=\"1\"} 2", "error: line 1: expected a metric name in `{a=\"1\"} 2`");
+    check(
+        "{a=\"1\"} 2",
+        "error: line 1: expected a metric name in `{a=\"1\"} 2`",
+    );
 }
 
 #[test]

@@ -42,8 +42,18 @@ fn vllm_one_engine_states_its_blocks_in_use() {
         "rank 0: running 3, waiting 3, kv 37",
     );
     // 37 blocks of 16 = 592 tokens = 18.5 blocks of 32, 74 of 8.
-    check(EngineKind::Vllm, 32, VLLM_SINGLE, "rank 0: running 3, waiting 3, kv 19");
-    check(EngineKind::Vllm, 8, VLLM_SINGLE, "rank 0: running 3, waiting 3, kv 74");
+    check(
+        EngineKind::Vllm,
+        32,
+        VLLM_SINGLE,
+        "rank 0: running 3, waiting 3, kv 19",
+    );
+    check(
+        EngineKind::Vllm,
+        8,
+        VLLM_SINGLE,
+        "rank 0: running 3, waiting 3, kv 74",
+    );
 }
 
 #[test]
@@ -58,9 +68,14 @@ fn vllm_data_parallel_ranks_are_split_by_engine_label() {
 }
 
 #[test]
-fn vllm_before_0_10_names_its_usage_gpu_cache_usage_perc() {
+fn older_vllm_names_its_usage_gpu_cache_usage_perc() {
     let text = VLLM_SINGLE.replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc");
-    check(EngineKind::Vllm, 16, &text, "rank 0: running 3, waiting 3, kv 37");
+    check(
+        EngineKind::Vllm,
+        16,
+        &text,
+        "rank 0: running 3, waiting 3, kv 37",
+    );
 }
 
 #[test]
@@ -70,9 +85,19 @@ fn vllm_kv_is_unknown_without_its_total_or_with_an_odd_usage() {
         .filter(|l| !l.starts_with("vllm:cache_config_info"))
         .map(|l| format!("{l}\n"))
         .collect();
-    check(EngineKind::Vllm, 16, &without_info, "rank 0: running 3, waiting 3, kv -");
+    check(
+        EngineKind::Vllm,
+        16,
+        &without_info,
+        "rank 0: running 3, waiting 3, kv -",
+    );
     let not_profiled = VLLM_SINGLE.replace("num_gpu_blocks=\"1000\"", "num_gpu_blocks=\"None\"");
-    check(EngineKind::Vllm, 16, &not_profiled, "rank 0: running 3, waiting 3, kv -");
+    check(
+        EngineKind::Vllm,
+        16,
+        &not_profiled,
+        "rank 0: running 3, waiting 3, kv -",
+    );
     let usage = "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n\
                  vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"101\"} 1\n";
     check(
@@ -93,7 +118,12 @@ fn vllm_kv_is_unknown_without_its_total_or_with_an_odd_usage() {
         &format!("{usage}vllm:kv_cache_usage_perc 1.5\n"),
         "rank 0: running 1, waiting 0, kv -",
     );
-    check(EngineKind::Vllm, 16, usage, "rank 0: running 1, waiting 0, kv -");
+    check(
+        EngineKind::Vllm,
+        16,
+        usage,
+        "rank 0: running 1, waiting 0, kv -",
+    );
 }
 
 #[test]
@@ -104,7 +134,7 @@ fn vllm_missing_or_partial_request_gauges_are_named() {
         16,
         text,
         "error: engine metrics at http://engine/metrics have no `vllm:num_requests_running` \
-         (is this the engine the config names?)",
+         (is the engine the kind the config names?)",
     );
     let text = "vllm:num_requests_running{engine=\"0\"} 1\n\
                 vllm:num_requests_running{engine=\"1\"} 1\n\
@@ -114,7 +144,7 @@ fn vllm_missing_or_partial_request_gauges_are_named() {
         16,
         text,
         "error: engine metrics at http://engine/metrics have no \
-         `vllm:num_requests_waiting{engine=\"1\"}` (is this the engine the config names?)",
+         `vllm:num_requests_waiting{engine=\"1\"}` (is the engine the kind the config names?)",
     );
     // The metrics of another engine than the config names.
     check(
@@ -122,7 +152,7 @@ fn vllm_missing_or_partial_request_gauges_are_named() {
         16,
         VLLM_SINGLE,
         "error: engine metrics at http://engine/metrics have no `sglang:num_running_reqs` \
-         (is this the engine the config names?)",
+         (is the engine the kind the config names?)",
     );
 }
 
@@ -136,7 +166,9 @@ fn request_counts_must_be_whole_numbers() {
             &format!(
                 "error: engine metrics at http://engine/metrics give \
                  `llamacpp:requests_processing` = {}; expected a whole number >= 0",
-                value.parse::<f64>().map_or(value.to_owned(), |v| v.to_string())
+                value
+                    .parse::<f64>()
+                    .map_or(value.to_owned(), |v| v.to_string())
             ),
         );
     }
@@ -169,7 +201,12 @@ fn sglang_states_used_tokens() {
         SGLANG_SINGLE,
         "rank 0: running 5, waiting 3, kv 94",
     );
-    check(EngineKind::Sglang, 1, SGLANG_SINGLE, "rank 0: running 5, waiting 3, kv 1500");
+    check(
+        EngineKind::Sglang,
+        1,
+        SGLANG_SINGLE,
+        "rank 0: running 5, waiting 3, kv 1500",
+    );
 }
 
 #[test]
@@ -190,7 +227,12 @@ fn sglang_before_kv_used_tokens_states_num_used_tokens() {
         .map(|l| format!("{l}\n"))
         .collect();
     // num_used_tokens is 1700 in the fixture.
-    check(EngineKind::Sglang, 1, &text, "rank 0: running 5, waiting 3, kv 1700");
+    check(
+        EngineKind::Sglang,
+        1,
+        &text,
+        "rank 0: running 5, waiting 3, kv 1700",
+    );
 }
 
 #[test]
@@ -201,7 +243,12 @@ fn sglang_counts_the_grammar_queue_as_waiting_and_reads_one_copy_per_rank() {
                 sglang:num_queue_reqs{dp_rank=\"0\",pp_rank=\"0\",tp_rank=\"1\"} 9\n\
                 sglang:num_queue_reqs{dp_rank=\"0\",pp_rank=\"0\",tp_rank=\"0\"} 1\n\
                 sglang:num_grammar_queue_reqs{dp_rank=\"0\",pp_rank=\"0\",tp_rank=\"0\"} 4\n";
-    check(EngineKind::Sglang, 16, text, "rank 0: running 2, waiting 5, kv -");
+    check(
+        EngineKind::Sglang,
+        16,
+        text,
+        "rank 0: running 2, waiting 5, kv -",
+    );
 }
 
 #[test]
@@ -239,7 +286,11 @@ fn blocks_in_use_is_exact_for_every_count_vllm_can_state() {
         for used in (0..=usable).step_by(usize::try_from(step).unwrap()) {
             #[allow(clippy::cast_precision_loss)]
             let usage = 1.0 - ((usable - used) as f64 / usable as f64);
-            assert_eq!(blocks_in_use(usage, num_gpu_blocks), Some(used), "{used}/{usable}");
+            assert_eq!(
+                blocks_in_use(usage, num_gpu_blocks),
+                Some(used),
+                "{used}/{usable}"
+            );
         }
     }
     assert_eq!(blocks_in_use(0.5, 1), None);
