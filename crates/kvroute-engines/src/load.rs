@@ -24,7 +24,9 @@
 //! - llama.cpp (`llama-server --metrics`): `llamacpp:requests_processing` (busy slots) and
 //!   `llamacpp:requests_deferred` (requests waiting for a slot); one rank. It states no KV use.
 //! - TensorRT-LLM (`trtllm-serve`) and plain OpenAI servers publish no Prometheus request gauges
-//!   kvroute can rely on: [`LoadError::Unsupported`].
+//!   kvroute can rely on (TensorRT-LLM 1.1's `/prometheus/metrics` holds request counters and
+//!   latency histograms only; its JSON `/metrics` iteration statistics are not read here):
+//!   [`LoadError::Unsupported`].
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
