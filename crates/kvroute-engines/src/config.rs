@@ -118,7 +118,7 @@ pub struct HttpEngineConfig {
     #[serde(rename = "request_timeout_ms", default, with = "opt_millis")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub request_timeout: Option<Duration>,
-    /// How long [`crate::HttpEngine::health`] waits for an answer.
+    /// How long [`crate::HttpEngine::health`] and [`crate::HttpEngine::load`] wait for an answer.
     #[serde(rename = "health_timeout_ms", default = "default_health_timeout")]
     #[serde(with = "millis")]
     pub health_timeout: Duration,

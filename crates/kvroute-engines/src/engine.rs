@@ -1,6 +1,7 @@
 //! [`HttpEngine`]: the runtime's [`Engine`] served by an inference engine's HTTP API.
 
 use std::error::Error as _;
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,6 +17,7 @@ use tokio::time::Instant;
 use crate::config::{EngineConfigError, EngineKind, HttpEngineConfig};
 use crate::dialect::{self, Built, Dialect, Target};
 use crate::error::{HealthError, error_message, is_unavailable_status};
+use crate::load::{self, EngineLoad, LoadError};
 use crate::stream::{Action, StreamState};
 
 /// An [`Engine`] that serves each [`PreprocessedRequest`] through an inference engine's HTTP
@@ -42,6 +44,7 @@ struct Inner {
     client: reqwest::Client,
     generate_url: Url,
     health_url: Url,
+    metrics_url: Url,
     dialect: &'static dyn Dialect,
     auth: Option<HeaderValue>,
 }
@@ -60,6 +63,9 @@ const MAX_ERROR_BODY: usize = 64 << 10;
 /// How long the end of a stream (`[DONE]`, usage) may take after the finish before the finished
 /// output goes out without it. Engines send it at once.
 const FINISH_GRACE: Duration = Duration::from_secs(2);
+
+/// The largest `/metrics` body read (vLLM's is some 100 KiB).
+const MAX_METRICS_BODY: usize = 16 << 20;
 
 /// How long an error body may take to arrive once its status is known.
 const ERROR_BODY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -102,6 +108,7 @@ impl HttpEngine {
         };
         let generate_url = join(dialect.generate_path())?;
         let health_url = join(dialect.health_path())?;
+        let metrics_url = join("metrics")?;
         // Engines are addressed directly: no proxy from the environment.
         let client = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
@@ -117,6 +124,7 @@ impl HttpEngine {
                 client,
                 generate_url,
                 health_url,
+                metrics_url,
                 dialect,
                 auth,
             }),
@@ -165,6 +173,62 @@ impl HttpEngine {
             status: status.as_u16(),
             message: error_message(&body),
         })
+    }
+
+    /// The engine's own load, one [`EngineLoad`] per data-parallel rank, read from its
+    /// Prometheus `GET /metrics` (on the base URL, with the API key, within the configured
+    /// health timeout). `block_size` is the KV block size the router counts in: KV use stated
+    /// in tokens, or in blocks of another size, is given in blocks of `block_size`, rounded up.
+    ///
+    /// vLLM and llama.cpp (`--metrics`) and SGLang (`--enable-metrics`) are read; TensorRT-LLM
+    /// and plain OpenAI servers give [`LoadError::Unsupported`] without a request. Which
+    /// metrics are read, and when KV use is `None`, is in the crate documentation.
+    pub async fn load(&self, block_size: NonZeroU32) -> Result<Vec<EngineLoad>, LoadError> {
+        let inner = &self.inner;
+        let kind = inner.config.kind;
+        if matches!(kind, EngineKind::Trtllm | EngineKind::Openai) {
+            return Err(LoadError::Unsupported { kind });
+        }
+        let url = inner.metrics_url.to_string();
+        let mut request = inner
+            .client
+            .get(inner.metrics_url.clone())
+            .header(ACCEPT, "text/plain")
+            .timeout(inner.config.health_timeout);
+        if let Some(auth) = &inner.auth {
+            request = request.header(AUTHORIZATION, auth.clone());
+        }
+        let unreachable = |e: reqwest::Error| LoadError::Unreachable {
+            url: url.clone(),
+            message: error_chain(&e),
+        };
+        let response = request.send().await.map_err(unreachable)?;
+        let status = response.status();
+        if !status.is_success() {
+            let body = read_error_body(response).await;
+            return Err(LoadError::Status {
+                url,
+                status: status.as_u16(),
+                message: error_message(&body),
+            });
+        }
+        let mut body = Vec::new();
+        let mut stream = response.bytes_stream();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(unreachable)?;
+            if body.len() + chunk.len() > MAX_METRICS_BODY {
+                return Err(LoadError::Malformed {
+                    url,
+                    message: format!("the body is larger than {MAX_METRICS_BODY} bytes"),
+                });
+            }
+            body.extend_from_slice(&chunk);
+        }
+        let text = std::str::from_utf8(&body).map_err(|e| LoadError::Malformed {
+            url: url.clone(),
+            message: format!("the body is not UTF-8 ({e})"),
+        })?;
+        load::read(kind, text, block_size, &url)
     }
 }
 

@@ -6,9 +6,25 @@
 //! block hashes, load accounting and migration see the tokens the engine saw. Each dialect is one
 //! small module under `dialect`; adding an engine is adding a module.
 //!
-//! Entry types: [`HttpEngine`] (with [`HttpEngine::health`]), [`HttpEngineConfig`],
-//! [`EngineKind`], and the errors [`EngineConfigError`] and [`HealthError`]. Serving it is the
-//! runtime's job: `WorkerServer::bind(addr, Arc::new(engine), config)`.
+//! Entry types: [`HttpEngine`] (with [`HttpEngine::health`] and [`HttpEngine::load`]),
+//! [`HttpEngineConfig`], [`EngineKind`], [`EngineLoad`], and the errors [`EngineConfigError`],
+//! [`HealthError`] and [`LoadError`]. Serving it is the runtime's job:
+//! `WorkerServer::bind(addr, Arc::new(engine), config)`.
+//!
+//! Load reading: [`HttpEngine::load`] reads the engine's own Prometheus `/metrics` and gives,
+//! per data-parallel rank, the requests it runs and holds waiting and the KV blocks in use, which
+//! [`EngineLoad::report`] turns into the `WorkerLoadReport` a worker's `LoadReporter` sends to
+//! the router. A figure is given only as the engine states it; KV use it does not state exactly is
+//! `None`. Supported, with the metrics read (names checked against vLLM 0.33.0's and SGLang
+//! 0.5.23's sources and a real llama.cpp server):
+//!
+//! | engine | running | waiting | KV in use | ranks |
+//! | --- | --- | --- | --- | --- |
+//! | vLLM | `vllm:num_requests_running` | `vllm:num_requests_waiting` | `vllm:kv_cache_usage_perc` (or `vllm:gpu_cache_usage_perc`) × `num_gpu_blocks - 1` of `vllm:cache_config_info`, only on a server with one engine | `engine` label |
+//! | SGLang (`--enable-metrics`) | `sglang:num_running_reqs` | `sglang:num_queue_reqs` + `sglang:num_grammar_queue_reqs` | `sglang:kv_used_tokens` (or `sglang:num_used_tokens`) | `dp_rank` label |
+//! | llama.cpp (`--metrics`) | `llamacpp:requests_processing` | `llamacpp:requests_deferred` | not stated (`None`) | one |
+//!
+//! TensorRT-LLM and plain OpenAI servers publish no request gauges to read: [`LoadError::Unsupported`].
 //!
 //! This crate holds no routing policy (it serves whatever request reaches its worker) and no
 //! HTTP server: it is an HTTP client only. It depends on kvroute-protocols and kvroute-runtime,
@@ -18,9 +34,12 @@ mod config;
 mod dialect;
 mod engine;
 mod error;
+mod exposition;
+mod load;
 mod sse;
 mod stream;
 
 pub use config::{EngineConfigError, EngineKind, HttpEngineConfig, ParseEngineKindError};
 pub use engine::HttpEngine;
 pub use error::HealthError;
+pub use load::{EngineLoad, LoadError};
