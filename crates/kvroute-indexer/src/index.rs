@@ -20,7 +20,7 @@
 //! shared prefix) needs neither hashing nor a lookup.
 //!
 //! Per indexed block this costs one 16-byte lane entry plus, shared by every worker holding the
-//! block, one 16-byte location entry and one 24-byte segment position; the tables sit at 3/5 to
+//! block, one 16-byte location entry and 24 bytes and a bit of segment; the tables sit at 3/5 to
 //! 3/4 load (see [`crate::table`]), so about 75 bytes a block when workers share little.
 
 use kvroute_protocols::kv_events::{
@@ -41,7 +41,7 @@ mod nodes;
 #[cfg(test)]
 mod tests;
 
-use nodes::{INLINE_SLOTS, Loc, Parent, Pos, TierNodes};
+use nodes::{INLINE_SLOTS, Loc, Parent, TierNodes};
 
 const TIERS: usize = StorageTier::ALL.len();
 
@@ -588,9 +588,8 @@ impl KvIndex {
         let mut seq = next_seq_hash(None, first).0;
         'walk: while let Some((seg, mut p)) = nodes.locate(seq) {
             let segment = nodes.segment(seg);
-            let run = &segment.pos[..];
             loop {
-                let kept = active & run[p].bits;
+                let kept = active & segment.bits[p];
                 if kept != active {
                     emit(active & !kept, depth);
                     active = kept;
@@ -600,18 +599,19 @@ impl KvIndex {
                 }
                 depth += 1;
                 // Skip the stretch where the prompt follows the segment and every slot still
-                // walking holds each block: local hashes and bits side by side, no hashing.
-                let same = stretch(&run[p + 1..], &local[depth..], active);
+                // walking holds each block: local hashes compared, bits read only where they
+                // change, no hashing.
+                let same = segment.stretch(p + 1, &local[depth..], active);
                 p += same;
                 depth += same;
                 let Some(&want) = local.get(depth) else {
                     break 'walk;
                 };
-                match run.get(p + 1) {
+                match segment.locals.get(p + 1) {
                     // The segment goes on with this block: its sequence hash is known. A dead
                     // position (no bits) may live on elsewhere, so it is looked up.
-                    Some(next) if next.local == want.0 => {
-                        if next.bits == 0 {
+                    Some(&next) if next == want.0 => {
+                        if segment.bits[p + 1] == 0 {
                             seq = segment.seqs[p + 1];
                             continue 'walk;
                         }
@@ -776,31 +776,6 @@ fn chain_at(chain: &mut Vec<u64>, local: &[LocalBlockHash], depth: usize) -> u64
     let s = next_seq_hash(prev, local[depth]).0;
     chain.push(s);
     s
-}
-
-/// How many leading positions of `run` the prompt `want` follows with every slot of `active`
-/// holding each: compared a chunk at a time with no branch per block (a walk spends nearly all
-/// its time here), then the chunk that differs block by block.
-#[inline]
-fn stretch(run: &[Pos], want: &[LocalBlockHash], active: u64) -> usize {
-    const CHUNK: usize = 8;
-    let n = run.len().min(want.len());
-    let (run, want) = (&run[..n], &want[..n]);
-    let mut i = 0;
-    for (rc, wc) in run.chunks_exact(CHUNK).zip(want.chunks_exact(CHUNK)) {
-        let differ = rc.iter().zip(wc).fold(0, |acc, (at, w)| {
-            acc | (at.local ^ w.0) | (active & !at.bits)
-        });
-        if differ != 0 {
-            break;
-        }
-        i += CHUNK;
-    }
-    i + run[i..]
-        .iter()
-        .zip(&want[i..])
-        .take_while(|(at, w)| at.local == w.0 && at.bits & active == active)
-        .count()
 }
 
 /// The bits of one 64-slot word of the node `seq` in `nodes` (0 when nobody there holds it).

@@ -7,7 +7,10 @@
 //! of the parent's segment when the parent ends one, else it starts a segment. A query then walks
 //! a long prompt along a segment comparing local hashes in sequential memory, and needs a table
 //! lookup (and a hash) only where the segment ends or the prompt leaves it, the way the
-//! reference's radix tree compares the run of local hashes on one edge.
+//! reference's radix tree compares the run of local hashes on one edge. Each field has an array
+//! of its own, and one bit a block marks where the slot bits change: the walk compares local
+//! hashes eight at a time (8 bytes a block streamed) and reads bits only at the marks, since
+//! elsewhere they equal the bits it already checked.
 //!
 //! A live node never moves (only dead tails are cut and only wholly dead segments are freed), so
 //! the lanes keep a node's location instead of its sequence hash: a removal reaches the node with
@@ -17,30 +20,176 @@
 //! position is live exactly when `loc` maps its sequence hash to it; within a segment each
 //! position's sequence hash chains from the previous one (`seq[p] = next_seq_hash(seq[p - 1],
 //! local[p])`), so a walk that matched the local hash at `p` knows the sequence hash there
-//! without hashing; dead positions have no bits; a segment's last position is live (dead tails
-//! are cut off) and a segment without live positions is emptied and put on the free list.
+//! without hashing; a position's change mark is set exactly when its bits differ from the
+//! previous position's (and at position 0); dead positions have no bits; a segment's last
+//! position is live (dead tails are cut off) and a segment without live positions is emptied and
+//! put on the free list.
 
 use crate::FastMap;
 use crate::hash::{SequenceHash, next_seq_hash};
 use crate::table::U64Map;
 use kvroute_protocols::kv_events::LocalBlockHash;
 
-/// What a walk reads of each block of a segment.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Pos {
-    /// The block's local hash.
-    pub(super) local: u64,
-    /// Slots 0..64 holding the prefix (0 once dead).
-    pub(super) bits: u64,
-}
-
-/// A run of consecutive blocks of one chain. The sequence hashes sit apart from what a walk
-/// scans, so a long prompt's walk streams 16 bytes a block through memory.
+/// A run of consecutive blocks of one chain, one array per field. A walk streams the local
+/// hashes (8 bytes a block) and one bit a block saying where the slot bits change, and reads the
+/// bits only there: along a stretch every worker stored alike, the bits are all equal.
 #[derive(Debug, Default)]
 pub(super) struct Segment {
-    pub(super) pos: Vec<Pos>,
+    /// Each block's local hash.
+    pub(super) locals: Vec<u64>,
+    /// Slots 0..64 holding each block's prefix (0 once dead).
+    pub(super) bits: Vec<u64>,
+    /// Bit `p % 64` of word `p / 64` is set where `bits[p]` differs from `bits[p - 1]` (and at
+    /// `p = 0`); bits past the end are clear.
+    changes: Vec<u64>,
+    /// Each block's sequence hash.
     pub(super) seqs: Vec<u64>,
     live: u32,
+}
+
+impl Segment {
+    /// Blocks in the segment.
+    #[inline]
+    pub(super) fn len(&self) -> usize {
+        self.locals.len()
+    }
+
+    /// Whether the bits of position `p` differ from those of `p - 1` (always at 0).
+    #[inline]
+    pub(super) fn changes_at(&self, p: usize) -> bool {
+        self.changes[p / 64] >> (p % 64) & 1 != 0
+    }
+
+    /// How many positions from `from` on the prompt `want` follows with every slot of `active`
+    /// holding each, given that `active` holds position `from - 1`. Goes a window of up to 64
+    /// positions (one word of change marks) at a time: compares the window's local hashes, then
+    /// checks the bits only at the marks within the part that matched (elsewhere they equal bits
+    /// already checked).
+    #[inline]
+    pub(super) fn stretch(&self, from: usize, want: &[LocalBlockHash], active: u64) -> usize {
+        let locals = self.locals.get(from..).unwrap_or(&[]);
+        let n = locals.len().min(want.len());
+        let mut i = 0;
+        while i < n {
+            let q = from + i;
+            let span = (64 - q % 64).min(n - i);
+            let same = same_locals(&locals[i..i + span], &want[i..i + span]);
+            let mut marks = self.changes[q / 64] >> (q % 64);
+            if same < 64 {
+                marks &= (1u64 << same) - 1;
+            }
+            while marks != 0 {
+                let k = q + marks.trailing_zeros() as usize;
+                if self.bits[k] & active != active {
+                    return k - from;
+                }
+                marks &= marks - 1;
+            }
+            i += same;
+            if same < span {
+                break;
+            }
+        }
+        i
+    }
+
+    fn mark(&mut self, p: usize, changed: bool) {
+        let word = &mut self.changes[p / 64];
+        let bit = 1u64 << (p % 64);
+        if changed {
+            *word |= bit;
+        } else {
+            *word &= !bit;
+        }
+    }
+
+    /// Sets the bits of position `p`, keeping the change marks of `p` and `p + 1`.
+    #[inline]
+    fn set_bits(&mut self, p: usize, new: u64) {
+        if self.bits[p] == new {
+            return;
+        }
+        self.bits[p] = new;
+        self.mark(p, p == 0 || self.bits[p - 1] != new);
+        if let Some(&after) = self.bits.get(p + 1) {
+            self.mark(p + 1, after != new);
+        }
+    }
+
+    /// Appends a block held by nobody yet.
+    fn push(&mut self, local: u64, seq: u64) {
+        let p = self.len();
+        self.locals.push(local);
+        self.bits.push(0);
+        self.seqs.push(seq);
+        if p.is_multiple_of(64) {
+            self.changes.push(0);
+        }
+        self.mark(p, p == 0 || self.bits[p - 1] != 0);
+    }
+
+    /// Drops the last block.
+    fn pop(&mut self) {
+        let p = self.len() - 1;
+        self.mark(p, false);
+        self.locals.pop();
+        self.bits.pop();
+        self.seqs.pop();
+        self.changes.truncate(p.div_ceil(64));
+    }
+
+    fn reserve(&mut self, extra: usize) {
+        self.locals.reserve(extra);
+        self.bits.reserve(extra);
+        self.seqs.reserve(extra);
+        self.changes
+            .reserve((self.len() + extra).div_ceil(64) - self.changes.len());
+    }
+
+    fn capacity(&self) -> usize {
+        self.locals.capacity()
+    }
+
+    fn clear(&mut self) {
+        self.locals.clear();
+        self.bits.clear();
+        self.seqs.clear();
+        self.changes.clear();
+    }
+
+    fn shrink_to(&mut self, fit: usize) {
+        self.locals.shrink_to(fit);
+        self.bits.shrink_to(fit);
+        self.seqs.shrink_to(fit);
+        self.changes.shrink_to(fit.div_ceil(64));
+    }
+
+    fn bytes(&self) -> usize {
+        8 * (self.locals.capacity()
+            + self.bits.capacity()
+            + self.seqs.capacity()
+            + self.changes.capacity())
+    }
+}
+
+/// How many leading local hashes of `have` and `want` (of equal length) are equal: compared eight
+/// at a time with one branch a chunk (a walk spends nearly all its time here), then one by one in
+/// the chunk that differs.
+#[inline]
+fn same_locals(have: &[u64], want: &[LocalBlockHash]) -> usize {
+    const CHUNK: usize = 8;
+    let mut i = 0;
+    for (h, w) in have.chunks_exact(CHUNK).zip(want.chunks_exact(CHUNK)) {
+        if h.iter().zip(w).fold(0, |acc, (a, b)| acc | (a ^ b.0)) != 0 {
+            break;
+        }
+        i += CHUNK;
+    }
+    i + have[i..]
+        .iter()
+        .zip(&want[i..])
+        .take_while(|(a, b)| **a == b.0)
+        .count()
 }
 
 /// Shared nodes of one tier: which slots hold each prefix.
@@ -132,7 +281,7 @@ impl TierNodes {
     pub(super) fn peek_at(&self, loc: Loc) -> u64 {
         let (seg, p) = decode(loc);
         let s = &self.segs[seg as usize];
-        s.pos.get(p).map_or(0, |at| at.bits) ^ s.seqs.get(p).copied().unwrap_or(0)
+        s.bits.get(p).copied().unwrap_or(0) ^ s.seqs.get(p).copied().unwrap_or(0)
     }
 
     /// Peeks at the location entry of the node at `loc` if releasing `slot` would free it.
@@ -140,8 +289,8 @@ impl TierNodes {
     pub(super) fn peek_death(&self, loc: Loc, slot: u32) -> u64 {
         let (seg, p) = decode(loc);
         let s = &self.segs[seg as usize];
-        match s.pos.get(p) {
-            Some(at) if at.bits & !(1u64 << (slot % 64)) == 0 => self.loc.peek(s.seqs[p]),
+        match s.bits.get(p) {
+            Some(&bits) if bits & !(1u64 << (slot % 64)) == 0 => self.loc.peek(s.seqs[p]),
             _ => 0,
         }
     }
@@ -153,8 +302,9 @@ impl TierNodes {
     #[inline]
     pub(super) fn next_live(&self, parent: Loc, local: u64) -> Option<Loc> {
         let (seg, p) = decode(parent);
-        match self.segs[seg as usize].pos.get(p + 1) {
-            Some(next) if next.local == local && next.bits != 0 => Some(encode(seg, p + 1)),
+        let s = &self.segs[seg as usize];
+        match (s.locals.get(p + 1), s.bits.get(p + 1)) {
+            (Some(&next), Some(&bits)) if next == local && bits != 0 => Some(encode(seg, p + 1)),
             _ => None,
         }
     }
@@ -163,7 +313,7 @@ impl TierNodes {
     #[inline]
     pub(super) fn bits(&self, seq: u64) -> Option<u64> {
         self.locate(seq)
-            .map(|(seg, p)| self.segs[seg as usize].pos[p].bits)
+            .map(|(seg, p)| self.segs[seg as usize].bits[p])
     }
 
     /// Bytes reserved by the tier: the location table, the segments and the spill bits.
@@ -172,11 +322,7 @@ impl TierNodes {
             + super::table_bytes(&self.hi)
             + self.hi.values().map(|w| w.len() * 8).sum::<usize>()
             + self.segs.capacity() * std::mem::size_of::<Segment>()
-            + self
-                .segs
-                .iter()
-                .map(|s| s.pos.capacity() * std::mem::size_of::<Pos>() + s.seqs.capacity() * 8)
-                .sum::<usize>()
+            + self.segs.iter().map(Segment::bytes).sum::<usize>()
             + self.free.capacity() * 4
     }
 
@@ -207,10 +353,10 @@ impl TierNodes {
             None => self.locate(p.seq),
         });
         let after = parent
-            .filter(|&(seg, at)| at + 1 == self.segs[seg as usize].pos.len())
+            .filter(|&(seg, at)| at + 1 == self.segs[seg as usize].len())
             .map(|(seg, _)| seg);
         let (new_seg, new_pos) = match after {
-            Some(seg) => (seg, self.segs[seg as usize].pos.len()),
+            Some(seg) => (seg, self.segs[seg as usize].len()),
             None => (
                 self.free.last().copied().unwrap_or(self.segs.len() as u32),
                 0,
@@ -224,14 +370,11 @@ impl TierNodes {
                 self.segs.push(Segment::default());
             }
             let s = &mut self.segs[seg as usize];
-            if s.pos.len() == s.pos.capacity() {
+            if s.len() == s.capacity() {
                 // Room for the rest of the chain at once (still at least doubling).
-                let want = self.room.max(1);
-                s.pos.reserve(want);
-                s.seqs.reserve(want);
+                s.reserve(self.room.max(1));
             }
-            s.pos.push(Pos { local, bits: 0 });
-            s.seqs.push(seq);
+            s.push(local, seq);
             s.live += 1;
         }
         self.room = self.room.saturating_sub(1);
@@ -243,11 +386,11 @@ impl TierNodes {
     pub(super) fn hold(&mut self, loc: Loc, seq: u64, slot: u32) -> bool {
         if slot < INLINE_SLOTS {
             let (seg, p) = decode(loc);
-            let bits = &mut self.segs[seg as usize].pos[p].bits;
+            let s = &mut self.segs[seg as usize];
+            let bits = s.bits[p];
             let mask = 1u64 << slot;
-            let had = *bits & mask != 0;
-            *bits |= mask;
-            return had;
+            s.set_bits(p, bits | mask);
+            return bits & mask != 0;
         }
         let word = (slot / 64 - 1) as usize;
         let mask = 1u64 << (slot % 64);
@@ -270,9 +413,10 @@ impl TierNodes {
     pub(super) fn release(&mut self, loc: Loc, slot: u32) {
         let (seg, p) = decode(loc);
         if slot < INLINE_SLOTS {
-            let bits = &mut self.segs[seg as usize].pos[p].bits;
-            *bits &= !(1u64 << slot);
-            if *bits != 0
+            let s = &mut self.segs[seg as usize];
+            let bits = s.bits[p] & !(1u64 << slot);
+            s.set_bits(p, bits);
+            if bits != 0
                 || (!self.hi.is_empty() && self.hi.contains_key(&self.segs[seg as usize].seqs[p]))
             {
                 return;
@@ -289,7 +433,7 @@ impl TierNodes {
                 }
                 self.hi.remove(&seq);
             }
-            if self.segs[seg as usize].pos[p].bits != 0 {
+            if self.segs[seg as usize].bits[p] != 0 {
                 return;
             }
         }
@@ -305,36 +449,31 @@ impl TierNodes {
         if s.live == 0 {
             // A small segment keeps its memory for the next chain (churn stores and frees them
             // by the million); a large one gives it back.
-            if s.pos.capacity() > REUSED_SEGMENT_BLOCKS {
+            if s.capacity() > REUSED_SEGMENT_BLOCKS {
                 *s = Segment::default();
             } else {
-                s.pos.clear();
-                s.seqs.clear();
+                s.clear();
             }
             self.free.push(seg);
             return;
         }
-        if p + 1 < s.pos.len() {
+        if p + 1 < s.len() {
             // The segment's last position is live: nothing to cut.
             return;
         }
         // Without spill bits a position is live exactly when it has bits; with them, ask `loc`.
         let spill = !self.hi.is_empty();
-        while let (Some(last), Some(&last_seq)) = (s.pos.last(), s.seqs.last()) {
-            if last.bits != 0
-                || (spill && self.loc.get(last_seq) == Some(encode(seg, s.pos.len() - 1)))
-            {
+        while let (Some(&last), Some(&last_seq)) = (s.bits.last(), s.seqs.last()) {
+            if last != 0 || (spill && self.loc.get(last_seq) == Some(encode(seg, s.len() - 1))) {
                 break;
             }
-            s.pos.pop();
-            s.seqs.pop();
+            s.pop();
         }
         // Give memory back once a segment is a quarter full, to the power of two pushing would
         // have reached (shrinking at every halving would copy back and forth at a boundary).
-        let fit = s.pos.len().next_power_of_two().max(4);
-        if s.pos.capacity() >= 4 * fit {
-            s.pos.shrink_to(fit);
-            s.seqs.shrink_to(fit);
+        let fit = s.len().next_power_of_two().max(4);
+        if s.capacity() >= 4 * fit {
+            s.shrink_to(fit);
         }
     }
 
@@ -348,22 +487,29 @@ impl TierNodes {
             }
         }
         for (i, s) in self.segs.iter().enumerate() {
-            if s.pos.len() != s.seqs.len() {
-                return Err(format!(
-                    "segment {i}: blocks and sequence hashes differ in number"
-                ));
+            if s.bits.len() != s.len()
+                || s.seqs.len() != s.len()
+                || s.changes.len() != s.len().div_ceil(64)
+            {
+                return Err(format!("segment {i}: its arrays differ in length"));
             }
             let mut live = 0;
-            for (p, (at, &seq)) in s.pos.iter().zip(&s.seqs).enumerate() {
+            for (p, &seq) in s.seqs.iter().enumerate() {
                 let here = self.loc.get(seq) == Some(encode(i as u32, p));
                 live += u32::from(here);
-                if !here && at.bits != 0 {
+                if !here && s.bits[p] != 0 {
                     return Err(format!("segment {i} position {p} is dead but has bits"));
                 }
                 let prev = p.checked_sub(1).map(|q| SequenceHash(s.seqs[q]));
-                if p > 0 && next_seq_hash(prev, LocalBlockHash(at.local)).0 != seq {
+                if p > 0 && next_seq_hash(prev, LocalBlockHash(s.locals[p])).0 != seq {
                     return Err(format!("segment {i} position {p} does not chain"));
                 }
+                if s.changes_at(p) != (p == 0 || s.bits[p] != s.bits[p - 1]) {
+                    return Err(format!("segment {i} position {p}: wrong change mark"));
+                }
+            }
+            if s.len() % 64 != 0 && s.changes.last().is_some_and(|w| w >> (s.len() % 64) != 0) {
+                return Err(format!("segment {i}: change marks past its end"));
             }
             if live != s.live {
                 return Err(format!(

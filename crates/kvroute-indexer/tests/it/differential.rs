@@ -294,3 +294,81 @@ proptest! {
         }
     }
 }
+
+/// A local hash that is almost always 1: long chains and prompts then follow one another for
+/// hundreds of blocks, across the walk's 8-block chunks and 64-block windows.
+fn mostly_ones() -> impl Strategy<Value = u64> {
+    prop_oneof![60 => Just(1u64), 1 => Just(2u64)]
+}
+
+/// Device-only streams of long chains over nearly one local hash, from up to five workers whose
+/// holdings differ block by block (removals in the middle of long runs), so the walk's stretches
+/// run long and meet bit changes at every offset of a window.
+fn long_op_strategy() -> impl Strategy<Value = Op> {
+    let store = (
+        1u64..6,
+        proptest::option::weighted(0.6, 1u64..600),
+        1u64..600,
+        proptest::collection::vec(mostly_ones(), 1..200),
+    )
+        .prop_map(|(w, parent, first, locals)| {
+            Op::Event(event(
+                w,
+                0,
+                StorageTier::Device,
+                0,
+                KvCacheEventData::Stored(KvCacheStoreData {
+                    parent_hash: parent.map(Ext),
+                    blocks: locals
+                        .into_iter()
+                        .enumerate()
+                        .map(|(k, l)| KvCacheStoredBlockData {
+                            block_hash: Ext(first + k as u64),
+                            tokens_hash: LocalBlockHash(l),
+                        })
+                        .collect(),
+                }),
+            ))
+        });
+    let remove = (1u64..6, 1u64..600, 1u64..40).prop_map(|(w, from, n)| {
+        Op::Event(event(
+            w,
+            0,
+            StorageTier::Device,
+            0,
+            KvCacheEventData::Removed(KvCacheRemoveData {
+                block_hashes: (from..from + n).map(Ext).collect(),
+            }),
+        ))
+    });
+    prop_oneof![
+        6 => store,
+        3 => remove,
+        1 => (1u64..6).prop_map(Op::RemoveWorker),
+        4 => proptest::collection::vec(mostly_ones(), 0..300).prop_map(Op::Query),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn long_walks_agree_with_naive_model(ops in proptest::collection::vec(long_op_strategy(), 1..60)) {
+        let mut index = KvIndex::new();
+        let mut model = Model::default();
+        for op in &ops {
+            match op {
+                Op::Event(ev) => {
+                    let _ = index.apply_event_untracked(ev);
+                    model.apply(ev);
+                }
+                Op::RemoveWorker(id) => {
+                    index.remove_worker(*id);
+                    model.remove_worker(*id);
+                }
+                Op::Query(q) => prop_assert_eq!(index_query(&index, q), model.query(q)),
+            }
+        }
+        prop_assert_eq!(index.check_consistency(), Ok(()));
+    }
+}
