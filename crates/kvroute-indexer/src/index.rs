@@ -480,9 +480,19 @@ impl KvIndex {
             let nodes = &self.tiers[StorageTier::Device.index()];
             if nodes.is_empty() {
             } else if self.slots.len() <= INLINE_SLOTS as usize {
+                // Gather the matches first, so each map is allocated once at its final size
+                // (growing them match by match cost a short query a third of its time).
+                let mut found = [(0u32, 0u32); INLINE_SLOTS as usize];
+                let mut n = 0;
                 self.walk_segments(nodes, local, |slot, depth| {
-                    self.report(&mut out, StorageTier::Device, slot, depth);
+                    found[n] = (slot, depth);
+                    n += 1;
                 });
+                out.scores.reserve(n);
+                out.tree_sizes.reserve(n);
+                for &(slot, depth) in &found[..n] {
+                    self.report(&mut out, StorageTier::Device, slot, depth);
+                }
             } else {
                 self.walk(nodes, local, chain, |slot, depth| {
                     self.report(&mut out, StorageTier::Device, slot, depth);
