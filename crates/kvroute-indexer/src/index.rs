@@ -327,12 +327,12 @@ impl KvIndex {
                             block: block.block_hash,
                         });
                     }
-                    // The chain goes on from this block's node; the lane's entry for the block
-                    // id says where it is unless the id named another prefix.
-                    let held = *entry;
+                    // The chain goes on from this block's node, wherever it is live (the block
+                    // id may have named another prefix): found from the previous block's node.
+                    let at = prev.and_then(|p| p.loc);
                     prev = Some(Parent {
                         seq,
-                        loc: known.or((nodes.seq_at(held) == seq).then_some(held)),
+                        loc: nodes.follow(at, seq, block.tokens_hash.0),
                     });
                     continue;
                 }

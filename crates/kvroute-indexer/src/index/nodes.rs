@@ -226,7 +226,10 @@ pub(super) struct TierNodes {
 /// Where a node sits: `segment << 32 | position`. A live node never moves, so lanes keep it.
 pub(super) type Loc = u64;
 
-/// The node a stored block continues: its sequence hash, and its place in this tier when known.
+/// The node a stored block continues: its sequence hash, and its place in this tier. No place
+/// means the node is not live in this tier or, in a tier mapping every node, was not looked up
+/// (a slower tier's chain continuing a parent held in another tier): either way a lookup by hash
+/// finds it if it is live.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Parent {
     pub(super) seq: u64,
@@ -311,26 +314,6 @@ impl TierNodes {
         self.segs
             .get(seg as usize)
             .is_some_and(|s| p < s.len() && Self::live_at(&self.hi, s, seg, p))
-    }
-
-    /// Where the live node `seq` is, wherever it sits: the location table, else (a tier keeping
-    /// only entries, for a chain going on after a duplicate store whose block id named another
-    /// prefix) a scan of every segment.
-    fn find_live(&self, seq: u64) -> Option<Loc> {
-        if let Some(loc) = self.loc.get(seq) {
-            return Some(loc);
-        }
-        if self.every_node {
-            return None;
-        }
-        self.segs.iter().enumerate().find_map(|(i, s)| {
-            let p = s
-                .seqs
-                .iter()
-                .enumerate()
-                .position(|(p, &at)| at == seq && Self::live_at(&self.hi, s, i as u32, p))?;
-            Some(encode(i as u32, p))
-        })
     }
 
     /// Segment `seg`.
@@ -421,7 +404,7 @@ impl TierNodes {
         local: u64,
         slot: u32,
     ) -> (Loc, bool) {
-        let parent = parent.and_then(|p| p.loc.or_else(|| self.find_live(p.seq)));
+        let parent = parent.and_then(|p| p.loc.or_else(|| self.loc.get(p.seq)));
         // A live node is found right after its parent, or else it is in the location table.
         let known = parent
             .and_then(|at| self.next_live(at, local))
