@@ -127,16 +127,20 @@ impl Segment {
         }
     }
 
-    /// Appends a block held by nobody yet.
-    fn push(&mut self, local: u64, seq: u64) {
+    /// Appends a block held by the inline slots `bits` (none yet when 0).
+    #[inline]
+    fn push(&mut self, local: u64, seq: u64, bits: u64) {
         let p = self.len();
+        let changed = self.bits.last().is_none_or(|&prev| prev != bits);
         self.locals.push(local);
-        self.bits.push(0);
+        self.bits.push(bits);
         self.seqs.push(seq);
         if p.is_multiple_of(64) {
-            self.changes.push(0);
+            // A fresh word: only this position's mark to set.
+            self.changes.push(u64::from(changed));
+        } else if changed {
+            self.changes[p / 64] |= 1u64 << (p % 64);
         }
-        self.mark(p, p == 0 || self.bits[p - 1] != 0);
     }
 
     /// Drops the last block.
@@ -434,13 +438,19 @@ impl TierNodes {
             s.reserve(self.room.max(1));
         }
         let loc = encode(seg, s.len());
-        s.push(local, seq);
+        // A new node is born held by `slot` when the slot is inline; a spilling slot holds it
+        // through the spill table below.
+        let inline = if slot < INLINE_SLOTS { 1u64 << slot } else { 0 };
+        s.push(local, seq, inline);
         s.live += 1;
         self.live += 1;
         if self.every_node || after.is_none() {
             self.loc.get_or_insert(seq, loc);
         }
         self.room = self.room.saturating_sub(1);
+        if inline != 0 {
+            return (loc, false);
+        }
         (loc, self.hold(loc, slot))
     }
 
