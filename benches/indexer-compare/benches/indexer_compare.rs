@@ -2,16 +2,18 @@
 //!
 //! `cargo xtask bench indexer-compare (--trace FILE [--trace-block-size 512] | --workload
 //! agentic|multi-turn [--seed N]) [--workers 8] [--block-size 16] [--cache-blocks 16384]
-//! [--limit N] [--repeats 1] [--ref-threads 4] [--only kv,ref-tree,...] [--no-hash]`
+//! [--limit N] [--repeats 1] [--ref-threads 4] [--only kv,ref-tree,...] [--no-hash]
+//! [--readers 1,2]`
 //!
 //! Prints the workload, one line per run, then a Markdown table (each indexer's best figures and
-//! the ratio of kvroute's best to the reference's best, above 1 meaning kvroute is better), and
-//! last one JSON object. Exits non-zero if any indexer gives any wrong answer.
+//! the ratio of kvroute's best to the reference's best, above 1 meaning kvroute is better), then
+//! the reader-scaling table (queries per second from 1, 2, ... threads sharing each index that
+//! can be shared, `--readers 0` to skip), and last one JSON object. Exits non-zero if any indexer gives any wrong answer.
 
 use anyhow::{Context, bail};
 use kvroute_indexer_compare::alloc::CountingAlloc;
 use kvroute_indexer_compare::drivers::{Kind, same_hashes};
-use kvroute_indexer_compare::run::{Settings, compare, table};
+use kvroute_indexer_compare::run::{Settings, compare, reader_scaling, scaling_table, table};
 use kvroute_indexer_compare::workload::{Fleet, Recorded, Source};
 
 #[global_allocator]
@@ -26,7 +28,7 @@ struct Args {
 
 const USAGE: &str = "expected --trace FILE [--trace-block-size T] or --workload agentic|multi-turn [--seed N], \
      and optionally --workers, --block-size, --cache-blocks, --limit, --repeats, --ref-threads, \
-     --only LIST (kv,kv-concurrent,ref-tree,ref-pool), --no-hash";
+     --only LIST (kv,kv-concurrent,ref-tree,ref-pool), --no-hash, --readers LIST (1,2; 0 for none)";
 
 fn parse_args() -> anyhow::Result<Args> {
     let mut trace = None;
@@ -44,6 +46,7 @@ fn parse_args() -> anyhow::Result<Args> {
         ref_threads: 4,
         repeats: 1,
         hash_phase: true,
+        readers: vec![1, 2],
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -72,6 +75,17 @@ fn parse_args() -> anyhow::Result<Args> {
             "--limit" => limit = num()?,
             "--repeats" => settings.repeats = num()?.max(1),
             "--ref-threads" => settings.ref_threads = num()?.max(1),
+            "--readers" => {
+                settings.readers = value
+                    .split(',')
+                    .map(|n| {
+                        n.trim()
+                            .parse::<usize>()
+                            .with_context(|| format!("--readers {value}: expected counts like 1,2"))
+                    })
+                    .filter(|n| !matches!(n, Ok(0)))
+                    .collect::<anyhow::Result<_>>()?;
+            }
             "--only" => {
                 settings.kinds = value
                     .split(',')
@@ -153,6 +167,25 @@ fn main() -> anyhow::Result<()> {
     let (markdown, json) = table(&w, &results);
     println!("every answer of every indexer checked against the model: all correct");
     println!("{markdown}");
+    let mut scaling = Vec::new();
+    if !args.settings.readers.is_empty() {
+        for &kind in &args.settings.kinds {
+            if let Some(v) = reader_scaling(&w, kind, &args.settings)? {
+                scaling.push((kind, v));
+            }
+        }
+    }
+    let scaling_json = if scaling.is_empty() {
+        serde_json::Value::Null
+    } else {
+        let (markdown, json) = scaling_table(&scaling);
+        println!(
+            "Reader scaling: threads querying one shared index holding the whole stream, every answer checked ({} cores here)",
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        );
+        println!("{markdown}");
+        json
+    };
     let report = serde_json::json!({
         "workload": args.source.label(),
         "requests": w.requests(),
@@ -164,6 +197,7 @@ fn main() -> anyhow::Result<()> {
         "repeats": args.settings.repeats,
         "ref_threads": args.settings.ref_threads,
         "figures": json,
+        "reader_scaling": scaling_json,
     });
     println!("{report}");
     Ok(())

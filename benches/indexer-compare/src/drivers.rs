@@ -60,6 +60,11 @@ pub enum Scores {
 }
 
 impl Scores {
+    /// Leading device blocks of workers `0..workers` (rank 0), in order.
+    pub fn all(&self, workers: usize) -> Vec<u32> {
+        (0..workers as u64).map(|w| self.score(w)).collect()
+    }
+
     /// Leading device blocks `worker` (rank 0) holds.
     pub fn score(&self, worker: u64) -> u32 {
         match self {
@@ -98,6 +103,43 @@ pub trait Indexer {
     fn hash_find(&mut self, tokens: &[u32]) -> Scores;
     /// Drops whatever [`Indexer::prepare`] kept, so only the index is left to measure.
     fn release(&mut self) {}
+    /// The index as many threads query it at once, if it can be shared.
+    fn shared(&self) -> Option<&dyn SharedFind> {
+        None
+    }
+}
+
+/// An index that many threads can query at once, as its router shares it.
+pub trait SharedFind: Sync {
+    /// The overlap of a query with every worker, from any thread.
+    fn find_shared(&self, query: &Query<'_>) -> Scores;
+}
+
+impl SharedFind for KvIndex {
+    fn find_shared(&self, query: &Query<'_>) -> Scores {
+        let Query::Kv(q) = query else {
+            unreachable!("kvroute queries are built by `query`")
+        };
+        Scores::Kv(self.find_matches(q))
+    }
+}
+
+impl SharedFind for ConcurrentIndex {
+    fn find_shared(&self, query: &Query<'_>) -> Scores {
+        let Query::Kv(q) = query else {
+            unreachable!("kvroute queries are built by `query`")
+        };
+        Scores::Kv(self.find_matches(q))
+    }
+}
+
+impl SharedFind for ThreadPoolIndexer<ConcurrentRadixTreeCompressed> {
+    fn find_shared(&self, query: &Query<'_>) -> Scores {
+        let Query::Ref(q) = query else {
+            unreachable!("reference queries are built by `query`")
+        };
+        Scores::Ref(self.backend().find_matches(q, false))
+    }
 }
 
 /// Builds the indexer of `kind`; `block_size` is the engine block size, `threads` the event
@@ -174,6 +216,10 @@ impl Indexer for KvSingle {
         let local = compute_block_hashes(tokens, self.block_size, &self.salt);
         Scores::Kv(self.index.find_matches_with(&local, &mut self.scratch))
     }
+
+    fn shared(&self) -> Option<&dyn SharedFind> {
+        Some(&self.index)
+    }
 }
 
 struct KvShared {
@@ -213,6 +259,10 @@ impl Indexer for KvShared {
     fn hash_find(&mut self, tokens: &[u32]) -> Scores {
         let local = compute_block_hashes(tokens, self.block_size, &self.salt);
         Scores::Kv(self.index.find_matches(&local))
+    }
+
+    fn shared(&self) -> Option<&dyn SharedFind> {
+        Some(&self.index)
     }
 }
 
@@ -311,6 +361,10 @@ impl Indexer for RefPool {
 
     fn release(&mut self) {
         self.events = Vec::new();
+    }
+
+    fn shared(&self) -> Option<&dyn SharedFind> {
+        Some(&self.pool)
     }
 }
 

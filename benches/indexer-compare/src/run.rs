@@ -20,6 +20,8 @@ pub struct Settings {
     pub repeats: usize,
     /// Also time hashing each prompt plus the query.
     pub hash_phase: bool,
+    /// Reader threads to time querying a shared index with (empty: no reader-scaling phase).
+    pub readers: Vec<usize>,
 }
 
 /// What one indexer did on one run.
@@ -135,6 +137,113 @@ fn bulk_apply(w: &Recorded, kind: Kind, settings: &Settings) -> anyhow::Result<D
     }
     index.sync()?;
     Ok(start.elapsed())
+}
+
+/// Queries per second from each count of reader threads in `settings.readers`, all querying one
+/// shared `kind` index that holds the whole stream (no events arrive meanwhile). Each thread
+/// runs the workload's queries in order from its own starting point, for as many passes as one
+/// thread needs for about a quarter second; every answer is checked against the answer one
+/// thread got first on the same index. `None` for an index that cannot be shared.
+pub fn reader_scaling(
+    w: &Recorded,
+    kind: Kind,
+    settings: &Settings,
+) -> anyhow::Result<Option<Vec<(usize, f64)>>> {
+    let mut index = build(kind, w.block_size, settings.ref_threads);
+    index.prepare(&w.events);
+    for i in 0..w.events.len() {
+        index.apply(&w.events, i)?;
+    }
+    index.sync()?;
+    index.release();
+    let Some(shared) = index.shared() else {
+        return Ok(None);
+    };
+    let queries: Vec<_> = (0..w.requests()).map(|r| index.query(w.query(r))).collect();
+    let start = Instant::now();
+    let answers: Vec<Vec<u32>> = queries
+        .iter()
+        .map(|q| shared.find_shared(q).all(w.workers))
+        .collect();
+    let one_pass = start.elapsed().max(Duration::from_micros(1));
+    let passes =
+        (Duration::from_millis(250).as_secs_f64() / one_pass.as_secs_f64()).ceil() as usize;
+    let n = queries.len();
+    let mut out = Vec::new();
+    for &readers in &settings.readers {
+        let start = Instant::now();
+        let wrong = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..readers)
+                .map(|k| {
+                    let (queries, answers) = (&queries, &answers);
+                    s.spawn(move || {
+                        let mut wrong = 0usize;
+                        for j in 0..passes * n {
+                            let r = (j + k * n / readers) % n;
+                            let got = shared.find_shared(&queries[r]);
+                            wrong += usize::from(got.all(w.workers) != answers[r]);
+                        }
+                        wrong
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a reader thread panicked"))
+                .sum::<usize>()
+        });
+        let elapsed = start.elapsed();
+        if wrong > 0 {
+            bail!(
+                "{} with {readers} readers: {wrong} answers differ from one thread's",
+                kind.name()
+            );
+        }
+        let qps = (readers * passes * n) as f64 / elapsed.as_secs_f64();
+        eprintln!(
+            "  readers {readers}: {:<15} {:>10.0} queries/s",
+            kind.name(),
+            qps
+        );
+        out.push((readers, qps));
+    }
+    Ok(Some(out))
+}
+
+/// The reader-scaling table (Markdown): thousands of queries per second for each reader count,
+/// then each count's speed-up over one reader; and the same figures as JSON.
+pub fn scaling_table(results: &[(Kind, Vec<(usize, f64)>)]) -> (String, serde_json::Value) {
+    let mut out = String::new();
+    let _ = write!(out, "| readers |");
+    for (k, _) in results {
+        let _ = write!(out, " {} (k queries/s) |", k.name());
+    }
+    let _ = writeln!(out);
+    let _ = write!(out, "| ---: |");
+    for _ in results {
+        let _ = write!(out, " ---: |");
+    }
+    let _ = writeln!(out);
+    let counts: Vec<usize> = results
+        .first()
+        .map(|(_, v)| v.iter().map(|(n, _)| *n).collect())
+        .unwrap_or_default();
+    let mut json = serde_json::Map::new();
+    for (i, n) in counts.iter().enumerate() {
+        let _ = write!(out, "| {n} |");
+        for (k, v) in results {
+            let (_, qps) = v[i];
+            let base = v[0].1;
+            let _ = write!(out, " {} ({:.2}x) |", fmt(qps / 1000.0), qps / base);
+            json.entry(k.name().to_owned())
+                .or_insert_with(|| serde_json::json!({}))
+                .as_object_mut()
+                .expect("inserted as an object")
+                .insert(n.to_string(), serde_json::json!(round3(qps / 1000.0)));
+        }
+        let _ = writeln!(out);
+    }
+    (out, json.into())
 }
 
 /// Runs every indexer `repeats` times (rotating the order so none always runs first on a noisy

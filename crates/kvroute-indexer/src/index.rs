@@ -20,8 +20,10 @@
 //! shared prefix) needs neither hashing nor a lookup.
 //!
 //! Per indexed block this costs one 16-byte lane entry plus, shared by every worker holding the
-//! block, one 16-byte location entry and one 24-byte segment position; the tables sit at 3/5 to
-//! 3/4 load (see [`crate::table`]), so about 75 bytes a block when workers share little.
+//! block, 24 bytes and a bit of segment; the tables sit at 1/2 to 3/4 load (see
+//! [`crate::table`]). Only the device nodes a walk or a store cannot reach from their parent
+//! (segment starts, nodes after a dead position) have a 16-byte location entry, so about 50
+//! bytes a block when workers share little.
 
 use kvroute_protocols::kv_events::{
     ExternalSequenceBlockHash, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
@@ -53,7 +55,7 @@ const BATCH: usize = 32;
 ///
 /// Single-writer: mutation takes `&mut self`, queries `&self`; wrap it in
 /// [`crate::ConcurrentIndex`] to query from many threads while events arrive.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct KvIndex {
     tiers: [TierNodes; TIERS],
     slots: Vec<SlotState>,
@@ -63,6 +65,24 @@ pub struct KvIndex {
     errors: ErrorCounts,
     late_events: u64,
     gaps_seen: u64,
+}
+
+impl Default for KvIndex {
+    fn default() -> Self {
+        Self {
+            // The device tier's location table keeps only the nodes a walk or a store cannot
+            // reach from their parent (see [`nodes`]); slower tiers', whose chains may continue
+            // a parent held in another tier, keep every node.
+            tiers: std::array::from_fn(|t| TierNodes::new(t != StorageTier::Device.index())),
+            slots: Vec::new(),
+            slot_of: FastMap::default(),
+            free_slots: Vec::new(),
+            gaps: GapTracker::default(),
+            errors: ErrorCounts::default(),
+            late_events: 0,
+            gaps_seen: 0,
+        }
+    }
 }
 
 /// Where a chain being stored goes on from: the node its next block continues.
@@ -307,11 +327,17 @@ impl KvIndex {
                             block: block.block_hash,
                         });
                     }
-                    prev = Some(Parent { seq, loc: None });
+                    // The chain goes on from this block's node, wherever it is live (the block
+                    // id may have named another prefix): found from the previous block's node.
+                    let at = prev.and_then(|p| p.loc);
+                    prev = Some(Parent {
+                        seq,
+                        loc: nodes.follow(at, seq, block.tokens_hash.0),
+                    });
                     continue;
                 }
                 let (loc, had) = match known {
-                    Some(loc) => (loc, nodes.hold(loc, seq, slot)),
+                    Some(loc) => (loc, nodes.hold(loc, slot)),
                     None => nodes.add(prev, seq, block.tokens_hash.0, slot),
                 };
                 *entry = loc;
@@ -454,9 +480,19 @@ impl KvIndex {
             let nodes = &self.tiers[StorageTier::Device.index()];
             if nodes.is_empty() {
             } else if self.slots.len() <= INLINE_SLOTS as usize {
+                // Gather the matches first, so each map is allocated once at its final size
+                // (growing them match by match cost a short query a third of its time).
+                let mut found = [(0u32, 0u32); INLINE_SLOTS as usize];
+                let mut n = 0;
                 self.walk_segments(nodes, local, |slot, depth| {
-                    self.report(&mut out, StorageTier::Device, slot, depth);
+                    found[n] = (slot, depth);
+                    n += 1;
                 });
+                out.scores.reserve(n);
+                out.tree_sizes.reserve(n);
+                for &(slot, depth) in &found[..n] {
+                    self.report(&mut out, StorageTier::Device, slot, depth);
+                }
             } else {
                 self.walk(nodes, local, chain, |slot, depth| {
                     self.report(&mut out, StorageTier::Device, slot, depth);
@@ -513,6 +549,8 @@ impl KvIndex {
         active[0] = u64::MAX >> (64 - in_word);
         // Where each slot's run in its current lower tier began (device runs begin at 0).
         let mut begun = [0u32; 64];
+        // Each tier's node of the previous block, if that tier was walked there.
+        let mut at = [None; TIERS];
         let mut depth = 0;
         while depth < local.len() {
             let seq = chain_at(chain, local, depth);
@@ -521,9 +559,19 @@ impl KvIndex {
             for (t, tier) in StorageTier::ALL.into_iter().enumerate() {
                 let walking = active[t] | joining;
                 if walking == 0 {
+                    // A tier left off has no node of the previous block to go on from: it finds
+                    // its next by lookup, which the tiers that may be left off and taken up
+                    // again (every tier but the device, walked from the first block) allow.
+                    at[t] = None;
                     continue;
                 }
-                let bits = word_bits(&self.tiers[t], seq, word);
+                let nodes = &self.tiers[t];
+                at[t] = if nodes.is_empty() {
+                    None
+                } else {
+                    nodes.follow(at[t], seq, local[depth].0)
+                };
+                let bits = word_bits(nodes, at[t], word);
                 let kept = walking & bits;
                 let dropped = walking & !bits;
                 // A slot that joins and drops at once held nothing here; device runs start at 0.
@@ -588,9 +636,8 @@ impl KvIndex {
         let mut seq = next_seq_hash(None, first).0;
         'walk: while let Some((seg, mut p)) = nodes.locate(seq) {
             let segment = nodes.segment(seg);
-            let run = &segment.pos[..];
             loop {
-                let kept = active & run[p].bits;
+                let kept = active & segment.bits[p];
                 if kept != active {
                     emit(active & !kept, depth);
                     active = kept;
@@ -600,22 +647,19 @@ impl KvIndex {
                 }
                 depth += 1;
                 // Skip the stretch where the prompt follows the segment and every slot still
-                // walking holds each block: local hashes and bits side by side, no hashing.
-                let same = run[p + 1..]
-                    .iter()
-                    .zip(&local[depth..])
-                    .take_while(|(at, want)| at.local == want.0 && at.bits & active == active)
-                    .count();
+                // walking holds each block: local hashes compared, bits read only where they
+                // change, no hashing.
+                let same = segment.stretch(p + 1, &local[depth..], active);
                 p += same;
                 depth += same;
                 let Some(&want) = local.get(depth) else {
                     break 'walk;
                 };
-                match run.get(p + 1) {
+                match segment.locals.get(p + 1) {
                     // The segment goes on with this block: its sequence hash is known. A dead
                     // position (no bits) may live on elsewhere, so it is looked up.
-                    Some(next) if next.local == want.0 => {
-                        if next.bits == 0 {
+                    Some(&next) if next == want.0 => {
+                        if segment.bits[p + 1] == 0 {
                             seq = segment.seqs[p + 1];
                             continue 'walk;
                         }
@@ -660,6 +704,8 @@ impl KvIndex {
             }
         };
         let mut depth = 0;
+        // The node of the previous block, from which the next is found without a lookup.
+        let mut at = None;
         while depth < local.len() {
             let seq = match chain.get(depth) {
                 Some(&s) => s,
@@ -670,15 +716,17 @@ impl KvIndex {
                     s
                 }
             };
-            let Some(bits) = nodes.bits(seq) else {
+            let Some(loc) = nodes.follow(at, seq, local[depth].0) else {
                 break;
             };
+            at = Some(loc);
+            let bits = nodes.bits_at(loc);
             let kept = active & bits;
             emit(active & !kept, 0, depth);
             active = kept;
             let mut any_hi = false;
             if wide_words > 0 {
-                let words = nodes.hi.get(&seq).map_or(&[][..], |w| &w[..]);
+                let words = nodes.spill_at(loc);
                 for (j, a) in active_hi.iter_mut().enumerate() {
                     let kept = *a & words.get(j).copied().unwrap_or(0);
                     emit(*a & !kept, INLINE_SLOTS + 64 * j as u32, depth);
@@ -782,24 +830,16 @@ fn chain_at(chain: &mut Vec<u64>, local: &[LocalBlockHash], depth: usize) -> u64
     s
 }
 
-/// The bits of one 64-slot word of the node `seq` in `nodes` (0 when nobody there holds it).
+/// The bits of one 64-slot word of the node at `loc` in `nodes` (0 when there is none).
 #[inline]
-fn word_bits(nodes: &TierNodes, seq: u64, word: usize) -> u64 {
-    if word == 0 {
-        if nodes.is_empty() {
-            return 0;
-        }
-        return nodes.bits(seq).unwrap_or(0);
-    }
-    if nodes.hi.is_empty() {
+fn word_bits(nodes: &TierNodes, loc: Option<Loc>, word: usize) -> u64 {
+    let Some(loc) = loc else {
         return 0;
+    };
+    if word == 0 {
+        return nodes.bits_at(loc);
     }
-    nodes
-        .hi
-        .get(&seq)
-        .and_then(|words| words.get(word - 1))
-        .copied()
-        .unwrap_or(0)
+    nodes.spill_at(loc).get(word - 1).copied().unwrap_or(0)
 }
 
 /// Bytes reserved by a hashbrown table of `map`'s capacity: buckets times (entry + control byte).

@@ -6,9 +6,10 @@
 //! the size its live set needs (hashbrown keeps tombstones and doubles when it meets them above
 //! half load, which cost the index 2x memory under eviction churn). The slot array is any multiple
 //! of 8 long (a key's home slot is its mixed hash scaled onto the array by multiply-shift, not
-//! masked) and is rebuilt at 3/5 load whenever it passes 3/4 (or falls below 3/10): a table whose
-//! size levels off holds 3/5 to 3/4 of its peak, 21-27 bytes an entry at the peak (a power-of-two
-//! array sat anywhere from 3/8 up, at half load for a 16,384-block cache). A rebuild reads the old
+//! masked). Growing past 3/4 load rebuilds it at 1/2 load (half the rebuilds of growing to 3/5,
+//! for a few percent of memory); falling below 3/10 rebuilds it at 3/5. A table whose size levels
+//! off holds 1/2 to 3/4 of its peak, 21-32 bytes an entry at the peak (a power-of-two array sat
+//! anywhere from 3/8 up, at half load for a 16,384-block cache). A rebuild reads the old
 //! runs in hash order and only appends. A probe touches consecutive slots, four to a cache line.
 //! Key 0 marks an empty slot, so a real key 0 is kept aside in `zero`.
 //!
@@ -22,6 +23,12 @@ const EMPTY: u64 = 0;
 
 /// Multiplier spreading keys (engines' block ids can be small sequential integers).
 const MIX: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// Load after a rebuild that grows the table (numerator, denominator).
+const GROWN_LOAD: (usize, usize) = (1, 2);
+
+/// Load after a rebuild that shrinks it.
+const SETTLED_LOAD: (usize, usize) = (3, 5);
 
 /// Map from `u64` keys to `u64` values.
 #[derive(Debug, Clone, Default)]
@@ -232,22 +239,20 @@ impl U64Map {
     pub(crate) fn reserve(&mut self, extra: usize) {
         let need = self.len + extra;
         if need * 4 > self.slots.len() * 3 {
-            self.rebuild(need);
+            self.rebuild(need, GROWN_LOAD);
         }
     }
 
     /// Shrinks the slot array when the live set fell below 3/10 of it.
     pub(crate) fn maybe_shrink(&mut self) {
         if self.slots.len() > 64 && self.len * 10 < self.slots.len() * 3 {
-            self.rebuild(self.len);
+            self.rebuild(self.len, SETTLED_LOAD);
         }
     }
 
-    /// Re-lays the entries out at 3/5 load for `n` entries: growth by a quarter before the next
-    /// rebuild, so a table whose size levels off sits at 3/5 to 3/4 load (a power-of-two array
-    /// would sit anywhere from 3/8 up, and at half load for a 16,384-block cache).
-    fn rebuild(&mut self, n: usize) {
-        let size = (n * 5 / 3 + 1).next_multiple_of(8).max(8);
+    /// Re-lays the entries out for `n` entries at `num / den` load.
+    fn rebuild(&mut self, n: usize, (num, den): (usize, usize)) {
+        let size = (n * den / num + 1).next_multiple_of(8).max(8);
         let old = std::mem::replace(&mut self.slots, vec![(EMPTY, 0); size]);
         self.len = 0;
         // Read from an empty slot on, the old entries come sorted by mixed hash (runs are sorted

@@ -83,6 +83,8 @@ impl KvIndex {
             let nodes = &self.tiers[tier.index()];
             nodes.check().map_err(|e| format!("tier {tier:?}: {e}"))?;
             let mut expect: FastMap<u64, FastMap<u32, u32>> = FastMap::default();
+            // Where each held node sits, as the lanes say.
+            let mut place: FastMap<u64, u64> = FastMap::default();
             for (slot, state) in self.slots.iter().enumerate() {
                 let lane = &state.lanes[tier.index()];
                 if state.worker.is_none() && !lane.blocks.is_empty() {
@@ -90,10 +92,13 @@ impl KvIndex {
                 }
                 for (ext, loc) in lane.blocks.iter() {
                     let seq = nodes.seq_at(loc);
-                    if !nodes.is_live_at(seq, loc) {
+                    if !nodes.is_live(loc) {
                         return Err(format!(
                             "slot {slot} block {ext:#x} names a dead position of {seq:#x}"
                         ));
+                    }
+                    if *place.entry(seq).or_insert(loc) != loc {
+                        return Err(format!("node {seq:#x} is live in two places"));
                     }
                     *expect
                         .entry(seq)
@@ -125,11 +130,7 @@ impl KvIndex {
                 let mut hi: Vec<u64> = Vec::new();
                 for (&slot, &count) in holders {
                     let lane = &self.slots[slot as usize].lanes[tier.index()];
-                    let extra = nodes
-                        .loc_of(*seq)
-                        .and_then(|loc| lane.aliases.get(&loc))
-                        .copied()
-                        .unwrap_or(0);
+                    let extra = lane.aliases.get(&place[seq]).copied().unwrap_or(0);
                     if extra + 1 != count {
                         return Err(format!(
                             "slot {slot} holds {seq:#x} {count}x, aliases {extra}"
@@ -145,10 +146,10 @@ impl KvIndex {
                         hi[w] |= 1 << (slot % 64);
                     }
                 }
-                if nodes.bits(*seq) != Some(lo) {
+                if nodes.bits_at(place[seq]) != lo {
                     return Err(format!("tier {tier:?} node {seq:#x}: wrong inline bits"));
                 }
-                let got: Vec<u64> = nodes.hi.get(seq).map(|w| w.to_vec()).unwrap_or_default();
+                let got: Vec<u64> = nodes.spill_at(place[seq]).to_vec();
                 let trim = |v: &[u64]| {
                     let n = v.iter().rposition(|w| *w != 0).map_or(0, |i| i + 1);
                     v[..n].to_vec()

@@ -7,50 +7,220 @@
 //! of the parent's segment when the parent ends one, else it starts a segment. A query then walks
 //! a long prompt along a segment comparing local hashes in sequential memory, and needs a table
 //! lookup (and a hash) only where the segment ends or the prompt leaves it, the way the
-//! reference's radix tree compares the run of local hashes on one edge.
+//! reference's radix tree compares the run of local hashes on one edge. Each field has an array
+//! of its own, and one bit a block marks where the slot bits change: the walk compares local
+//! hashes eight at a time (8 bytes a block streamed) and reads bits only at the marks, since
+//! elsewhere they equal the bits it already checked.
 //!
 //! A live node never moves (only dead tails are cut and only wholly dead segments are freed), so
 //! the lanes keep a node's location instead of its sequence hash: a removal reaches the node with
 //! no lookup, and a stored chain is placed after its parent with none.
 //!
-//! Invariants (checked by the index's audit): `loc` maps every live node to its position, and a
-//! position is live exactly when `loc` maps its sequence hash to it; within a segment each
+//! A node is live while any slot holds it: inline bits, or spill bits kept by its location. In
+//! the device tier the location table maps only *entries*: live nodes at a segment's first
+//! position or right after a dead position. Every other live node sits right after its parent
+//! (the position before it chains to it and is live, and a live node is unique), so whoever
+//! looks for it stands at the parent and finds it there; and a live node not right after its
+//! live parent is an entry. A store appending to its parent's segment therefore touches no
+//! table but to check that the node is not live elsewhere, and an eviction (leaves first) finds
+//! the position before alive and drops no entry. A node becomes an entry when the one before it
+//! dies. Slower tiers' tables map every live node: their chains may continue a parent held in
+//! another tier, whose place in this tier is then looked up by hash.
+//!
+//! Invariants (checked by the index's audit): `loc` maps every entry (every live node, in a
+//! tier that maps every node) to its position and nothing else; within a segment each
 //! position's sequence hash chains from the previous one (`seq[p] = next_seq_hash(seq[p - 1],
 //! local[p])`), so a walk that matched the local hash at `p` knows the sequence hash there
-//! without hashing; dead positions have no bits; a segment's last position is live (dead tails
-//! are cut off) and a segment without live positions is emptied and put on the free list.
+//! without hashing; a position's change mark is set exactly when its bits differ from the
+//! previous position's (and at position 0); a segment's last position is live (dead tails are
+//! cut off) and a segment without live positions is emptied and put on the free list; the
+//! live counts are right; no two live positions share a sequence hash.
 
 use crate::FastMap;
 use crate::hash::{SequenceHash, next_seq_hash};
 use crate::table::U64Map;
 use kvroute_protocols::kv_events::LocalBlockHash;
 
-/// What a walk reads of each block of a segment.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Pos {
-    /// The block's local hash.
-    pub(super) local: u64,
-    /// Slots 0..64 holding the prefix (0 once dead).
-    pub(super) bits: u64,
-}
-
-/// A run of consecutive blocks of one chain. The sequence hashes sit apart from what a walk
-/// scans, so a long prompt's walk streams 16 bytes a block through memory.
+/// A run of consecutive blocks of one chain, one array per field. A walk streams the local
+/// hashes (8 bytes a block) and one bit a block saying where the slot bits change, and reads the
+/// bits only there: along a stretch every worker stored alike, the bits are all equal.
 #[derive(Debug, Default)]
 pub(super) struct Segment {
-    pub(super) pos: Vec<Pos>,
+    /// Each block's local hash.
+    pub(super) locals: Vec<u64>,
+    /// Slots 0..64 holding each block's prefix (0 once dead).
+    pub(super) bits: Vec<u64>,
+    /// Bit `p % 64` of word `p / 64` is set where `bits[p]` differs from `bits[p - 1]` (and at
+    /// `p = 0`); bits past the end are clear.
+    changes: Vec<u64>,
+    /// Each block's sequence hash.
     pub(super) seqs: Vec<u64>,
     live: u32,
+}
+
+impl Segment {
+    /// Blocks in the segment.
+    #[inline]
+    pub(super) fn len(&self) -> usize {
+        self.locals.len()
+    }
+
+    /// Whether the bits of position `p` differ from those of `p - 1` (always at 0).
+    #[inline]
+    pub(super) fn changes_at(&self, p: usize) -> bool {
+        self.changes[p / 64] >> (p % 64) & 1 != 0
+    }
+
+    /// How many positions from `from` on the prompt `want` follows with every slot of `active`
+    /// holding each, given that `active` holds position `from - 1`. Goes a window of up to 64
+    /// positions (one word of change marks) at a time: compares the window's local hashes, then
+    /// checks the bits only at the marks within the part that matched (elsewhere they equal bits
+    /// already checked).
+    #[inline]
+    pub(super) fn stretch(&self, from: usize, want: &[LocalBlockHash], active: u64) -> usize {
+        let locals = self.locals.get(from..).unwrap_or(&[]);
+        let n = locals.len().min(want.len());
+        let mut i = 0;
+        while i < n {
+            let q = from + i;
+            let span = (64 - q % 64).min(n - i);
+            let same = same_locals(&locals[i..i + span], &want[i..i + span]);
+            let mut marks = self.changes[q / 64] >> (q % 64);
+            if same < 64 {
+                marks &= (1u64 << same) - 1;
+            }
+            while marks != 0 {
+                let k = q + marks.trailing_zeros() as usize;
+                if self.bits[k] & active != active {
+                    return k - from;
+                }
+                marks &= marks - 1;
+            }
+            i += same;
+            if same < span {
+                break;
+            }
+        }
+        i
+    }
+
+    fn mark(&mut self, p: usize, changed: bool) {
+        let word = &mut self.changes[p / 64];
+        let bit = 1u64 << (p % 64);
+        if changed {
+            *word |= bit;
+        } else {
+            *word &= !bit;
+        }
+    }
+
+    /// Sets the bits of position `p`, keeping the change marks of `p` and `p + 1`.
+    #[inline]
+    fn set_bits(&mut self, p: usize, new: u64) {
+        if self.bits[p] == new {
+            return;
+        }
+        self.bits[p] = new;
+        self.mark(p, p == 0 || self.bits[p - 1] != new);
+        if let Some(&after) = self.bits.get(p + 1) {
+            self.mark(p + 1, after != new);
+        }
+    }
+
+    /// Appends a block held by the inline slots `bits` (none yet when 0).
+    #[inline]
+    fn push(&mut self, local: u64, seq: u64, bits: u64) {
+        let p = self.len();
+        let changed = self.bits.last().is_none_or(|&prev| prev != bits);
+        self.locals.push(local);
+        self.bits.push(bits);
+        self.seqs.push(seq);
+        if p.is_multiple_of(64) {
+            // A fresh word: only this position's mark to set.
+            self.changes.push(u64::from(changed));
+        } else if changed {
+            self.changes[p / 64] |= 1u64 << (p % 64);
+        }
+    }
+
+    /// Drops the last block.
+    fn pop(&mut self) {
+        let p = self.len() - 1;
+        self.mark(p, false);
+        self.locals.pop();
+        self.bits.pop();
+        self.seqs.pop();
+        self.changes.truncate(p.div_ceil(64));
+    }
+
+    fn reserve(&mut self, extra: usize) {
+        self.locals.reserve(extra);
+        self.bits.reserve(extra);
+        self.seqs.reserve(extra);
+        self.changes
+            .reserve((self.len() + extra).div_ceil(64) - self.changes.len());
+    }
+
+    fn capacity(&self) -> usize {
+        self.locals.capacity()
+    }
+
+    fn clear(&mut self) {
+        self.locals.clear();
+        self.bits.clear();
+        self.seqs.clear();
+        self.changes.clear();
+    }
+
+    fn shrink_to(&mut self, fit: usize) {
+        self.locals.shrink_to(fit);
+        self.bits.shrink_to(fit);
+        self.seqs.shrink_to(fit);
+        self.changes.shrink_to(fit.div_ceil(64));
+    }
+
+    fn bytes(&self) -> usize {
+        8 * (self.locals.capacity()
+            + self.bits.capacity()
+            + self.seqs.capacity()
+            + self.changes.capacity())
+    }
+}
+
+/// How many leading local hashes of `have` and `want` (of equal length) are equal: compared eight
+/// at a time with one branch a chunk (a walk spends nearly all its time here), then one by one in
+/// the chunk that differs.
+#[inline]
+fn same_locals(have: &[u64], want: &[LocalBlockHash]) -> usize {
+    const CHUNK: usize = 8;
+    let mut i = 0;
+    for (h, w) in have.chunks_exact(CHUNK).zip(want.chunks_exact(CHUNK)) {
+        if h.iter().zip(w).fold(0, |acc, (a, b)| acc | (a ^ b.0)) != 0 {
+            break;
+        }
+        i += CHUNK;
+    }
+    i + have[i..]
+        .iter()
+        .zip(&want[i..])
+        .take_while(|(a, b)| **a == b.0)
+        .count()
 }
 
 /// Shared nodes of one tier: which slots hold each prefix.
 #[derive(Debug, Default)]
 pub(super) struct TierNodes {
-    /// Sequence hash -> the node's [`Loc`]. Present while any slot holds the node.
+    /// Sequence hash -> the node's [`Loc`], for the live nodes that may have to be found by hash.
+    /// With `every_node`, all of them; otherwise only *entries*, the live nodes at a segment's
+    /// first position or right after a dead one (see the module docs).
     loc: U64Map,
-    /// Sequence hash -> bits of slots 64.. (word `j` covers slots `64 * (j + 1)..`). Present only
-    /// while a slot of 64 or above holds the node.
-    pub(super) hi: FastMap<u64, Box<[u64]>>,
+    /// Whether `loc` maps every live node, not just entries.
+    every_node: bool,
+    /// Live nodes.
+    live: usize,
+    /// Node location -> bits of slots 64.. (word `j` covers slots `64 * (j + 1)..`). Present
+    /// only while a slot of 64 or above holds the node.
+    hi: FastMap<Loc, Box<[u64]>>,
     segs: Vec<Segment>,
     free: Vec<u32>,
     /// Blocks of the chain being stored that may still need a place (see `expect_chain`).
@@ -60,7 +230,10 @@ pub(super) struct TierNodes {
 /// Where a node sits: `segment << 32 | position`. A live node never moves, so lanes keep it.
 pub(super) type Loc = u64;
 
-/// The node a stored block continues: its sequence hash, and its place in this tier when known.
+/// The node a stored block continues: its sequence hash, and its place in this tier. No place
+/// means the node is not live in this tier or, in a tier mapping every node, was not looked up
+/// (a slower tier's chain continuing a parent held in another tier): either way a lookup by hash
+/// finds it if it is live.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Parent {
     pub(super) seq: u64,
@@ -82,25 +255,69 @@ fn decode(loc: Loc) -> (u32, usize) {
 }
 
 impl TierNodes {
+    /// An empty tier whose location table maps every live node (`every_node`) or only entries.
+    pub(super) fn new(every_node: bool) -> Self {
+        Self {
+            every_node,
+            ..Self::default()
+        }
+    }
+
     /// Live nodes.
     pub(super) fn len(&self) -> usize {
-        self.loc.len()
+        self.live
     }
 
     /// Whether no slot holds anything in this tier.
     pub(super) fn is_empty(&self) -> bool {
-        self.loc.is_empty()
+        self.live == 0
     }
 
-    /// Where the live node `seq` is: its segment and position.
+    /// Where the live node `seq` is, if the location table maps it: every live node in a tier
+    /// that maps every node, else only entries. A walk at a live node that does not find the
+    /// next one right after it in its segment looks here: that node, if live, is an entry (its
+    /// position before holds the walk's node, which is live, only if it sits right after it).
     #[inline]
     pub(super) fn locate(&self, seq: u64) -> Option<(u32, usize)> {
         self.loc.get(seq).map(decode)
     }
 
-    /// Where the live node `seq` is.
-    pub(super) fn loc_of(&self, seq: u64) -> Option<Loc> {
-        self.loc.get(seq)
+    /// The live node continuing the live node at `at` (the previous block's node in this tier,
+    /// `None` if there is none) with the block of local hash `local` and sequence hash `seq`.
+    #[inline]
+    pub(super) fn follow(&self, at: Option<Loc>, seq: u64, local: u64) -> Option<Loc> {
+        at.and_then(|l| self.next_live(l, local))
+            .or_else(|| self.loc.get(seq))
+    }
+
+    /// Bits of slots 0..64 holding the node at `loc`.
+    #[inline]
+    pub(super) fn bits_at(&self, loc: Loc) -> u64 {
+        let (seg, p) = decode(loc);
+        self.segs[seg as usize].bits[p]
+    }
+
+    /// Bits of slots 64.. holding the node at `loc` (empty when none of them holds it).
+    #[inline]
+    pub(super) fn spill_at(&self, loc: Loc) -> &[u64] {
+        if self.hi.is_empty() {
+            return &[];
+        }
+        self.hi.get(&loc).map_or(&[][..], |w| &w[..])
+    }
+
+    /// Whether any slot holds the node at position `p` of `s`, the segment `seg`.
+    #[inline]
+    fn live_at(hi: &FastMap<Loc, Box<[u64]>>, s: &Segment, seg: u32, p: usize) -> bool {
+        s.bits[p] != 0 || (!hi.is_empty() && hi.contains_key(&encode(seg, p)))
+    }
+
+    /// Whether `loc` is a live node's place.
+    pub(super) fn is_live(&self, loc: Loc) -> bool {
+        let (seg, p) = decode(loc);
+        self.segs
+            .get(seg as usize)
+            .is_some_and(|s| p < s.len() && Self::live_at(&self.hi, s, seg, p))
     }
 
     /// Segment `seg`.
@@ -116,11 +333,6 @@ impl TierNodes {
         self.segs[seg as usize].seqs[p]
     }
 
-    /// Whether `loc` is where the live node `seq` sits.
-    pub(super) fn is_live_at(&self, seq: u64, loc: Loc) -> bool {
-        self.loc.get(seq) == Some(loc)
-    }
-
     /// Peeks where the node `seq` would be found (see [`U64Map::peek`]).
     #[inline]
     pub(super) fn peek(&self, seq: u64) -> u64 {
@@ -132,7 +344,7 @@ impl TierNodes {
     pub(super) fn peek_at(&self, loc: Loc) -> u64 {
         let (seg, p) = decode(loc);
         let s = &self.segs[seg as usize];
-        s.pos.get(p).map_or(0, |at| at.bits) ^ s.seqs.get(p).copied().unwrap_or(0)
+        s.bits.get(p).copied().unwrap_or(0) ^ s.seqs.get(p).copied().unwrap_or(0)
     }
 
     /// Peeks at the location entry of the node at `loc` if releasing `slot` would free it.
@@ -140,30 +352,30 @@ impl TierNodes {
     pub(super) fn peek_death(&self, loc: Loc, slot: u32) -> u64 {
         let (seg, p) = decode(loc);
         let s = &self.segs[seg as usize];
-        match s.pos.get(p) {
-            Some(at) if at.bits & !(1u64 << (slot % 64)) == 0 => self.loc.peek(s.seqs[p]),
+        match s.bits.get(p) {
+            Some(&bits)
+                if bits & !(1u64 << (slot % 64)) == 0
+                    && (self.every_node || p == 0 || s.bits[p - 1] == 0) =>
+            {
+                self.loc.peek(s.seqs[p])
+            }
             _ => 0,
         }
     }
 
     /// The live node right after `parent` in its segment if its block has local hash `local`:
     /// the node continuing `parent` with that block, found without hashing or a lookup. A dead
-    /// position there may live on elsewhere, so it is not returned; nor is a node held only by
-    /// slots past the inline bits (its bits are 0), which then takes the lookup.
+    /// position there may live on elsewhere, so it is not returned.
     #[inline]
     pub(super) fn next_live(&self, parent: Loc, local: u64) -> Option<Loc> {
         let (seg, p) = decode(parent);
-        match self.segs[seg as usize].pos.get(p + 1) {
-            Some(next) if next.local == local && next.bits != 0 => Some(encode(seg, p + 1)),
+        let s = &self.segs[seg as usize];
+        match s.locals.get(p + 1) {
+            Some(&next) if next == local && Self::live_at(&self.hi, s, seg, p + 1) => {
+                Some(encode(seg, p + 1))
+            }
             _ => None,
         }
-    }
-
-    /// Bits of slots 0..64 holding the live node `seq` (`None` when nobody holds it).
-    #[inline]
-    pub(super) fn bits(&self, seq: u64) -> Option<u64> {
-        self.locate(seq)
-            .map(|(seg, p)| self.segs[seg as usize].pos[p].bits)
     }
 
     /// Bytes reserved by the tier: the location table, the segments and the spill bits.
@@ -172,11 +384,7 @@ impl TierNodes {
             + super::table_bytes(&self.hi)
             + self.hi.values().map(|w| w.len() * 8).sum::<usize>()
             + self.segs.capacity() * std::mem::size_of::<Segment>()
-            + self
-                .segs
-                .iter()
-                .map(|s| s.pos.capacity() * std::mem::size_of::<Pos>() + s.seqs.capacity() * 8)
-                .sum::<usize>()
+            + self.segs.iter().map(Segment::bytes).sum::<usize>()
             + self.free.capacity() * 4
     }
 
@@ -200,60 +408,68 @@ impl TierNodes {
         local: u64,
         slot: u32,
     ) -> (Loc, bool) {
-        // Where the node goes if it is new, worked out before the one probe that finds or claims
-        // its entry: after its parent when the parent ends a segment, else in a new segment.
-        let parent = parent.and_then(|p| match p.loc {
-            Some(loc) => Some(decode(loc)),
-            None => self.locate(p.seq),
-        });
+        let parent = parent.and_then(|p| p.loc.or_else(|| self.loc.get(p.seq)));
+        // A live node is found right after its parent, or else it is in the location table.
+        let known = parent
+            .and_then(|at| self.next_live(at, local))
+            .or_else(|| self.loc.get(seq));
+        if let Some(loc) = known {
+            self.room = self.room.saturating_sub(1);
+            return (loc, self.hold(loc, slot));
+        }
+        // A new node goes after its parent when the parent ends a segment, else it starts one.
         let after = parent
-            .filter(|&(seg, at)| at + 1 == self.segs[seg as usize].pos.len())
+            .map(decode)
+            .filter(|&(seg, at)| at + 1 == self.segs[seg as usize].len())
             .map(|(seg, _)| seg);
-        let (new_seg, new_pos) = match after {
-            Some(seg) => (seg, self.segs[seg as usize].pos.len()),
-            None => (
-                self.free.last().copied().unwrap_or(self.segs.len() as u32),
-                0,
-            ),
+        let seg = match after {
+            Some(seg) => seg,
+            None => match self.free.pop() {
+                Some(seg) => seg,
+                None => {
+                    self.segs.push(Segment::default());
+                    (self.segs.len() - 1) as u32
+                }
+            },
         };
-        let (at, fresh) = self.loc.get_or_insert(seq, encode(new_seg, new_pos));
-        let loc = *at;
-        let (seg, _) = decode(loc);
-        if fresh {
-            if after.is_none() && self.free.pop().is_none() {
-                self.segs.push(Segment::default());
-            }
-            let s = &mut self.segs[seg as usize];
-            if s.pos.len() == s.pos.capacity() {
-                // Room for the rest of the chain at once (still at least doubling).
-                let want = self.room.max(1);
-                s.pos.reserve(want);
-                s.seqs.reserve(want);
-            }
-            s.pos.push(Pos { local, bits: 0 });
-            s.seqs.push(seq);
-            s.live += 1;
+        let s = &mut self.segs[seg as usize];
+        if s.len() == s.capacity() {
+            // Room for the rest of the chain at once (still at least doubling).
+            s.reserve(self.room.max(1));
+        }
+        let loc = encode(seg, s.len());
+        // A new node is born held by `slot` when the slot is inline; a spilling slot holds it
+        // through the spill table below.
+        let inline = if slot < INLINE_SLOTS { 1u64 << slot } else { 0 };
+        s.push(local, seq, inline);
+        s.live += 1;
+        self.live += 1;
+        if self.every_node || after.is_none() {
+            self.loc.get_or_insert(seq, loc);
         }
         self.room = self.room.saturating_sub(1);
-        (loc, self.hold(loc, seq, slot))
+        if inline != 0 {
+            return (loc, false);
+        }
+        (loc, self.hold(loc, slot))
     }
 
-    /// Adds `slot` to the live node `seq` at `loc`; says whether the slot already held it.
+    /// Adds `slot` to the live node at `loc`; says whether the slot already held it.
     #[inline]
-    pub(super) fn hold(&mut self, loc: Loc, seq: u64, slot: u32) -> bool {
+    pub(super) fn hold(&mut self, loc: Loc, slot: u32) -> bool {
         if slot < INLINE_SLOTS {
             let (seg, p) = decode(loc);
-            let bits = &mut self.segs[seg as usize].pos[p].bits;
+            let s = &mut self.segs[seg as usize];
+            let bits = s.bits[p];
             let mask = 1u64 << slot;
-            let had = *bits & mask != 0;
-            *bits |= mask;
-            return had;
+            s.set_bits(p, bits | mask);
+            return bits & mask != 0;
         }
         let word = (slot / 64 - 1) as usize;
         let mask = 1u64 << (slot % 64);
         let words = self
             .hi
-            .entry(seq)
+            .entry(loc)
             .or_insert_with(|| vec![0; word + 1].into_boxed_slice());
         if words.len() <= word {
             let mut grown = words.to_vec();
@@ -270,71 +486,68 @@ impl TierNodes {
     pub(super) fn release(&mut self, loc: Loc, slot: u32) {
         let (seg, p) = decode(loc);
         if slot < INLINE_SLOTS {
-            let bits = &mut self.segs[seg as usize].pos[p].bits;
-            *bits &= !(1u64 << slot);
-            if *bits != 0
-                || (!self.hi.is_empty() && self.hi.contains_key(&self.segs[seg as usize].seqs[p]))
-            {
+            let s = &mut self.segs[seg as usize];
+            let bits = s.bits[p] & !(1u64 << slot);
+            s.set_bits(p, bits);
+            if bits != 0 || (!self.hi.is_empty() && self.hi.contains_key(&loc)) {
                 return;
             }
         } else {
-            let seq = self.segs[seg as usize].seqs[p];
             let word = (slot / 64 - 1) as usize;
-            if let Some(words) = self.hi.get_mut(&seq) {
+            if let Some(words) = self.hi.get_mut(&loc) {
                 if let Some(w) = words.get_mut(word) {
                     *w &= !(1u64 << (slot % 64));
                 }
                 if words.iter().any(|w| *w != 0) {
                     return;
                 }
-                self.hi.remove(&seq);
+                self.hi.remove(&loc);
             }
-            if self.segs[seg as usize].pos[p].bits != 0 {
+            if self.segs[seg as usize].bits[p] != 0 {
                 return;
             }
         }
         self.kill(seg, p);
     }
 
-    /// Forgets the node at position `p` of segment `seg` (its bits are already clear), cutting
-    /// dead tails and freeing empty segments.
+    /// Forgets the node at position `p` of segment `seg` (nobody holds it any more): drops its
+    /// location entry if it has one and makes the live node after it an entry, cuts dead tails
+    /// and frees empty segments.
     fn kill(&mut self, seg: u32, p: usize) {
         let s = &mut self.segs[seg as usize];
-        self.loc.remove(s.seqs[p]);
+        let entry = self.every_node || p == 0 || !Self::live_at(&self.hi, s, seg, p - 1);
+        if entry {
+            self.loc.remove(s.seqs[p]);
+        }
         s.live -= 1;
+        self.live -= 1;
         if s.live == 0 {
             // A small segment keeps its memory for the next chain (churn stores and frees them
             // by the million); a large one gives it back.
-            if s.pos.capacity() > REUSED_SEGMENT_BLOCKS {
+            if s.capacity() > REUSED_SEGMENT_BLOCKS {
                 *s = Segment::default();
             } else {
-                s.pos.clear();
-                s.seqs.clear();
+                s.clear();
             }
             self.free.push(seg);
             return;
         }
-        if p + 1 < s.pos.len() {
-            // The segment's last position is live: nothing to cut.
+        if p + 1 < s.len() {
+            // The node after this one, if live, now follows a dead position: an entry. The
+            // segment's last position is live, so there is no tail to cut.
+            if !self.every_node && Self::live_at(&self.hi, s, seg, p + 1) {
+                self.loc.get_or_insert(s.seqs[p + 1], encode(seg, p + 1));
+            }
             return;
         }
-        // Without spill bits a position is live exactly when it has bits; with them, ask `loc`.
-        let spill = !self.hi.is_empty();
-        while let (Some(last), Some(&last_seq)) = (s.pos.last(), s.seqs.last()) {
-            if last.bits != 0
-                || (spill && self.loc.get(last_seq) == Some(encode(seg, s.pos.len() - 1)))
-            {
-                break;
-            }
-            s.pos.pop();
-            s.seqs.pop();
+        while s.len() > 0 && !Self::live_at(&self.hi, s, seg, s.len() - 1) {
+            s.pop();
         }
         // Give memory back once a segment is a quarter full, to the power of two pushing would
         // have reached (shrinking at every halving would copy back and forth at a boundary).
-        let fit = s.pos.len().next_power_of_two().max(4);
-        if s.pos.capacity() >= 4 * fit {
-            s.pos.shrink_to(fit);
-            s.seqs.shrink_to(fit);
+        let fit = s.len().next_power_of_two().max(4);
+        if s.capacity() >= 4 * fit {
+            s.shrink_to(fit);
         }
     }
 
@@ -343,27 +556,47 @@ impl TierNodes {
         for (seq, loc) in self.loc.iter() {
             let (seg, p) = decode(loc);
             let at = self.segs.get(seg as usize).and_then(|s| s.seqs.get(p));
-            if at != Some(&seq) {
-                return Err(format!("node {seq:#x} is not where its location says"));
+            if at != Some(&seq) || !self.is_live(loc) {
+                return Err(format!("node {seq:#x} is not live where its location says"));
             }
         }
+        for &loc in self.hi.keys() {
+            let (seg, p) = decode(loc);
+            if self.segs.get(seg as usize).is_none_or(|s| p >= s.len()) {
+                return Err(format!("spill bits for {loc:#x}, past every segment"));
+            }
+        }
+        let (mut live_nodes, mut entries) = (0, 0);
         for (i, s) in self.segs.iter().enumerate() {
-            if s.pos.len() != s.seqs.len() {
-                return Err(format!(
-                    "segment {i}: blocks and sequence hashes differ in number"
-                ));
+            let seg = i as u32;
+            if s.bits.len() != s.len()
+                || s.seqs.len() != s.len()
+                || s.changes.len() != s.len().div_ceil(64)
+            {
+                return Err(format!("segment {i}: its arrays differ in length"));
             }
             let mut live = 0;
-            for (p, (at, &seq)) in s.pos.iter().zip(&s.seqs).enumerate() {
-                let here = self.loc.get(seq) == Some(encode(i as u32, p));
+            for (p, &seq) in s.seqs.iter().enumerate() {
+                let here = Self::live_at(&self.hi, s, seg, p);
                 live += u32::from(here);
-                if !here && at.bits != 0 {
-                    return Err(format!("segment {i} position {p} is dead but has bits"));
+                let entry =
+                    here && (self.every_node || p == 0 || !Self::live_at(&self.hi, s, seg, p - 1));
+                entries += usize::from(entry);
+                if entry && self.loc.get(seq) != Some(encode(seg, p)) {
+                    return Err(format!(
+                        "segment {i} position {p} is an entry missing from the location table"
+                    ));
                 }
                 let prev = p.checked_sub(1).map(|q| SequenceHash(s.seqs[q]));
-                if p > 0 && next_seq_hash(prev, LocalBlockHash(at.local)).0 != seq {
+                if p > 0 && next_seq_hash(prev, LocalBlockHash(s.locals[p])).0 != seq {
                     return Err(format!("segment {i} position {p} does not chain"));
                 }
+                if s.changes_at(p) != (p == 0 || s.bits[p] != s.bits[p - 1]) {
+                    return Err(format!("segment {i} position {p}: wrong change mark"));
+                }
+            }
+            if s.len() % 64 != 0 && s.changes.last().is_some_and(|w| w >> (s.len() % 64) != 0) {
+                return Err(format!("segment {i}: change marks past its end"));
             }
             if live != s.live {
                 return Err(format!(
@@ -371,12 +604,19 @@ impl TierNodes {
                     s.live
                 ));
             }
-            let end = s.seqs.len().checked_sub(1);
-            if let Some(last) = end
-                && self.loc.get(s.seqs[last]) != Some(encode(i as u32, last))
-            {
+            live_nodes += live as usize;
+            if s.len() > 0 && !Self::live_at(&self.hi, s, seg, s.len() - 1) {
                 return Err(format!("segment {i} ends with a dead position"));
             }
+        }
+        if live_nodes != self.live {
+            return Err(format!("{live_nodes} live nodes, counted {}", self.live));
+        }
+        if entries != self.loc.len() {
+            return Err(format!(
+                "{entries} entries, {} in the location table",
+                self.loc.len()
+            ));
         }
         Ok(())
     }

@@ -294,3 +294,124 @@ proptest! {
         }
     }
 }
+
+/// A local hash that is almost always 1: long chains and prompts then follow one another for
+/// hundreds of blocks, across the walk's 8-block chunks and 64-block windows.
+fn mostly_ones() -> impl Strategy<Value = u64> {
+    prop_oneof![60 => Just(1u64), 1 => Just(2u64)]
+}
+
+/// Streams of long chains over nearly one local hash from the workers `who` names (by index),
+/// in the tiers `tiers` names, whose holdings differ block by block (removals in the middle of
+/// long runs), so the walk's stretches run long and meet bit changes at every offset of a window.
+fn long_op_strategy(
+    who: &'static [u64],
+    tiers: &'static [StorageTier],
+) -> impl Strategy<Value = Op> {
+    let lane = (0..who.len(), 0..tiers.len()).prop_map(move |(w, t)| (who[w], tiers[t]));
+    let store = (
+        lane.clone(),
+        proptest::option::weighted(0.6, 1u64..600),
+        1u64..600,
+        proptest::collection::vec(mostly_ones(), 1..200),
+    )
+        .prop_map(|((w, tier), parent, first, locals)| {
+            Op::Event(event(
+                w,
+                0,
+                tier,
+                0,
+                KvCacheEventData::Stored(KvCacheStoreData {
+                    parent_hash: parent.map(Ext),
+                    blocks: locals
+                        .into_iter()
+                        .enumerate()
+                        .map(|(k, l)| KvCacheStoredBlockData {
+                            block_hash: Ext(first + k as u64),
+                            tokens_hash: LocalBlockHash(l),
+                        })
+                        .collect(),
+                }),
+            ))
+        });
+    let remove = (lane, 1u64..600, 1u64..40).prop_map(|((w, tier), from, n)| {
+        Op::Event(event(
+            w,
+            0,
+            tier,
+            0,
+            KvCacheEventData::Removed(KvCacheRemoveData {
+                block_hashes: (from..from + n).map(Ext).collect(),
+            }),
+        ))
+    });
+    prop_oneof![
+        6 => store,
+        3 => remove,
+        1 => (0..who.len()).prop_map(move |w| Op::RemoveWorker(who[w])),
+        4 => proptest::collection::vec(mostly_ones(), 0..300).prop_map(Op::Query),
+    ]
+}
+
+/// Applies `ops` to the index and the model, comparing every query and, at the end, the audit.
+fn run_against_model(
+    index: &mut KvIndex,
+    model: &mut Model,
+    ops: &[Op],
+) -> Result<(), TestCaseError> {
+    for op in ops {
+        match op {
+            Op::Event(ev) => {
+                let _ = index.apply_event_untracked(ev);
+                model.apply(ev);
+            }
+            Op::RemoveWorker(id) => {
+                index.remove_worker(*id);
+                model.remove_worker(*id);
+            }
+            Op::Query(q) => prop_assert_eq!(index_query(index, q), model.query(q)),
+        }
+    }
+    prop_assert_eq!(index.check_consistency(), Ok(()));
+    Ok(())
+}
+
+const FEW: &[u64] = &[1, 2, 3, 4, 5];
+const DEVICE: &[StorageTier] = &[StorageTier::Device];
+/// Workers 65 and up get slots past the inline bits (see `wide_walks_agree_with_naive_model`).
+const WIDE: &[u64] = &[1, 2, 65, 66, 70];
+const TWO_TIERS: &[StorageTier] = &[StorageTier::Device, StorageTier::HostPinned];
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn long_walks_agree_with_naive_model(ops in proptest::collection::vec(long_op_strategy(FEW, DEVICE), 1..60)) {
+        run_against_model(&mut KvIndex::new(), &mut Model::default(), &ops)?;
+    }
+
+    /// The same with 70 workers known (slots past 64, whose bits spill), in two tiers.
+    #[test]
+    fn wide_walks_agree_with_naive_model(ops in proptest::collection::vec(long_op_strategy(WIDE, TWO_TIERS), 1..40)) {
+        let (mut index, mut model) = (KvIndex::new(), Model::default());
+        let prelude: Vec<Op> = (1..=70)
+            .map(|w| {
+                Op::Event(event(
+                    w,
+                    0,
+                    StorageTier::Device,
+                    0,
+                    KvCacheEventData::Stored(KvCacheStoreData {
+                        parent_hash: None,
+                        blocks: vec![KvCacheStoredBlockData {
+                            block_hash: Ext(10_000),
+                            tokens_hash: LocalBlockHash(7),
+                        }],
+                    }),
+                ))
+            })
+            .collect();
+        run_against_model(&mut index, &mut model, &prelude)?;
+        run_against_model(&mut index, &mut model, &ops)?;
+    }
+}
