@@ -43,6 +43,13 @@ impl EngineKind {
         }
     }
 
+    /// Whether kvroute can read the engine's own load (requests running and waiting) from its
+    /// Prometheus `/metrics` ([`crate::HttpEngine::load`]): vLLM, SGLang and llama.cpp can;
+    /// TensorRT-LLM and plain OpenAI servers publish no request gauges.
+    pub const fn publishes_load(self) -> bool {
+        !matches!(self, EngineKind::Trtllm | EngineKind::Openai)
+    }
+
     /// Whether the engine streams output token ids. A plain OpenAI server streams text only: its
     /// outputs carry `text` and no `token_ids`, so the router can neither count nor migrate them
     /// by token.

@@ -186,7 +186,7 @@ impl HttpEngine {
     pub async fn load(&self, block_size: NonZeroU32) -> Result<Vec<EngineLoad>, LoadError> {
         let inner = &self.inner;
         let kind = inner.config.kind;
-        if matches!(kind, EngineKind::Trtllm | EngineKind::Openai) {
+        if !kind.publishes_load() {
             return Err(LoadError::Unsupported { kind });
         }
         let url = inner.metrics_url.to_string();

@@ -12,8 +12,14 @@
 //! subscribed are not: start the adapter with the engine, or restart the engine's cache
 //! (`AllBlocksCleared`, an engine restart) to bring them in line. Engines without events run in
 //! approximate mode (the router predicts from its own decisions, with a TTL).
+//!
+//! The engine's own load (requests running and waiting, KV blocks in use) is read from its
+//! Prometheus `/metrics` every interval (vLLM; SGLang with `--enable-metrics`; llama.cpp with
+//! `--metrics`) into a [`LoadReporter`], which the worker serves to routers. A read that fails
+//! (metrics not enabled) is logged and nothing is reported until one succeeds.
 
 use std::collections::BTreeMap;
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,9 +28,11 @@ use kvroute_engines::{EngineKind, HttpEngine, HttpEngineConfig};
 use kvroute_indexer::hash::{HashSalt, compute_block_hash};
 use kvroute_protocols::WorkerId;
 use kvroute_runtime::{
-    BlockHasher, DEFAULT_RING_CAPACITY, KV_EVENTS_METADATA, KvEventPublisher, ZmqKvListener,
-    ZmqKvListenerConfig, ZmqListenerStats,
+    BlockHasher, DEFAULT_RING_CAPACITY, KV_EVENTS_METADATA, KvEventPublisher,
+    LOAD_REPORTS_METADATA, LoadReporter, ZmqKvListener, ZmqKvListenerConfig, ZmqListenerStats,
 };
+
+use crate::load::{LoadSampler, spawn_load_sampler};
 use serde::Deserialize;
 
 /// Where an engine is and what it publishes: the flags of `kvroute worker --engine` and the
@@ -47,25 +55,29 @@ pub(crate) struct EngineSpec {
     pub(crate) served_model_name: Option<String>,
 }
 
-/// A running adapter: the engine client, the event publisher and, with events, the listener.
+/// A running adapter: the engine client, the event publisher and, with events, the listener;
+/// for engines whose load can be read, the load reports and the task reading them.
 pub(crate) struct Adapter {
     pub(crate) engine: Arc<HttpEngine>,
     pub(crate) publisher: KvEventPublisher,
     listener: Option<ZmqKvListener>,
     kind: EngineKind,
+    load: Option<(LoadReporter, LoadSampler)>,
 }
 
 /// How long the adapter waits for an engine to answer its health check at start.
 pub(crate) const DEFAULT_ENGINE_WAIT: Duration = Duration::from_secs(120);
 
 impl Adapter {
-    /// Checks `spec`, waits (up to `wait`) for the engine to be healthy, and subscribes to its
-    /// KV events, expecting `block_size` tokens per block.
+    /// Checks `spec`, waits (up to `wait`) for the engine to be healthy, subscribes to its
+    /// KV events, expecting `block_size` tokens per block, and, when the engine publishes its
+    /// load, reads it every `load_interval` into load reports.
     pub(crate) async fn start(
         id: WorkerId,
         spec: &EngineSpec,
         block_size: u32,
         wait: Duration,
+        load_interval: Duration,
     ) -> anyhow::Result<Self> {
         if spec.kv_events_replay.is_some() && spec.kv_events.is_none() {
             bail!("kv_events_replay needs kv_events (the engine's event publisher) as well");
@@ -97,12 +109,34 @@ impl Adapter {
                 Some(listener)
             }
         };
+        let load = match NonZeroU32::new(block_size) {
+            Some(block_size) if spec.engine.publishes_load() => {
+                let reporter = LoadReporter::new(id, load_interval);
+                let read = engine.clone();
+                let sampler = spawn_load_sampler(reporter.clone(), load_interval, move || {
+                    let read = read.clone();
+                    async move {
+                        let loads = read.load(block_size).await?;
+                        anyhow::Ok(loads.iter().map(|l| l.report(id)).collect())
+                    }
+                });
+                Some((reporter, sampler))
+            }
+            _ => None,
+        };
         Ok(Self {
             engine,
             publisher,
             listener,
             kind: spec.engine,
+            load,
         })
+    }
+
+    /// The engine's load reports, when its load can be read (see
+    /// [`EngineKind::publishes_load`]); read every interval given at start.
+    pub(crate) fn load_reporter(&self) -> Option<&LoadReporter> {
+        self.load.as_ref().map(|(reporter, _)| reporter)
     }
 
     /// Whether the engine publishes KV events (else the router runs it in approximate mode).
@@ -115,6 +149,10 @@ impl Adapter {
         BTreeMap::from([
             ("engine".to_owned(), self.kind.to_string()),
             (KV_EVENTS_METADATA.to_owned(), self.kv_events().to_string()),
+            (
+                LOAD_REPORTS_METADATA.to_owned(),
+                self.load.is_some().to_string(),
+            ),
         ])
     }
 

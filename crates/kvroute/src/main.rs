@@ -10,6 +10,7 @@
 
 mod adapter;
 mod demo;
+mod load;
 mod replay;
 mod serve;
 mod signal;

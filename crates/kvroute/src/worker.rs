@@ -26,7 +26,7 @@ use kvroute_mocker::MockerConfig;
 use kvroute_mocker::disagg::{DecodeConfig, Role};
 use kvroute_mocker::live::LiveMocker;
 use kvroute_protocols::kv_events::KvCacheEvent;
-use kvroute_protocols::{PreprocessedRequest, SessionAction, SessionControl, WorkerLoadReport};
+use kvroute_protocols::{PreprocessedRequest, SessionAction, SessionControl};
 use kvroute_runtime::{
     DEFAULT_RING_CAPACITY, Discovery, Engine, EngineError, InstanceInfo, KvEventPublisher,
     LOAD_REPORTS_METADATA, LlmEngine, LlmResponse, LoadReporter, RemoteDiscovery,
@@ -36,6 +36,7 @@ use kvroute_runtime::{
 use parking_lot::Mutex;
 
 use crate::adapter::{Adapter, EngineSpec};
+use crate::load::{LoadSampler, spawn_load_sampler};
 use crate::serve::HumanDuration;
 use crate::signal;
 
@@ -237,7 +238,8 @@ async fn serve(args: WorkerArgs, mocker: MockerConfig) -> anyhow::Result<()> {
         metadata,
         publisher,
         adapter: None,
-        load: Some((reporter, sampler)),
+        reporter: Some(reporter),
+        _sampler: Some(sampler),
     };
     run_worker(&args, worker, engine).await
 }
@@ -256,7 +258,14 @@ async fn serve_engine(args: WorkerArgs) -> anyhow::Result<()> {
         served_model_name: args.served_model_name.clone(),
     };
     let block_size = args.kv_block_size.unwrap_or(DEFAULT_ENGINE_BLOCK_SIZE);
-    let adapter = Adapter::start(id, &spec, block_size, args.engine_wait.0).await?;
+    let adapter = Adapter::start(
+        id,
+        &spec,
+        block_size,
+        args.engine_wait.0,
+        args.load_report_interval.0,
+    )
+    .await?;
     let engine = adapter.engine.clone();
     let worker = Worker {
         id,
@@ -264,8 +273,9 @@ async fn serve_engine(args: WorkerArgs) -> anyhow::Result<()> {
         block_size,
         metadata: adapter.metadata(),
         publisher: adapter.publisher.clone(),
+        reporter: adapter.load_reporter().cloned(),
         adapter: Some(Arc::new(adapter)),
-        load: None,
+        _sampler: None,
     };
     run_worker(&args, worker, engine).await
 }
@@ -281,9 +291,10 @@ struct Worker {
     metadata: BTreeMap<String, String>,
     publisher: KvEventPublisher,
     adapter: Option<Arc<Adapter>>,
-    /// The engine's load reports and the task sampling them, when the engine's load can be
-    /// read.
-    load: Option<(LoadReporter, LoadSampler)>,
+    /// The engine's load reports, when its load can be read.
+    reporter: Option<LoadReporter>,
+    /// The task reading the simulated engine's load (an adapter runs its own).
+    _sampler: Option<LoadSampler>,
 }
 
 /// Serves `engine` as `worker`, registers it, and runs until a shutdown signal (or, behind an
@@ -300,7 +311,8 @@ async fn run_worker<E: LlmEngine>(
         metadata,
         publisher,
         adapter,
-        load,
+        reporter,
+        _sampler,
     } = worker;
     let publisher_first_id = publisher.first_event_id();
     let stats = Arc::new(WorkerStats::default());
@@ -316,14 +328,14 @@ async fn run_worker<E: LlmEngine>(
             let shared =
                 crate::serve::nats::connect(url, &args.nats_namespace, args.lease_ttl.0).await?;
             publisher.forward_to(Arc::new(shared.plane.clone()));
-            if let Some((reporter, _)) = &load {
+            if let Some(reporter) = &reporter {
                 reporter.forward_to(Arc::new(shared.plane.clone()));
             }
             Some(shared)
         }
     };
     let mut config = WorkerServerConfig::new(id).with_kv_events(publisher);
-    if let Some((reporter, _)) = &load {
+    if let Some(reporter) = &reporter {
         config = config.with_load_reports(reporter.clone());
     }
     let server = WorkerServer::bind(args.listen, engine, config)
@@ -352,7 +364,7 @@ async fn run_worker<E: LlmEngine>(
         kvroute_runtime::KV_EVENT_BASE_METADATA.to_owned(),
         publisher_first_id.to_string(),
     );
-    if load.is_some() {
+    if reporter.is_some() {
         // Routers' bridges subscribe to the reports of workers that say they send them.
         info.metadata
             .insert(LOAD_REPORTS_METADATA.to_owned(), "true".to_owned());
@@ -459,60 +471,6 @@ async fn run_worker<E: LlmEngine>(
     }
     tracing::info!("stopped");
     outcome
-}
-
-/// The task reading the engine's load into a [`LoadReporter`]; stops when dropped.
-pub(crate) struct LoadSampler(tokio::task::JoinHandle<()>);
-
-impl Drop for LoadSampler {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// Reads the engine's load with `sample` every `interval` into `reporter`. A failed read is
-/// logged (at WARN on the first of a streak) and clears the reports, so routers stop counting
-/// on a stale figure; the next good read reports again.
-pub(crate) fn spawn_load_sampler<F, Fut>(
-    reporter: LoadReporter,
-    interval: Duration,
-    sample: F,
-) -> LoadSampler
-where
-    F: Fn() -> Fut + Send + 'static,
-    Fut: Future<Output = anyhow::Result<Vec<WorkerLoadReport>>> + Send,
-{
-    LoadSampler(tokio::spawn(async move {
-        let mut failures = 0u32;
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            let reports = sample().await.and_then(|reports| {
-                reports
-                    .into_iter()
-                    .try_for_each(|report| reporter.report(report))
-                    .context("the engine's load does not make a valid report")
-            });
-            match reports {
-                Ok(()) => {
-                    if failures > 0 {
-                        tracing::info!("the engine's load can be read again");
-                    }
-                    failures = 0;
-                }
-                Err(error) => {
-                    failures += 1;
-                    reporter.clear();
-                    if failures == 1 {
-                        tracing::warn!(error = %format!("{error:#}"), "cannot read the engine's load; not reporting it until it can be read");
-                    } else {
-                        tracing::debug!(error = %format!("{error:#}"), failures, "still cannot read the engine's load");
-                    }
-                }
-            }
-        }
-    }))
 }
 
 /// A worker's registration: the registry client and its lease, taken away while the engine

@@ -23,8 +23,10 @@ Makes the model (make_model.py), starts three llama.cpp servers (servers.py; one
    llama.cpp's own tokenization of its own template rendering; that a stream works; that a
    cancelled stream frees the engine slot (`/slots`) and stops its generation
    (`llamacpp:tokens_predicted_total`); that a stream whose engine is killed (SIGKILL) completes
-   on another engine; and that the router's per-worker load gauges (active requests, prefill
-   tokens, active blocks) return to zero after each of these.
+   on another engine; that the workers report their engines' own queues (llama.cpp's
+   `requests_processing` + `requests_deferred`) to the router, one request while the long stream
+   runs; and that the router's per-worker load gauges (active requests, prefill tokens, active
+   blocks, and the engines' reported requests) return to zero after each of these.
 
 Every child is stopped on exit and every wait is bounded; the whole run takes well under a
 minute. Logs go to $KVROUTE_E2E_LOGS (default: a fresh temporary directory, printed).
@@ -276,7 +278,8 @@ class Router:
             extra_body={"nvext": {"extra_fields": ["worker_id"]}})
 
     def assert_idle(self, workers):
-        """Waits until the router holds no load on any of `workers`."""
+        """Waits until the router holds no load on any of `workers`, and every engine's own
+        queue, as its worker reports it from llama.cpp's /metrics, reads zero too."""
         def idle():
             m = self.metrics()
             for name in ("kvroute_router_worker_active_requests", "kvroute_router_worker_prefill_tokens",
@@ -284,9 +287,14 @@ class Router:
                 values = per_worker(m, name)
                 if any(values.get(w, 0.0) != 0.0 for w in workers):
                     return False
-            return True
+            reported = per_worker(m, "kvroute_router_worker_reported_requests")
+            return all(reported.get(w) == 0.0 for w in workers)
 
-        wait_for(f"router {self.name}: zero load on workers {workers}", idle)
+        wait_for(f"router {self.name}: zero load, predicted and reported, on workers {workers}",
+                 idle)
+
+    def reported_requests(self, worker):
+        return per_worker(self.metrics(), "kvroute_router_worker_reported_requests").get(worker)
 
 
 # --- The checks ---
@@ -356,6 +364,10 @@ def open_long_stream(router, servers, tag):
 def check_cancel(router, servers):
     before = {s.index: engine_metric(s, "llamacpp:tokens_predicted_total") for s in servers}
     stream, _, engine = open_long_stream(router, servers, "cancelled")
+    # The engine's own count, read by its sidecar from llama.cpp's /metrics
+    # (requests_processing + requests_deferred) and reported to the router.
+    wait_for("the router to see the busy engine's own report of one request",
+             lambda: router.reported_requests(engine.index + 1) == 1.0)
     t0 = time.monotonic()
     stream.close()  # the client goes away
     wait_for("the engine slot to be released after the client went away",

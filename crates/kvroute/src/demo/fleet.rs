@@ -24,7 +24,7 @@ use kvroute_runtime::{
     RequestContext, ResponseStream, WorkerServer, WorkerServerConfig,
 };
 
-use crate::worker::{LoadSampler, spawn_load_sampler};
+use crate::load::{LoadSampler, spawn_load_sampler};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 

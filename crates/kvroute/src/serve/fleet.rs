@@ -13,7 +13,8 @@ use anyhow::{Context as _, bail};
 use kvroute_engines::EngineKind;
 use kvroute_protocols::WorkerId;
 use kvroute_runtime::{
-    InstanceInfo, StaticDiscovery, WorkerRole, WorkerServer, WorkerServerConfig,
+    DEFAULT_REPORT_HEARTBEAT, InstanceInfo, StaticDiscovery, WorkerRole, WorkerServer,
+    WorkerServerConfig,
 };
 use serde::Deserialize;
 
@@ -140,13 +141,21 @@ impl Fleet {
             match check(worker)? {
                 Entry::Process(info) => instances.push(info),
                 Entry::Engine(mut info, spec) => {
-                    let adapter =
-                        Adapter::start(info.id, &spec, info.kv_block_size, DEFAULT_ENGINE_WAIT)
-                            .await
-                            .with_context(|| format!("starting engine worker {}", info.id))?;
+                    let adapter = Adapter::start(
+                        info.id,
+                        &spec,
+                        info.kv_block_size,
+                        DEFAULT_ENGINE_WAIT,
+                        DEFAULT_REPORT_HEARTBEAT,
+                    )
+                    .await
+                    .with_context(|| format!("starting engine worker {}", info.id))?;
                     let adapter = Arc::new(adapter);
-                    let config =
+                    let mut config =
                         WorkerServerConfig::new(info.id).with_kv_events(adapter.publisher.clone());
+                    if let Some(reporter) = adapter.load_reporter() {
+                        config = config.with_load_reports(reporter.clone());
+                    }
                     let server = WorkerServer::bind("127.0.0.1:0", adapter.engine.clone(), config)
                         .await
                         .with_context(|| {
