@@ -126,13 +126,15 @@ async fn follow(
                             info.clone(),
                             plane.clone(),
                             config.clone(),
+                            FeedKind::KvEvents,
                         )));
                     }
                     if reports {
-                        tasks.push(tokio::spawn(forward_reports(
+                        tasks.push(tokio::spawn(forward(
                             info.clone(),
                             plane.clone(),
                             config.clone(),
+                            FeedKind::LoadReports,
                         )));
                     }
                     if !tasks.is_empty() {
@@ -148,17 +150,34 @@ async fn follow(
     }
 }
 
-/// Forwards one worker's events until aborted, reconnecting with backoff.
-async fn forward(info: InstanceInfo, plane: Arc<dyn EventPlane>, config: Arc<KvEventBridgeConfig>) {
+/// Which of a worker's feeds a forwarder follows.
+#[derive(Debug, Clone, Copy)]
+enum FeedKind {
+    KvEvents,
+    LoadReports,
+}
+
+/// Forwards one of a worker's feeds until aborted, reconnecting with backoff.
+async fn forward(
+    info: InstanceInfo,
+    plane: Arc<dyn EventPlane>,
+    config: Arc<KvEventBridgeConfig>,
+    kind: FeedKind,
+) {
+    // The KV event feed resumes from the first id not yet forwarded.
     let mut next: Option<u64> = None;
     let mut backoff = config.backoff_initial;
     loop {
-        match stream_once(&info, plane.as_ref(), &config, &mut next).await {
+        let outcome = match kind {
+            FeedKind::KvEvents => stream_once(&info, plane.as_ref(), &config, &mut next).await,
+            FeedKind::LoadReports => reports_once(&info, plane.as_ref(), &config).await,
+        };
+        match outcome {
             // The worker ended the feed (it is shutting down); its deregistration follows.
             Ok(true) => backoff = config.backoff_initial,
             Ok(false) => {}
             Err(error) => {
-                tracing::debug!(worker = info.id, %error, "KV event feed dropped; reconnecting");
+                tracing::debug!(worker = info.id, ?kind, %error, "feed dropped; reconnecting");
             }
         }
         tokio::time::sleep(backoff).await;
@@ -194,26 +213,6 @@ async fn stream_once(
         forwarded = true;
     }
     Ok(forwarded)
-}
-
-/// Forwards one worker's load reports until aborted, reconnecting with backoff.
-async fn forward_reports(
-    info: InstanceInfo,
-    plane: Arc<dyn EventPlane>,
-    config: Arc<KvEventBridgeConfig>,
-) {
-    let mut backoff = config.backoff_initial;
-    loop {
-        match reports_once(&info, plane.as_ref(), &config).await {
-            Ok(true) => backoff = config.backoff_initial,
-            Ok(false) => {}
-            Err(error) => {
-                tracing::debug!(worker = info.id, %error, "load report feed dropped; reconnecting");
-            }
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(config.backoff_max);
-    }
 }
 
 /// Runs one load-report subscription. Returns whether any report was forwarded.
