@@ -462,6 +462,7 @@ impl TierNodes {
     /// first block live elsewhere or refused by `claim`, which is given each block's index and
     /// future location before it is appended (the caller's lane entry); returns how many were
     /// appended. The segment grows once and each array is extended once for the whole run.
+    #[inline]
     pub(super) fn append_run(
         &mut self,
         tail: Loc,
