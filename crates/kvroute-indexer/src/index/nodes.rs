@@ -22,9 +22,9 @@
 //! (the position before it chains to it and is live, and a live node is unique), so whoever
 //! looks for it stands at the parent and finds it there; and a live node not right after its
 //! live parent is an entry. A store appending to its parent's segment therefore touches no
-//! table but to check that the node is not live elsewhere, and an eviction (leaves first) finds
-//! the position before alive and drops no entry. A node becomes an entry when the one before it
-//! dies. Slower tiers' tables map every live node: their chains may continue a parent held in
+//! table but to check that the node is not live elsewhere (a run of such nodes is appended at
+//! once, see `append_run`), and an eviction (leaves first) finds the position before alive and
+//! drops no entry. A node becomes an entry when the one before it dies. Slower tiers' tables map every live node: their chains may continue a parent held in
 //! another tier, whose place in this tier is then looked up by hash.
 //!
 //! Invariants (checked by the index's audit): `loc` maps every entry (every live node, in a
@@ -452,6 +452,64 @@ impl TierNodes {
             return (loc, false);
         }
         (loc, self.hold(loc, slot))
+    }
+
+    /// Appends a run of new nodes after `tail`, the last position of its segment, all held by the
+    /// inline `slot`, in a tier whose table maps only entries: `run` gives each block's sequence
+    /// and local hash, in chain order. Each appended node continues the one before it at the end
+    /// of the segment, so nothing can be live right after its parent, and it is not an entry: one
+    /// table probe checks that it is not live elsewhere, and nothing is inserted. Stops at the
+    /// first block live elsewhere or refused by `claim`, which is given each block's index and
+    /// future location before it is appended (the caller's lane entry); returns how many were
+    /// appended. The segment grows once and each array is extended once for the whole run.
+    #[inline]
+    pub(super) fn append_run(
+        &mut self,
+        tail: Loc,
+        run: &[(u64, Option<Loc>)],
+        locals: impl Fn(usize) -> u64,
+        slot: u32,
+        mut claim: impl FnMut(usize, Loc) -> bool,
+    ) -> usize {
+        debug_assert!(!self.every_node && slot < INLINE_SLOTS);
+        let (seg, at) = decode(tail);
+        let base = self.segs[seg as usize].len();
+        debug_assert_eq!(at + 1, base, "the run goes on at the end of the segment");
+        let mut n = 0;
+        for &(seq, _) in run {
+            if self.loc.get(seq).is_some() || !claim(n, encode(seg, base + n)) {
+                break;
+            }
+            n += 1;
+        }
+        if n == 0 {
+            return 0;
+        }
+        let bit = 1u64 << slot;
+        let s = &mut self.segs[seg as usize];
+        if s.capacity() < base + n {
+            s.reserve(self.room.max(n));
+        }
+        s.locals.extend((0..n).map(&locals));
+        s.seqs.extend(run[..n].iter().map(|&(seq, _)| seq));
+        s.bits.resize(base + n, bit);
+        // Only the first new position can change bits; marks past the old end are clear.
+        s.changes.resize((base + n).div_ceil(64), 0);
+        if s.bits[base - 1] != bit {
+            s.mark(base, true);
+        }
+        s.live += n as u32;
+        self.live += n;
+        self.room = self.room.saturating_sub(n);
+        n
+    }
+
+    /// Whether `loc` is the last position of its segment (a tier whose table maps only entries
+    /// can append a run of new nodes after it, see `append_run`).
+    #[inline]
+    pub(super) fn ends_segment(&self, loc: Loc) -> bool {
+        let (seg, p) = decode(loc);
+        !self.every_node && p + 1 == self.segs[seg as usize].len()
     }
 
     /// Adds `slot` to the live node at `loc`; says whether the slot already held it.
