@@ -24,8 +24,9 @@
 //! live parent is an entry. A store appending to its parent's segment therefore touches no
 //! table but to check that the node is not live elsewhere (a run of such nodes is appended at
 //! once, see `append_run`), and an eviction (leaves first) finds the position before alive and
-//! drops no entry. A node becomes an entry when the one before it dies. Slower tiers' tables map every live node: their chains may continue a parent held in
-//! another tier, whose place in this tier is then looked up by hash.
+//! drops no entry. A node becomes an entry when the one before it dies. Slower tiers' tables
+//! map every live node: their chains may continue a parent held in another tier, whose place in
+//! this tier is then looked up by hash.
 //!
 //! Invariants (checked by the index's audit): `loc` maps every entry (every live node, in a
 //! tier that maps every node) to its position and nothing else; within a segment each
