@@ -955,15 +955,8 @@ async fn discovery_loop(
 /// dropped.
 async fn report_loop(inner: Arc<Inner>, mut subscription: Subscription) {
     while let Some(message) = subscription.next().await {
-        let report = match kvroute_protocols::WorkerLoadReport::from_json(&message.payload) {
-            Ok(report) => report,
-            Err(error) => {
-                inner.metrics.on_invalid_load_report();
-                tracing::warn!(%error, "dropping an invalid worker load report");
-                continue;
-            }
-        };
-        let freed = inner.state.lock().core.on_load_report(&report, inner.now());
+        let freed = kvroute_protocols::WorkerLoadReport::from_json(&message.payload)
+            .and_then(|report| inner.state.lock().core.on_load_report(&report, inner.now()));
         match freed {
             Ok(freed) => {
                 if let Some(sync) = &inner.load_sync {

@@ -138,7 +138,10 @@ impl LoadReporter {
         let mut reports = Box::pin(self.subscribe());
         tokio::spawn(async move {
             while let Some(report) = reports.next().await {
-                if let Err(error) = plane.publish(LOAD_REPORT_SUBJECT, encode(&report)).await {
+                if let Err(error) = plane
+                    .publish(LOAD_REPORT_SUBJECT, encode_load_report(&report))
+                    .await
+                {
                     tracing::debug!(%error, "a load report was not published; the next one repeats it");
                 }
             }
@@ -148,7 +151,8 @@ impl LoadReporter {
 
 /// A report as it travels on the event plane: JSON, without absent figures.
 pub fn encode_load_report(report: &WorkerLoadReport) -> Bytes {
-    encode(report)
+    // A plain struct of integers always serializes.
+    Bytes::from(serde_json::to_vec(report).unwrap_or_default())
 }
 
 /// One subscriber's place in the reports.
@@ -159,9 +163,4 @@ struct Feed {
     /// Whether the current reports were read once (the first read does not wait).
     started: bool,
     heartbeat: Duration,
-}
-
-fn encode(report: &WorkerLoadReport) -> Bytes {
-    // A plain struct of integers always serializes.
-    Bytes::from(serde_json::to_vec(report).unwrap_or_default())
 }
