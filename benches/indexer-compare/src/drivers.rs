@@ -78,11 +78,15 @@ impl Scores {
     }
 }
 
-/// A query in the form an indexer takes it.
+/// A query in the form an indexer takes it, built (untimed) right before the find.
+///
+/// Each side gets a fresh copy of the request's hashes, so both find them hot in cache, as a
+/// router does (it computes them just before it asks): borrowing kvroute's straight from the
+/// recorded workload made it read them cold while the reference read its fresh copy hot.
 #[derive(Debug)]
-pub enum Query<'a> {
-    /// kvroute borrows the hashes.
-    Kv(&'a [LocalBlockHash]),
+pub enum Query {
+    /// kvroute's hash type.
+    Kv(Vec<LocalBlockHash>),
     /// The reference's own hash type, by value.
     Ref(Vec<dy::LocalBlockHash>),
 }
@@ -96,9 +100,9 @@ pub trait Indexer {
     /// Returns once every event given so far is applied.
     fn sync(&mut self) -> anyhow::Result<()>;
     /// The query over `local` in the form [`Indexer::find`] takes (untimed).
-    fn query<'a>(&self, local: &'a [LocalBlockHash]) -> Query<'a>;
+    fn query(&self, local: &[LocalBlockHash]) -> Query;
     /// The overlap of a query with every worker.
-    fn find(&mut self, query: Query<'_>) -> Scores;
+    fn find(&mut self, query: Query) -> Scores;
     /// Hashes a prompt's full blocks and finds their overlap.
     fn hash_find(&mut self, tokens: &[u32]) -> Scores;
     /// Drops whatever [`Indexer::prepare`] kept, so only the index is left to measure.
@@ -112,11 +116,11 @@ pub trait Indexer {
 /// An index that many threads can query at once, as its router shares it.
 pub trait SharedFind: Sync {
     /// The overlap of a query with every worker, from any thread.
-    fn find_shared(&self, query: &Query<'_>) -> Scores;
+    fn find_shared(&self, query: &Query) -> Scores;
 }
 
 impl SharedFind for KvIndex {
-    fn find_shared(&self, query: &Query<'_>) -> Scores {
+    fn find_shared(&self, query: &Query) -> Scores {
         let Query::Kv(q) = query else {
             unreachable!("kvroute queries are built by `query`")
         };
@@ -125,7 +129,7 @@ impl SharedFind for KvIndex {
 }
 
 impl SharedFind for ConcurrentIndex {
-    fn find_shared(&self, query: &Query<'_>) -> Scores {
+    fn find_shared(&self, query: &Query) -> Scores {
         let Query::Kv(q) = query else {
             unreachable!("kvroute queries are built by `query`")
         };
@@ -134,7 +138,7 @@ impl SharedFind for ConcurrentIndex {
 }
 
 impl SharedFind for ThreadPoolIndexer<ConcurrentRadixTreeCompressed> {
-    fn find_shared(&self, query: &Query<'_>) -> Scores {
+    fn find_shared(&self, query: &Query) -> Scores {
         let Query::Ref(q) = query else {
             unreachable!("reference queries are built by `query`")
         };
@@ -201,15 +205,15 @@ impl Indexer for KvSingle {
         Ok(())
     }
 
-    fn query<'a>(&self, local: &'a [LocalBlockHash]) -> Query<'a> {
-        Query::Kv(local)
+    fn query(&self, local: &[LocalBlockHash]) -> Query {
+        Query::Kv(local.to_vec())
     }
 
-    fn find(&mut self, query: Query<'_>) -> Scores {
+    fn find(&mut self, query: Query) -> Scores {
         let Query::Kv(q) = query else {
             unreachable!("kvroute queries are built by `query`")
         };
-        Scores::Kv(self.index.find_matches_with(q, &mut self.scratch))
+        Scores::Kv(self.index.find_matches_with(&q, &mut self.scratch))
     }
 
     fn hash_find(&mut self, tokens: &[u32]) -> Scores {
@@ -245,15 +249,15 @@ impl Indexer for KvShared {
         Ok(())
     }
 
-    fn query<'a>(&self, local: &'a [LocalBlockHash]) -> Query<'a> {
-        Query::Kv(local)
+    fn query(&self, local: &[LocalBlockHash]) -> Query {
+        Query::Kv(local.to_vec())
     }
 
-    fn find(&mut self, query: Query<'_>) -> Scores {
+    fn find(&mut self, query: Query) -> Scores {
         let Query::Kv(q) = query else {
             unreachable!("kvroute queries are built by `query`")
         };
-        Scores::Kv(self.index.find_matches(q))
+        Scores::Kv(self.index.find_matches(&q))
     }
 
     fn hash_find(&mut self, tokens: &[u32]) -> Scores {
@@ -288,11 +292,11 @@ impl Indexer for RefTree {
         Ok(())
     }
 
-    fn query<'a>(&self, local: &'a [LocalBlockHash]) -> Query<'a> {
+    fn query(&self, local: &[LocalBlockHash]) -> Query {
         Query::Ref(local.iter().map(|h| dy::LocalBlockHash(h.0)).collect())
     }
 
-    fn find(&mut self, query: Query<'_>) -> Scores {
+    fn find(&mut self, query: Query) -> Scores {
         let Query::Ref(q) = query else {
             unreachable!("reference queries are built by `query`")
         };
@@ -338,11 +342,11 @@ impl Indexer for RefPool {
             .map_err(|e| anyhow::anyhow!("flush failed: {e}"))
     }
 
-    fn query<'a>(&self, local: &'a [LocalBlockHash]) -> Query<'a> {
+    fn query(&self, local: &[LocalBlockHash]) -> Query {
         Query::Ref(local.iter().map(|h| dy::LocalBlockHash(h.0)).collect())
     }
 
-    fn find(&mut self, query: Query<'_>) -> Scores {
+    fn find(&mut self, query: Query) -> Scores {
         let Query::Ref(q) = query else {
             unreachable!("reference queries are built by `query`")
         };

@@ -37,7 +37,7 @@ use crate::error::{ErrorCounts, IndexError};
 use crate::fasthash::FastMap;
 use crate::gap::{EventGap, EventOrder, GapTracker};
 use crate::hash::{SequenceHash, next_seq_hash};
-use crate::scores::{OverlapScores, TierScore};
+use crate::scores::{OverlapScores, TierScore, WorkerMap};
 use crate::table::U64Map;
 
 mod audit;
@@ -167,6 +167,28 @@ impl Lane {
         self.blocks
             .iter()
             .map(move |(ext, loc)| (ext, nodes.seq_at(loc)))
+    }
+}
+
+/// An answer as a walk reports it: each worker's device match at most once, in slot order.
+#[derive(Debug, Default)]
+struct Gathered {
+    /// (worker, leading device blocks, device blocks the worker holds).
+    device: Vec<(WorkerWithDpRank, u32, usize)>,
+    lower: Vec<TierScore>,
+}
+
+impl Gathered {
+    /// The answer, its per-worker maps sorted once.
+    fn finish(mut self) -> OverlapScores {
+        self.device.sort_unstable_by_key(|&(w, _, _)| w);
+        OverlapScores {
+            scores: WorkerMap::from_sorted(self.device.iter().map(|&(w, b, _)| (w, b)).collect()),
+            tree_sizes: WorkerMap::from_sorted(
+                self.device.iter().map(|&(w, _, n)| (w, n)).collect(),
+            ),
+            lower_tiers: self.lower,
+        }
     }
 }
 
@@ -510,25 +532,38 @@ impl KvIndex {
         chain: &mut Vec<u64>,
     ) -> OverlapScores {
         chain.clear();
-        let mut out = OverlapScores::default();
+        let mut out = Gathered::default();
         if self.tiers[1..].iter().all(|nodes| nodes.is_empty()) {
             // Nothing offloaded anywhere: the device walk alone, as fast as it was before tiers.
             let nodes = &self.tiers[StorageTier::Device.index()];
             if nodes.is_empty() {
             } else if self.slots.len() <= INLINE_SLOTS as usize {
-                // Gather the matches first, so each map is allocated once at its final size
-                // (growing them match by match cost a short query a third of its time).
+                // Gather the matches first, so the answer is allocated once at its final size.
                 let mut found = [(0u32, 0u32); INLINE_SLOTS as usize];
                 let mut n = 0;
                 self.walk_segments(nodes, local, |slot, depth| {
                     found[n] = (slot, depth);
                     n += 1;
                 });
-                out.scores.reserve(n);
-                out.tree_sizes.reserve(n);
-                for &(slot, depth) in &found[..n] {
-                    self.report(&mut out, StorageTier::Device, slot, depth);
+                // Sorted by worker on the stack, then each map allocated once, at its size.
+                let found = &mut found[..n];
+                found.sort_unstable_by_key(|&(slot, _)| self.slots[slot as usize].worker);
+                let (mut scores, mut sizes) = (Vec::with_capacity(n), Vec::with_capacity(n));
+                for &(slot, depth) in found.iter() {
+                    let state = &self.slots[slot as usize];
+                    if let Some(worker) = state.worker {
+                        scores.push((worker, depth));
+                        sizes.push((
+                            worker,
+                            state.lanes[StorageTier::Device.index()].blocks.len(),
+                        ));
+                    }
                 }
+                return OverlapScores {
+                    scores: WorkerMap::from_sorted(scores),
+                    tree_sizes: WorkerMap::from_sorted(sizes),
+                    lower_tiers: Vec::new(),
+                };
             } else {
                 self.walk(nodes, local, chain, |slot, depth| {
                     self.report(&mut out, StorageTier::Device, slot, depth);
@@ -539,22 +574,21 @@ impl KvIndex {
                 self.walk_tiers(word, local, chain, &mut out);
             }
         }
-        out
+        out.finish()
     }
 
     /// Records that `slot` holds `blocks` of the request in `tier` (> 0 only).
     #[inline]
-    fn report(&self, out: &mut OverlapScores, tier: StorageTier, slot: u32, blocks: u32) {
+    fn report(&self, out: &mut Gathered, tier: StorageTier, slot: u32, blocks: u32) {
         let state = &self.slots[slot as usize];
         let Some(worker) = state.worker else {
             return;
         };
         if tier == StorageTier::Device {
-            out.scores.insert(worker, blocks);
-            out.tree_sizes
-                .insert(worker, state.lanes[tier.index()].blocks.len());
+            let size = state.lanes[tier.index()].blocks.len();
+            out.device.push((worker, blocks, size));
         } else {
-            out.lower_tiers.push(TierScore {
+            out.lower.push(TierScore {
                 worker,
                 tier,
                 blocks,
@@ -573,7 +607,7 @@ impl KvIndex {
         word: usize,
         local: &[LocalBlockHash],
         chain: &mut Vec<u64>,
-        out: &mut OverlapScores,
+        out: &mut Gathered,
     ) {
         if local.is_empty() {
             return;

@@ -28,4 +28,4 @@ pub use error::{ErrorCounts, IndexError};
 pub use fasthash::{FastBuildHasher, FastHasher, FastMap};
 pub use gap::{EventGap, EventOrder, GapTracker};
 pub use index::{ApplyOutcome, KvIndex, MemoryStats};
-pub use scores::{OverlapScores, TierScore};
+pub use scores::{OverlapScores, TierScore, WorkerMap};

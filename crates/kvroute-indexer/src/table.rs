@@ -106,8 +106,7 @@ impl U64Map {
         if self.slots.is_empty() {
             return None;
         }
-        let (k, v) = self.slots[self.find(key)];
-        (k == key).then_some(v)
+        self.probe(key).ok().map(|i| self.slots[i].1)
     }
 
     /// Prefetches the slot where a probe for `key` starts, so a later access to `key` finds it in

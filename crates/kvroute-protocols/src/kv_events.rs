@@ -12,8 +12,24 @@ use serde::{Deserialize, Serialize};
 use crate::{DpRank, WorkerId};
 
 /// The router's content hash of one full block of tokens (xxh3-64, seed 1337, see kvroute-indexer).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+///
+/// Laid out as a bare `u64` (`bytemuck::Pod`), so a run of them can be compared as plain memory.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    bytemuck::Pod,
+    bytemuck::Zeroable,
+)]
 #[serde(transparent)]
+#[repr(transparent)]
 pub struct LocalBlockHash(pub u64);
 
 /// The engine's own identifier of a cached block; opaque to the router, unique per worker.
