@@ -22,9 +22,9 @@
 //! once, one probe a block to check the node is not live elsewhere).
 //!
 //! Per indexed block this costs one 16-byte lane entry plus, shared by every worker holding the
-//! block, 24 bytes and a bit of segment; the tables sit at 1/2 to 3/4 load (see
+//! block, 24 bytes and a bit of segment; the tables sit at 1/3 to 2/3 load (see
 //! [`crate::table`]). Only the device nodes a walk or a store cannot reach from their parent
-//! (segment starts, nodes after a dead position) have a 16-byte location entry, so about 50
+//! (segment starts, nodes after a dead position) have a 16-byte location entry, so about 70
 //! bytes a block when workers share little.
 
 use kvroute_protocols::kv_events::{
