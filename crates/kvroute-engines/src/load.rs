@@ -15,7 +15,14 @@
 //!   several engines states the SUM of their blocks there (`core_client.py`), so each engine's
 //!   own total, and its blocks in use, cannot be known: the KV figure is then `None`.
 //! - SGLang (`--enable-metrics`): `sglang:num_running_reqs`, `sglang:num_queue_reqs` plus
-//!   `sglang:num_grammar_queue_reqs` (requests waiting for their grammar), labelled `dp_rank`
+//!   `sglang:num_grammar_queue_reqs` (requests waiting for their grammar) and, under
+//!   prefill/decode disaggregation, the queues a request waits in before it can run:
+//!   `sglang:num_prefill_bootstrap_queue_reqs` (a prefill worker's requests waiting for the
+//!   decode side's handshake), `sglang:num_decode_prealloc_queue_reqs` and
+//!   `sglang:num_decode_transfer_queue_reqs` (a decode worker's requests waiting for KV memory,
+//!   then for their KV to arrive; `num_decode_host_receive_queue_reqs` is a part of the transfer
+//!   queue, and a prefill worker's `num_prefill_inflight_queue_reqs` have finished their
+//!   prefill and only send their KV, so neither is added). Labelled `dp_rank`
 //!   under data parallelism. With priority scheduling the totals are the series with
 //!   `priority=""` (the others are per priority). Only one scheduler per rank reports unless
 //!   `--enable-metrics-for-all-schedulers`, whose extra series are copies: the one with the
@@ -136,8 +143,8 @@ fn metrics_hint(status: u16) -> &'static str {
 struct Names {
     running: &'static str,
     waiting: &'static str,
-    /// Counted as waiting too when present.
-    waiting_extra: Option<&'static str>,
+    /// Counted as waiting too where present.
+    waiting_extra: &'static [&'static str],
 }
 
 /// Reads the load out of the `/metrics` text of a `kind` engine fetched from `url`.
@@ -163,7 +170,7 @@ pub(crate) fn read(
                 &Names {
                     running: "llamacpp:requests_processing",
                     waiting: "llamacpp:requests_deferred",
-                    waiting_extra: None,
+                    waiting_extra: &[],
                 },
                 &Ranks::Single,
             )
@@ -193,7 +200,7 @@ impl Reader<'_, '_> {
         let names = Names {
             running: "vllm:num_requests_running",
             waiting: "vllm:num_requests_waiting",
-            waiting_extra: None,
+            waiting_extra: &[],
         };
         let mut loads = self.requests(&names, &Ranks::VllmEngine)?;
         let usage = match self.values("vllm:kv_cache_usage_perc", &Ranks::VllmEngine) {
@@ -220,7 +227,12 @@ impl Reader<'_, '_> {
         let names = Names {
             running: "sglang:num_running_reqs",
             waiting: "sglang:num_queue_reqs",
-            waiting_extra: Some("sglang:num_grammar_queue_reqs"),
+            waiting_extra: &[
+                "sglang:num_grammar_queue_reqs",
+                "sglang:num_prefill_bootstrap_queue_reqs",
+                "sglang:num_decode_prealloc_queue_reqs",
+                "sglang:num_decode_transfer_queue_reqs",
+            ],
         };
         let mut loads = self.requests(&names, &Ranks::SglangDpRank)?;
         let used = match self.values("sglang:kv_used_tokens", &Ranks::SglangDpRank) {
@@ -246,10 +258,13 @@ impl Reader<'_, '_> {
     ) -> Result<BTreeMap<DpRank, EngineLoad>, LoadError> {
         let running = self.counts(names.running, ranks)?;
         let waiting = self.counts(names.waiting, ranks)?;
-        let extra = match names.waiting_extra {
-            Some(name) => self.counts(name, ranks)?,
-            None => BTreeMap::new(),
-        };
+        let mut extra: BTreeMap<DpRank, u64> = BTreeMap::new();
+        for name in names.waiting_extra {
+            for (rank, count) in self.counts(name, ranks)? {
+                let sum = extra.entry(rank).or_default();
+                *sum = sum.saturating_add(count);
+            }
+        }
         if running.is_empty() {
             return Err(self.missing(names.running.to_owned()));
         }

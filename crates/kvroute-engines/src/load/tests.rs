@@ -252,6 +252,36 @@ fn sglang_counts_the_grammar_queue_as_waiting_and_reads_one_copy_per_rank() {
 }
 
 #[test]
+fn sglang_counts_the_disaggregation_queues_a_request_waits_in() {
+    // A decode worker (SGLang 0.5.23, `--disaggregation-mode decode`): its requests waiting for
+    // KV memory and for their KV to arrive wait as surely as those in the waiting queue; the
+    // host-receive queue is a part of the transfer queue, so it is not added again.
+    let decode = "sglang:num_running_reqs{dp_rank=\"1\"} 6\n\
+                  sglang:num_queue_reqs{dp_rank=\"1\"} 1\n\
+                  sglang:num_decode_prealloc_queue_reqs{dp_rank=\"1\"} 2\n\
+                  sglang:num_decode_transfer_queue_reqs{dp_rank=\"1\"} 3\n\
+                  sglang:num_decode_host_receive_queue_reqs{dp_rank=\"1\"} 3\n";
+    check(
+        EngineKind::Sglang,
+        16,
+        decode,
+        "rank 1: running 6, waiting 6, kv -",
+    );
+    // A prefill worker: requests waiting for the decode side's handshake are waiting; those in
+    // flight have finished their prefill and only send their KV.
+    let prefill = "sglang:num_running_reqs 2\n\
+                   sglang:num_queue_reqs 4\n\
+                   sglang:num_prefill_bootstrap_queue_reqs 5\n\
+                   sglang:num_prefill_inflight_queue_reqs 7\n";
+    check(
+        EngineKind::Sglang,
+        16,
+        prefill,
+        "rank 0: running 2, waiting 9, kv -",
+    );
+}
+
+#[test]
 fn llamacpp_busy_server() {
     // Recorded from a real llama.cpp server with one slot and three requests.
     check(
