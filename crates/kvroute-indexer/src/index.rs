@@ -182,13 +182,26 @@ impl Gathered {
     /// The answer, its per-worker maps sorted once.
     fn finish(mut self) -> OverlapScores {
         self.device.sort_unstable_by_key(|&(w, _, _)| w);
-        OverlapScores {
-            scores: WorkerMap::from_sorted(self.device.iter().map(|&(w, b, _)| (w, b)).collect()),
-            tree_sizes: WorkerMap::from_sorted(
-                self.device.iter().map(|&(w, _, n)| (w, n)).collect(),
-            ),
-            lower_tiers: self.lower,
-        }
+        answer(self.device.into_iter(), self.lower)
+    }
+}
+
+/// The answer from each worker's (leading device blocks, device blocks held), given in worker
+/// order, each worker once: each map allocated once, at its size.
+fn answer(
+    device: impl Iterator<Item = (WorkerWithDpRank, u32, usize)>,
+    lower_tiers: Vec<TierScore>,
+) -> OverlapScores {
+    let n = device.size_hint().1.unwrap_or(0);
+    let (mut scores, mut sizes) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for (worker, blocks, held) in device {
+        scores.push((worker, blocks));
+        sizes.push((worker, held));
+    }
+    OverlapScores {
+        scores: WorkerMap::from_sorted(scores),
+        tree_sizes: WorkerMap::from_sorted(sizes),
+        lower_tiers,
     }
 }
 
@@ -545,25 +558,13 @@ impl KvIndex {
                     found[n] = (slot, depth);
                     n += 1;
                 });
-                // Sorted by worker on the stack, then each map allocated once, at its size.
+                // Sorted by worker on the stack, so no list is built just to be sorted.
                 let found = &mut found[..n];
                 found.sort_unstable_by_key(|&(slot, _)| self.slots[slot as usize].worker);
-                let (mut scores, mut sizes) = (Vec::with_capacity(n), Vec::with_capacity(n));
-                for &(slot, depth) in found.iter() {
-                    let state = &self.slots[slot as usize];
-                    if let Some(worker) = state.worker {
-                        scores.push((worker, depth));
-                        sizes.push((
-                            worker,
-                            state.lanes[StorageTier::Device.index()].blocks.len(),
-                        ));
-                    }
-                }
-                return OverlapScores {
-                    scores: WorkerMap::from_sorted(scores),
-                    tree_sizes: WorkerMap::from_sorted(sizes),
-                    lower_tiers: Vec::new(),
-                };
+                let device = found
+                    .iter()
+                    .filter_map(|&(slot, depth)| self.device_match(slot, depth));
+                return answer(device, Vec::new());
             } else {
                 self.walk(nodes, local, chain, |slot, depth| {
                     self.report(&mut out, StorageTier::Device, slot, depth);
@@ -577,17 +578,23 @@ impl KvIndex {
         out.finish()
     }
 
+    /// `slot`'s worker with its `blocks` leading device blocks and the device blocks it holds
+    /// (none for a slot no worker has).
+    #[inline]
+    fn device_match(&self, slot: u32, blocks: u32) -> Option<(WorkerWithDpRank, u32, usize)> {
+        let state = &self.slots[slot as usize];
+        let held = state.lanes[StorageTier::Device.index()].blocks.len();
+        state.worker.map(|worker| (worker, blocks, held))
+    }
+
     /// Records that `slot` holds `blocks` of the request in `tier` (> 0 only).
     #[inline]
     fn report(&self, out: &mut Gathered, tier: StorageTier, slot: u32, blocks: u32) {
-        let state = &self.slots[slot as usize];
-        let Some(worker) = state.worker else {
-            return;
-        };
         if tier == StorageTier::Device {
-            let size = state.lanes[tier.index()].blocks.len();
-            out.device.push((worker, blocks, size));
-        } else {
+            out.device.extend(self.device_match(slot, blocks));
+            return;
+        }
+        if let Some(worker) = self.slots[slot as usize].worker {
             out.lower.push(TierScore {
                 worker,
                 tier,
