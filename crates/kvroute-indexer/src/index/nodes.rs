@@ -577,6 +577,7 @@ impl TierNodes {
     /// Forgets the node at position `p` of segment `seg` (nobody holds it any more): drops its
     /// location entry if it has one and makes the live node after it an entry, cuts dead tails
     /// and frees empty segments.
+    #[inline]
     fn kill(&mut self, seg: u32, p: usize) {
         let s = &mut self.segs[seg as usize];
         let entry = self.every_node || p == 0 || !Self::live_at(&self.hi, s, seg, p - 1);
