@@ -18,7 +18,6 @@
 //! issue its cache misses together; it is the crate's only `unsafe` (a prefetch hint, which cannot
 //! fault), kept because it measured ~15% faster event application than a plain read of the slot.
 
-
 const EMPTY: u64 = 0;
 
 /// Multiplier spreading keys (engines' block ids can be small sequential integers).
