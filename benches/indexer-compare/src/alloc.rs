@@ -7,9 +7,10 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
 
-/// Counters, one cache line each, that threads add to by turns: one shared counter made every
-/// allocation of two reader threads (or of the reference's four apply threads) fight over one
-/// cache line, which held back exactly the parallel figures this bench reports.
+/// One counter per thread (threads past the 64th share them round-robin), each on a cache line
+/// of its own: a single shared counter made every allocation of two reader threads (or of the
+/// reference's four apply threads) contend for one cache line, which held back exactly the
+/// parallel figures this bench reports.
 const SHARDS: usize = 64;
 
 #[repr(align(128))]
