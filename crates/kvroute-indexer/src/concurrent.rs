@@ -149,11 +149,13 @@ fn apply_in_pieces(held: &mut HeldWrite<'_>, event: &RouterEvent, gaps: &mut Vec
             let Ok(mut prev) = index.resolve_parent(worker, tier, data.parent_hash) else {
                 return;
             };
+            let mut to_come = data.blocks.len();
             for piece in data.blocks.chunks(MAX_BLOCKS_PER_HOLD) {
                 prev = held
                     .get(piece.len())
-                    .store_chain(worker, tier, prev, piece)
+                    .store_chain(worker, tier, prev, piece, to_come)
                     .0;
+                to_come -= piece.len();
             }
         }
         KvCacheEventData::Removed(data) => {

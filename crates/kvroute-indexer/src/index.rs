@@ -259,7 +259,8 @@ impl KvIndex {
         data: &KvCacheStoreData,
     ) -> Result<(), IndexError> {
         let prev = self.resolve_parent(worker, tier, data.parent_hash)?;
-        self.store_chain(worker, tier, prev, &data.blocks).1
+        self.store_chain(worker, tier, prev, &data.blocks, data.blocks.len())
+            .1
     }
 
     /// The node a chain continuing `parent` starts from (`None` starts a sequence).
@@ -312,18 +313,22 @@ impl KvIndex {
 
     /// Stores `blocks` as a chain continuing `prev`; returns where the chain ends, so a long
     /// chain can be applied in pieces (with only reads in between), and the first problem found.
+    /// `to_come` counts these blocks and those of the chain still to follow in later pieces, so
+    /// the tables and a segment the chain grows make room for the whole chain at once.
     pub(crate) fn store_chain(
         &mut self,
         worker: WorkerWithDpRank,
         tier: StorageTier,
         prev: Option<ChainStart>,
         blocks: &[KvCacheStoredBlockData],
+        to_come: usize,
     ) -> (Option<ChainStart>, Result<(), IndexError>) {
+        debug_assert!(to_come >= blocks.len());
         let slot = self.slot_for(worker);
         let nodes = &mut self.tiers[tier.index()];
         let lane = &mut self.slots[slot as usize].lanes[tier.index()];
-        lane.blocks.reserve(blocks.len());
-        nodes.expect_chain(blocks.len());
+        lane.blocks.reserve(to_come);
+        nodes.expect_chain(to_come);
         let mut prev = prev.map(|p| p.0);
         let mut first_err = Ok(());
         for piece in blocks.chunks(BATCH) {
