@@ -1,6 +1,8 @@
 //! KV events through JetStream: per-worker subjects, replay for late subscribers, idempotent
 //! re-publishing; other subjects through NATS core.
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use futures::StreamExt;
 use kvroute_nats::testing::NatsServer;
@@ -93,8 +95,25 @@ fn other_subjects_are_plain_publish_subscribe_and_bad_input_is_refused() {
         let a = plane(&server.url(), "a").await;
         let b = plane(&server.url(), "b").await;
         let mut load = b.subscribe("load.*").await.unwrap();
-        a.nats().flush().await.unwrap();
-        b.nats().flush().await.unwrap();
+        // NATS core delivers only to subscriptions the server already holds, and b's SUB and a's
+        // PUB travel on two connections: probe until b hears a, so the messages below cannot
+        // race the subscription (with other tests' servers busy, they lost it one run in seven).
+        let deadline = tokio::time::Instant::now() + BOUND;
+        loop {
+            a.publish("load.probe", Bytes::new()).await.unwrap();
+            a.nats().flush().await.unwrap();
+            match tokio::time::timeout(Duration::from_millis(100), load.next()).await {
+                Ok(Some(message)) => {
+                    assert_eq!(&*message.subject, "load.probe");
+                    break;
+                }
+                Ok(None) => panic!("b's subscription ended"),
+                Err(_) => assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "b never received a's probe"
+                ),
+            }
+        }
         a.publish("load.r1", Bytes::from_static(b"one"))
             .await
             .unwrap();
@@ -104,14 +123,18 @@ fn other_subjects_are_plain_publish_subscribe_and_bad_input_is_refused() {
         a.publish("load.r2", Bytes::from_static(b"two"))
             .await
             .unwrap();
-        let first = tokio::time::timeout(BOUND, load.next())
-            .await
-            .unwrap()
-            .unwrap();
-        let second = tokio::time::timeout(BOUND, load.next())
-            .await
-            .unwrap()
-            .unwrap();
+        // The next two messages that are not late probes.
+        let mut received = Vec::new();
+        while received.len() < 2 {
+            let message = tokio::time::timeout(BOUND, load.next())
+                .await
+                .unwrap()
+                .unwrap();
+            if &*message.subject != "load.probe" {
+                received.push(message);
+            }
+        }
+        let (first, second) = (&received[0], &received[1]);
         assert_eq!(
             (&*first.subject, &first.payload[..]),
             ("load.r1", &b"one"[..])
