@@ -203,12 +203,11 @@ impl Reader<'_, '_> {
             waiting_extra: &[],
         };
         let mut loads = self.requests(&names, &Ranks::VllmEngine)?;
-        let usage = match self.values("vllm:kv_cache_usage_perc", &Ranks::VllmEngine) {
-            Ok(usage) if !usage.is_empty() => usage,
-            _ => self
-                .values("vllm:gpu_cache_usage_perc", &Ranks::VllmEngine)
-                .unwrap_or_default(),
-        };
+        let usage = self.values_or_older(
+            "vllm:kv_cache_usage_perc",
+            "vllm:gpu_cache_usage_perc",
+            &Ranks::VllmEngine,
+        );
         // The server states one `num_gpu_blocks`, summed over all its engines: it is one
         // engine's only when it fronts one.
         let info = self.vllm_cache_info().filter(|_| loads.len() == 1);
@@ -235,12 +234,11 @@ impl Reader<'_, '_> {
             ],
         };
         let mut loads = self.requests(&names, &Ranks::SglangDpRank)?;
-        let used = match self.values("sglang:kv_used_tokens", &Ranks::SglangDpRank) {
-            Ok(used) if !used.is_empty() => used,
-            _ => self
-                .values("sglang:num_used_tokens", &Ranks::SglangDpRank)
-                .unwrap_or_default(),
-        };
+        let used = self.values_or_older(
+            "sglang:kv_used_tokens",
+            "sglang:num_used_tokens",
+            &Ranks::SglangDpRank,
+        );
         for (rank, load) in &mut loads {
             load.kv_used_blocks = used
                 .get(rank)
@@ -317,6 +315,16 @@ impl Reader<'_, '_> {
     }
 
     /// The value of `name` per rank, as read.
+    /// The series of `name` per rank, or where the engine states none (or unreadable ones), of
+    /// `older`, the name an older release gave it; empty when neither is readable (the KV
+    /// figure is then unknown, which is not an error).
+    fn values_or_older(&self, name: &str, older: &str, ranks: &Ranks) -> BTreeMap<DpRank, f64> {
+        match self.values(name, ranks) {
+            Ok(values) if !values.is_empty() => values,
+            _ => self.values(older, ranks).unwrap_or_default(),
+        }
+    }
+
     fn values(&self, name: &str, ranks: &Ranks) -> Result<BTreeMap<DpRank, f64>, LoadError> {
         Ok(self
             .series(name, ranks)?
