@@ -2,7 +2,7 @@
 //!
 //! `cargo xtask bench indexer-compare (--trace FILE [--trace-block-size 512] | --workload
 //! agentic|multi-turn [--seed N]) [--workers 8] [--block-size 16] [--cache-blocks 16384]
-//! [--limit N] [--repeats 1] [--ref-threads 4] [--only kv,ref-tree,...] [--no-hash]
+//! [--limit N] [--repeats 1] [--ref-threads 4] [--kv-shards CORES] [--only kv,ref-tree,...] [--no-hash]
 //! [--readers 1,2]`
 //!
 //! Prints the workload, one line per run, then a Markdown table (each indexer's best figures and
@@ -28,7 +28,7 @@ struct Args {
 
 const USAGE: &str = "expected --trace FILE [--trace-block-size T] or --workload agentic|multi-turn [--seed N], \
      and optionally --workers, --block-size, --cache-blocks, --limit, --repeats, --ref-threads, \
-     --only LIST (kv,kv-concurrent,ref-tree,ref-pool), --no-hash, --readers LIST (1,2; 0 for none)";
+     --kv-shards, --only LIST (kv,kv-concurrent,kv-sharded,ref-tree,ref-pool), --no-hash, --readers LIST (1,2; 0 for none)";
 
 fn parse_args() -> anyhow::Result<Args> {
     let mut trace = None;
@@ -44,6 +44,8 @@ fn parse_args() -> anyhow::Result<Args> {
     let mut settings = Settings {
         kinds: Kind::ALL.to_vec(),
         ref_threads: 4,
+        // One shard, and writer thread, per core.
+        kv_shards: std::thread::available_parallelism().map_or(2, |n| n.get()),
         repeats: 1,
         hash_phase: true,
         readers: vec![1, 2],
@@ -75,6 +77,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "--limit" => limit = num()?,
             "--repeats" => settings.repeats = num()?.max(1),
             "--ref-threads" => settings.ref_threads = num()?.max(1),
+            "--kv-shards" => settings.kv_shards = num()?.clamp(1, kvroute_indexer::MAX_SHARDS),
             "--readers" => {
                 settings.readers = value
                     .split(',')
@@ -92,10 +95,11 @@ fn parse_args() -> anyhow::Result<Args> {
                     .map(|s| match s.trim() {
                         "kv" => Ok(Kind::KvIndex),
                         "kv-concurrent" => Ok(Kind::KvConcurrent),
+                        "kv-sharded" => Ok(Kind::KvSharded),
                         "ref-tree" => Ok(Kind::RefRadixTree),
                         "ref-pool" => Ok(Kind::RefThreadPool),
                         other => bail!(
-                            "--only {other}: expected kv, kv-concurrent, ref-tree or ref-pool"
+                            "--only {other}: expected kv, kv-concurrent, kv-sharded, ref-tree or ref-pool"
                         ),
                     })
                     .collect::<anyhow::Result<_>>()?;

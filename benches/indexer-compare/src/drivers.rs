@@ -8,7 +8,9 @@ use dynamo_kv_router::indexer::{SyncIndexer, ThreadPoolIndexer};
 use dynamo_kv_router::protocols as dy;
 use dynamo_kv_router::radix_tree::RadixTree;
 use kvroute_indexer::hash::{HashSalt, compute_block_hashes};
-use kvroute_indexer::{ConcurrentIndex, KvIndex, OverlapScores};
+use std::sync::Arc;
+
+use kvroute_indexer::{ConcurrentIndex, IndexWriters, KvIndex, OverlapScores};
 use kvroute_protocols::WorkerWithDpRank;
 use kvroute_protocols::kv_events::{KvCacheEventData, LocalBlockHash, RouterEvent};
 
@@ -17,8 +19,11 @@ use kvroute_protocols::kv_events::{KvCacheEventData, LocalBlockHash, RouterEvent
 pub enum Kind {
     /// kvroute's `KvIndex`, one thread.
     KvIndex,
-    /// kvroute's `ConcurrentIndex` (what the router uses), driven from one thread.
+    /// kvroute's `ConcurrentIndex` of one shard, driven from one thread.
     KvConcurrent,
+    /// kvroute's `ConcurrentIndex` split into worker shards, each applied by its own
+    /// `IndexWriters` thread (kvroute's answer to the reference's thread pool).
+    KvSharded,
     /// The reference's single-threaded `RadixTree`.
     RefRadixTree,
     /// The reference's router default: `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>`.
@@ -27,9 +32,10 @@ pub enum Kind {
 
 impl Kind {
     /// Every indexer, kvroute's first.
-    pub const ALL: [Kind; 4] = [
+    pub const ALL: [Kind; 5] = [
         Kind::KvIndex,
         Kind::KvConcurrent,
+        Kind::KvSharded,
         Kind::RefRadixTree,
         Kind::RefThreadPool,
     ];
@@ -39,6 +45,7 @@ impl Kind {
         match self {
             Kind::KvIndex => "kv KvIndex",
             Kind::KvConcurrent => "kv Concurrent",
+            Kind::KvSharded => "kv Sharded",
             Kind::RefRadixTree => "ref RadixTree",
             Kind::RefThreadPool => "ref ThreadPool",
         }
@@ -46,7 +53,7 @@ impl Kind {
 
     /// Whether this is one of kvroute's.
     pub fn is_kvroute(self) -> bool {
-        matches!(self, Kind::KvIndex | Kind::KvConcurrent)
+        matches!(self, Kind::KvIndex | Kind::KvConcurrent | Kind::KvSharded)
     }
 }
 
@@ -147,8 +154,9 @@ impl SharedFind for ThreadPoolIndexer<ConcurrentRadixTreeCompressed> {
 }
 
 /// Builds the indexer of `kind`; `block_size` is the engine block size, `threads` the event
-/// threads of the reference's thread pool.
-pub fn build(kind: Kind, block_size: usize, threads: usize) -> Box<dyn Indexer> {
+/// threads of the reference's thread pool, `shards` the worker shards (and writer threads) of
+/// kvroute's sharded index.
+pub fn build(kind: Kind, block_size: usize, threads: usize, shards: usize) -> Box<dyn Indexer> {
     match kind {
         Kind::KvIndex => Box::new(KvSingle {
             index: KvIndex::new(),
@@ -162,6 +170,18 @@ pub fn build(kind: Kind, block_size: usize, threads: usize) -> Box<dyn Indexer> 
             block_size,
             salt: HashSalt::default(),
         }),
+        Kind::KvSharded => {
+            let index = Arc::new(ConcurrentIndex::with_shards(shards));
+            let writers = IndexWriters::spawn(Arc::clone(&index))
+                .expect("the bench starts a writer thread per shard");
+            Box::new(KvWriters {
+                index,
+                writers,
+                events: Vec::new(),
+                block_size,
+                salt: HashSalt::default(),
+            })
+        }
         Kind::RefRadixTree => Box::new(RefTree {
             tree: RadixTree::new(),
             events: Vec::new(),
@@ -277,6 +297,58 @@ impl Indexer for KvShared {
 
     fn shared(&self) -> Option<&dyn SharedFind> {
         Some(&self.index)
+    }
+}
+
+struct KvWriters {
+    index: Arc<ConcurrentIndex>,
+    writers: IndexWriters,
+    /// Owned copies of the events, made before the clock starts, as for `KvShared`.
+    events: Vec<Option<RouterEvent>>,
+    block_size: usize,
+    salt: HashSalt,
+}
+
+impl Indexer for KvWriters {
+    fn prepare(&mut self, events: &[RouterEvent]) {
+        self.events = events.iter().cloned().map(Some).collect();
+    }
+
+    fn apply(&mut self, _: &[RouterEvent], i: usize) -> anyhow::Result<()> {
+        let event = self.events[i].take().expect("each event is applied once");
+        self.writers.send(event);
+        Ok(())
+    }
+
+    fn release(&mut self) {
+        self.events = Vec::new();
+    }
+
+    fn sync(&mut self) -> anyhow::Result<()> {
+        self.writers.flush();
+        let gaps = self.index.take_gaps();
+        anyhow::ensure!(gaps.is_empty(), "unexpected gaps {gaps:?}");
+        Ok(())
+    }
+
+    fn query(&self, local: &[LocalBlockHash]) -> Query {
+        Query::Kv(local.to_vec())
+    }
+
+    fn find(&mut self, query: Query) -> Scores {
+        let Query::Kv(q) = query else {
+            unreachable!("kvroute queries are built by `query`")
+        };
+        Scores::Kv(self.index.find_matches(&q))
+    }
+
+    fn hash_find(&mut self, tokens: &[u32]) -> Scores {
+        let local = compute_block_hashes(tokens, self.block_size, &self.salt);
+        Scores::Kv(self.index.find_matches(&local))
+    }
+
+    fn shared(&self) -> Option<&dyn SharedFind> {
+        Some(&*self.index)
     }
 }
 

@@ -16,6 +16,8 @@ pub struct Settings {
     pub kinds: Vec<Kind>,
     /// Event threads of the reference's thread pool (its router's default is 4).
     pub ref_threads: usize,
+    /// Worker shards, each with its writer thread, of kvroute's sharded index.
+    pub kv_shards: usize,
     /// Times each indexer runs; the table keeps each one's best figures.
     pub repeats: usize,
     /// Also time hashing each prompt plus the query.
@@ -82,7 +84,7 @@ pub fn replay(w: &Recorded, kind: Kind, settings: &Settings) -> anyhow::Result<F
     };
     let mut tokens = Vec::new();
     let base = live_bytes();
-    let mut index = build(kind, w.block_size, settings.ref_threads);
+    let mut index = build(kind, w.block_size, settings.ref_threads, settings.kv_shards);
     index.prepare(&w.events);
     let mut pending = false;
     for op in &w.ops {
@@ -129,7 +131,7 @@ pub fn replay(w: &Recorded, kind: Kind, settings: &Settings) -> anyhow::Result<F
 
 /// Every event into a fresh index back to back, until all are applied.
 fn bulk_apply(w: &Recorded, kind: Kind, settings: &Settings) -> anyhow::Result<Duration> {
-    let mut index = build(kind, w.block_size, settings.ref_threads);
+    let mut index = build(kind, w.block_size, settings.ref_threads, settings.kv_shards);
     index.prepare(&w.events);
     let start = Instant::now();
     for i in 0..w.events.len() {
@@ -149,7 +151,7 @@ pub fn reader_scaling(
     kind: Kind,
     settings: &Settings,
 ) -> anyhow::Result<Option<Vec<(usize, f64)>>> {
-    let mut index = build(kind, w.block_size, settings.ref_threads);
+    let mut index = build(kind, w.block_size, settings.ref_threads, settings.kv_shards);
     index.prepare(&w.events);
     for i in 0..w.events.len() {
         index.apply(&w.events, i)?;

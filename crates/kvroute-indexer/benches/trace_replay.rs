@@ -415,7 +415,7 @@ fn replay_shared(w: &Arc<Workload>, workers: usize, readers: usize) -> anyhow::R
         let _ = h.join();
     }
     result?;
-    t.memory = shared.read(|index| index.memory());
+    t.memory = shared.memory();
     t.rss_after_kb = status_kb("VmRSS:");
     t.concurrent_find = Some(extra.load(Ordering::Relaxed) as f64 / wall.as_secs_f64());
     Ok(t)

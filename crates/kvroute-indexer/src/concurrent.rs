@@ -1,29 +1,44 @@
-//! Querying from many threads while events arrive.
+//! Querying from many threads while events arrive, and applying events on several at once.
 //!
-//! Queries share a read lock on one [`KvIndex`]. Events never wait for the index: a submitter
-//! queues its event and, if no other thread is applying, becomes the applier and drains the queue
-//! under the write lock (flat combining), letting go of it after every few hundred blocks, so a
-//! query waits for at most one such piece however large the events, and a burst of events from
-//! many threads costs one lock handoff per piece instead of one per event.
+//! Queries share a read lock on each [`KvIndex`] shard. Events never wait for the index: a
+//! submitter queues its event and, if no other thread is applying to that shard, becomes the
+//! applier and drains the shard's queue under its write lock (flat combining), letting go of it
+//! after every few hundred blocks, so a query waits for at most one such piece however large the
+//! events, and a burst of events from many threads costs one lock handoff per piece instead of
+//! one per event.
+//!
+//! With more than one shard ([`ConcurrentIndex::with_shards`]) workers are split between shards
+//! by id, each shard a whole index of its workers behind its own lock, so events of workers in
+//! different shards are applied at the same time (by their submitters, or by [`IndexWriters`],
+//! a thread per shard). A query walks every shard and gathers one answer: the shards share the
+//! request's sequence hashes and one answer buffer, but each walks its own copy of a prefix its
+//! workers share, so a query costs more than with one shard (see `docs/benchmarks.md`).
 
 use std::collections::VecDeque;
 
 use kvroute_protocols::kv_events::{KvCacheEventData, LocalBlockHash, RouterEvent};
 use kvroute_protocols::{WorkerId, WorkerWithDpRank};
 
+use crate::error::ErrorCounts;
 use crate::gap::EventGap;
-use crate::index::KvIndex;
+use crate::index::{Gathered, KvIndex, MemoryStats};
 use crate::scores::OverlapScores;
 use crate::sync::{AtomicBool, Mutex, Ordering, RwLock, RwLockWriteGuard, lock};
 
 #[cfg(all(test, loom))]
 mod loom_tests;
+mod writers;
+
+pub use writers::IndexWriters;
 
 /// Events taken from the queue at a time.
 const MAX_BATCH: usize = 64;
 
 /// Blocks stored or removed per write-lock hold: bounds how long a query can wait.
 const MAX_BLOCKS_PER_HOLD: usize = 256;
+
+/// Most shards a [`ConcurrentIndex`] splits its workers into.
+pub const MAX_SHARDS: usize = 64;
 
 /// One queued change to the index.
 #[derive(Debug)]
@@ -32,51 +47,146 @@ enum Op {
     RemoveWorker(WorkerId),
 }
 
-/// A [`KvIndex`] shared by query threads and event submitters.
+impl Op {
+    /// The worker the change is about, which picks its shard.
+    fn worker_id(&self) -> WorkerId {
+        match self {
+            Op::Event(event) => event.worker_id,
+            Op::RemoveWorker(worker_id) => *worker_id,
+        }
+    }
+}
+
+/// One index of some workers, with its queue of changes.
 #[derive(Debug)]
-pub struct ConcurrentIndex {
+struct Shard {
     index: RwLock<KvIndex>,
     ops: Combiner<Op>,
+}
+
+impl Shard {
+    fn new(index: KvIndex) -> Self {
+        Self {
+            index: RwLock::new(index),
+            ops: Combiner::new(),
+        }
+    }
+
+    fn read(&self) -> impl std::ops::Deref<Target = KvIndex> + '_ {
+        self.index.read().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A [`KvIndex`] (or several, one per shard of the workers) shared by query threads and event
+/// submitters.
+#[derive(Debug)]
+pub struct ConcurrentIndex {
+    shards: Box<[Shard]>,
     gaps: Mutex<Vec<EventGap>>,
 }
 
 impl ConcurrentIndex {
-    /// An empty shared index.
+    /// An empty shared index of one shard: the fastest queries; events are applied one at a
+    /// time.
     pub fn new() -> Self {
         Self::from_index(KvIndex::new())
     }
 
-    /// Shares an existing index (for instance one rebuilt from a dump).
-    pub fn from_index(index: KvIndex) -> Self {
+    /// An empty shared index whose workers are split between `shards` indexes (clamped to
+    /// `1..=`[`MAX_SHARDS`]), so that events of workers in different shards can be applied at
+    /// the same time. Every query walks every shard; use as many shards as cores that apply
+    /// events, no more.
+    pub fn with_shards(shards: usize) -> Self {
+        let n = shards.clamp(1, MAX_SHARDS);
         Self {
-            index: RwLock::new(index),
-            ops: Combiner::new(),
+            shards: (0..n).map(|_| Shard::new(KvIndex::new())).collect(),
             gaps: Mutex::new(Vec::new()),
         }
     }
 
-    /// Queues an event; it is applied before this returns unless another thread is applying,
-    /// in which case that thread applies it.
+    /// Shares an existing index (for instance one rebuilt from a dump), as one shard.
+    pub fn from_index(index: KvIndex) -> Self {
+        Self {
+            shards: Box::new([Shard::new(index)]),
+            gaps: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// How many shards the workers are split between.
+    pub fn shards(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// The shard that holds every rank of `worker_id`.
+    pub fn shard_of(&self, worker_id: WorkerId) -> usize {
+        (worker_id % self.shards.len() as u64) as usize
+    }
+
+    /// Queues an event; it is applied before this returns unless another thread is applying to
+    /// the event's shard, in which case that thread applies it.
     pub fn submit(&self, event: RouterEvent) {
-        self.ops.push(Op::Event(event));
-        self.drain();
+        self.submit_op(Op::Event(event));
     }
 
     /// Queues the removal of every rank of a worker, ordered with the events around it.
     pub fn remove_worker(&self, worker_id: WorkerId) {
-        self.ops.push(Op::RemoveWorker(worker_id));
-        self.drain();
+        self.submit_op(Op::RemoveWorker(worker_id));
+    }
+
+    fn submit_op(&self, op: Op) {
+        let shard = self.shard_of(op.worker_id());
+        self.shards[shard].ops.push(op);
+        self.drain(shard);
     }
 
     /// Overlap of `local` with what every worker holds (see [`KvIndex::find_matches`]).
     pub fn find_matches(&self, local: &[LocalBlockHash]) -> OverlapScores {
-        self.read(|index| index.find_matches(local))
+        let mut chain = Vec::new();
+        if let [shard] = &*self.shards {
+            return shard.read().find_matches_with(local, &mut chain);
+        }
+        // One answer buffer and one cache of the request's sequence hashes for every shard.
+        let mut out = Gathered::default();
+        for shard in &*self.shards {
+            shard.read().gather(local, &mut chain, &mut out);
+        }
+        out.finish()
     }
 
-    /// Runs `f` with shared access to the index.
-    pub fn read<R>(&self, f: impl FnOnce(&KvIndex) -> R) -> R {
-        let guard = self.index.read().unwrap_or_else(|e| e.into_inner());
+    /// Runs `f` with shared access to the index of shard `shard` (below [`Self::shards`]).
+    ///
+    /// # Panics
+    ///
+    /// If there is no such shard.
+    pub fn read_shard<R>(&self, shard: usize, f: impl FnOnce(&KvIndex) -> R) -> R {
+        let guard = self.shards[shard].read();
         f(&guard)
+    }
+
+    /// Size of the index, summed over its shards (a prefix that workers of two shards hold is
+    /// stored, and counted, in both).
+    pub fn memory(&self) -> MemoryStats {
+        let mut total = MemoryStats::default();
+        for shard in &*self.shards {
+            let m = shard.read().memory();
+            total.live_nodes += m.live_nodes;
+            total.indexed_blocks += m.indexed_blocks;
+            total.workers += m.workers;
+            total.table_bytes += m.table_bytes;
+        }
+        total
+    }
+
+    /// Bad events seen so far, summed over the shards.
+    pub fn error_counts(&self) -> ErrorCounts {
+        let mut total = ErrorCounts::default();
+        for shard in &*self.shards {
+            let e = shard.read().error_counts();
+            total.parent_not_found += e.parent_not_found;
+            total.block_not_found += e.block_not_found;
+            total.duplicate_store += e.duplicate_store;
+        }
+        total
     }
 
     /// Event-id gaps detected since the last call, for the caller to recover.
@@ -84,25 +194,30 @@ impl ConcurrentIndex {
         std::mem::take(&mut *lock(&self.gaps))
     }
 
-    fn drain(&self) {
-        self.ops.drain(|batch| {
-            let mut gaps = Vec::new();
-            let mut held = HeldWrite {
-                lock: &self.index,
-                guard: None,
-                budget: 0,
-            };
-            for op in batch {
-                match op {
-                    Op::Event(event) => apply_in_pieces(&mut held, &event, &mut gaps),
-                    Op::RemoveWorker(worker_id) => held.get(1).remove_worker(worker_id),
-                }
+    /// Applies the queued changes of `shard` unless another thread already is.
+    fn drain(&self, shard: usize) {
+        let shard = &self.shards[shard];
+        shard.ops.drain(|batch| self.apply(&shard.index, batch));
+    }
+
+    /// Applies `ops` to one shard under its write lock, letting readers in between pieces.
+    fn apply(&self, index: &RwLock<KvIndex>, ops: impl Iterator<Item = Op>) {
+        let mut gaps = Vec::new();
+        let mut held = HeldWrite {
+            lock: index,
+            guard: None,
+            budget: 0,
+        };
+        for op in ops {
+            match op {
+                Op::Event(event) => apply_in_pieces(&mut held, &event, &mut gaps),
+                Op::RemoveWorker(worker_id) => held.get(1).remove_worker(worker_id),
             }
-            drop(held);
-            if !gaps.is_empty() {
-                lock(&self.gaps).extend(gaps);
-            }
-        });
+        }
+        drop(held);
+        if !gaps.is_empty() {
+            lock(&self.gaps).extend(gaps);
+        }
     }
 }
 
@@ -222,7 +337,7 @@ impl<T> Combiner<T> {
     }
 
     /// Items queued and not yet applied.
-    #[cfg(loom)]
+    #[cfg(all(test, loom))]
     pub(crate) fn pending(&self) -> usize {
         lock(&self.pending).len()
     }

@@ -39,6 +39,7 @@ use crate::gap::{EventGap, EventOrder, GapTracker};
 use crate::hash::{SequenceHash, next_seq_hash};
 use crate::scores::{OverlapScores, TierScore, WorkerMap};
 use crate::table::U64Map;
+use smallvec::SmallVec;
 
 mod audit;
 mod nodes;
@@ -170,19 +171,24 @@ impl Lane {
     }
 }
 
-/// An answer as a walk reports it: each worker's device match at most once, in slot order.
+/// An answer as walks report it: each worker's device match at most once, in slot order within
+/// one index (several indexes holding disjoint workers may report into one, see
+/// [`KvIndex::gather`]).
 #[derive(Debug, Default)]
-struct Gathered {
-    /// (worker, leading device blocks, device blocks the worker holds).
-    device: Vec<(WorkerWithDpRank, u32, usize)>,
+pub(crate) struct Gathered {
+    /// (worker, leading device blocks, device blocks the worker holds); on the stack for up to
+    /// 32 matching workers, so a query allocates only its answer.
+    device: SmallVec<[(WorkerWithDpRank, u32, usize); 32]>,
     lower: Vec<TierScore>,
 }
 
 impl Gathered {
     /// The answer, its per-worker maps sorted once.
-    fn finish(mut self) -> OverlapScores {
+    ///
+    /// Takes `&mut self`: moving a `Gathered` copies its inline buffer (a kilobyte).
+    pub(crate) fn finish(&mut self) -> OverlapScores {
         self.device.sort_unstable_by_key(|&(w, _, _)| w);
-        answer(self.device.into_iter(), self.lower)
+        answer(self.device.iter().copied(), std::mem::take(&mut self.lower))
     }
 }
 
@@ -583,6 +589,38 @@ impl KvIndex {
         out.finish()
     }
 
+    /// Adds this index's part of [`KvIndex::find_matches`] to `out`: every match of a worker it
+    /// holds. Indexes holding disjoint sets of workers (the shards of a
+    /// [`crate::ConcurrentIndex`]) gather into one `out` and [`Gathered::finish`] it once.
+    /// `chain` caches the request's sequence hashes, a function of `local` only, so the shards
+    /// share it: clear it once per request, not per shard.
+    pub(crate) fn gather(
+        &self,
+        local: &[LocalBlockHash],
+        chain: &mut Vec<u64>,
+        out: &mut Gathered,
+    ) {
+        if self.tiers[1..].iter().all(|nodes| nodes.is_empty()) {
+            let nodes = &self.tiers[StorageTier::Device.index()];
+            if nodes.is_empty() {
+            } else if self.slots.len() <= INLINE_SLOTS as usize {
+                self.walk_segments(nodes, local, |slot, depth| {
+                    if let Some(found) = self.device_match(slot, depth) {
+                        out.device.push(found);
+                    }
+                });
+            } else {
+                self.walk(nodes, local, chain, |slot, depth| {
+                    self.report(out, StorageTier::Device, slot, depth);
+                });
+            }
+        } else {
+            for word in 0..self.slots.len().div_ceil(64) {
+                self.walk_tiers(word, local, chain, out);
+            }
+        }
+    }
+
     /// `slot`'s worker with its `blocks` leading device blocks and the device blocks it holds
     /// (none for a slot no worker has).
     #[inline]
@@ -596,7 +634,9 @@ impl KvIndex {
     #[inline]
     fn report(&self, out: &mut Gathered, tier: StorageTier, slot: u32, blocks: u32) {
         if tier == StorageTier::Device {
-            out.device.extend(self.device_match(slot, blocks));
+            if let Some(found) = self.device_match(slot, blocks) {
+                out.device.push(found);
+            }
             return;
         }
         if let Some(worker) = self.slots[slot as usize].worker {

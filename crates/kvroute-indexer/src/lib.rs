@@ -5,7 +5,8 @@
 //! storage tier) and answers overlap queries ([`KvIndex::find_matches`] -> [`OverlapScores`]);
 //! it counts bad events instead of panicking, detects lost events ([`GapTracker`]), accounts its
 //! memory and dumps itself as events to rebuild from. [`ConcurrentIndex`] lets many threads query
-//! while events are applied; [`ApproxIndex`] serves workers that publish no events by recording
+//! while events are applied, split between shards of workers whose events [`IndexWriters`]
+//! apply on a thread each; [`ApproxIndex`] serves workers that publish no events by recording
 //! routing decisions with a TTL.
 //!
 //! This crate is a synchronous, deterministic core: it must not depend on tokio, the network or
@@ -23,7 +24,7 @@ mod sync;
 mod table;
 
 pub use approx::{ApproxConfig, ApproxIndex};
-pub use concurrent::ConcurrentIndex;
+pub use concurrent::{ConcurrentIndex, IndexWriters, MAX_SHARDS};
 pub use error::{ErrorCounts, IndexError};
 pub use fasthash::{FastBuildHasher, FastHasher, FastMap};
 pub use gap::{EventGap, EventOrder, GapTracker};

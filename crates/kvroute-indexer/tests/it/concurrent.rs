@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::thread;
 
-use kvroute_indexer::{ConcurrentIndex, KvIndex};
+use kvroute_indexer::{ConcurrentIndex, IndexWriters, KvIndex};
 use kvroute_protocols::kv_events::{
     ExternalSequenceBlockHash as Ext, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
     KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent, StorageTier,
@@ -73,7 +73,7 @@ fn concurrent_submitters_and_readers_reach_the_sequential_state() {
             let _ = sequential.apply_event(&ev);
         }
     }
-    shared.read(|index| {
+    shared.read_shard(0, |index| {
         assert!(index.same_content(&sequential));
         assert_eq!(index.check_consistency(), Ok(()));
     });
@@ -123,7 +123,7 @@ fn long_events_applied_in_pieces_match_whole_application() {
         let _ = sequential.apply_event(&ev);
         shared.submit(ev);
     }
-    shared.read(|index| {
+    shared.read_shard(0, |index| {
         assert!(index.same_content(&sequential));
         assert_eq!(index.error_counts(), sequential.error_counts());
         assert_eq!(index.check_consistency(), Ok(()));
@@ -133,4 +133,109 @@ fn long_events_applied_in_pieces_match_whole_application() {
     assert_eq!(gaps[0].missing, 4..5);
     let q: Vec<LocalBlockHash> = (0..1600).map(|b| LocalBlockHash(b % 13)).collect();
     assert_eq!(shared.find_matches(&q), sequential.find_matches(&q));
+}
+
+/// A sequential index of the events of the workers in `shard` of `shared`.
+fn sequential_shard(shared: &ConcurrentIndex, shard: usize, workers: &[u64]) -> KvIndex {
+    let mut index = KvIndex::new();
+    for &w in workers.iter().filter(|&&w| shared.shard_of(w) == shard) {
+        for ev in events_of(w) {
+            let _ = index.apply_event(&ev);
+        }
+    }
+    index
+}
+
+#[test]
+fn shards_applied_by_many_submitters_hold_their_workers_and_answer_as_one_index() {
+    let workers = [0u64, 1, 2, 3, 4];
+    let shared = Arc::new(ConcurrentIndex::with_shards(2));
+    assert_eq!(shared.shards(), 2);
+    let handles: Vec<_> = workers
+        .iter()
+        .map(|&w| {
+            let shared = Arc::clone(&shared);
+            thread::spawn(move || {
+                for ev in events_of(w) {
+                    shared.submit(ev);
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("submitter panicked");
+    }
+    let mut whole = KvIndex::new();
+    for &w in &workers {
+        for ev in events_of(w) {
+            let _ = whole.apply_event(&ev);
+        }
+    }
+    for shard in 0..2 {
+        let expected = sequential_shard(&shared, shard, &workers);
+        shared.read_shard(shard, |index| {
+            assert!(index.same_content(&expected), "shard {shard}");
+            assert_eq!(index.check_consistency(), Ok(()));
+        });
+    }
+    assert_eq!(
+        shared.memory().indexed_blocks,
+        whole.memory().indexed_blocks
+    );
+    assert_eq!(shared.memory().workers, workers.len());
+    for start in 0..7u64 {
+        let q: Vec<LocalBlockHash> = (start..start + 4).map(LocalBlockHash).collect();
+        assert_eq!(
+            shared.find_matches(&q),
+            whole.find_matches(&q),
+            "query {start}"
+        );
+    }
+    assert!(shared.take_gaps().is_empty());
+}
+
+#[test]
+fn writers_apply_one_source_of_events_in_order_on_a_thread_per_shard() {
+    let workers = [10u64, 11, 12, 13];
+    let shared = Arc::new(ConcurrentIndex::with_shards(2));
+    let writers = IndexWriters::spawn(Arc::clone(&shared)).expect("threads start");
+    // Interleave the workers' events, as one subscription delivers them.
+    let streams: Vec<Vec<RouterEvent>> = workers.iter().map(|&w| events_of(w)).collect();
+    for i in 0..streams[0].len() {
+        for stream in &streams {
+            writers.send(stream[i].clone());
+        }
+    }
+    writers.flush();
+    assert_eq!(writers.queued(), 0);
+    for shard in 0..2 {
+        let expected = sequential_shard(&shared, shard, &workers);
+        shared.read_shard(shard, |index| assert!(index.same_content(&expected)));
+    }
+    // Out of order events are still reported as gaps, and a removal is ordered with events.
+    let mut late = events_of(12).pop().expect("events");
+    late.event.event_id = 500;
+    writers.send(late);
+    writers.remove_worker(13);
+    writers.flush();
+    let gaps = shared.take_gaps();
+    assert_eq!(gaps.len(), 1);
+    assert_eq!(gaps[0].missing, 200..500);
+    assert_eq!(shared.memory().workers, 3);
+    // Dropping the writers applies what was sent.
+    for ev in events_of(13) {
+        writers.send(ev);
+    }
+    drop(writers);
+    let expected = sequential_shard(&shared, shared.shard_of(13), &[13]);
+    let q: Vec<LocalBlockHash> = (0..4).map(LocalBlockHash).collect();
+    assert_eq!(
+        shared
+            .find_matches(&q)
+            .score(kvroute_protocols::WorkerWithDpRank::new(13, 0)),
+        expected
+            .find_matches(&q)
+            .score(kvroute_protocols::WorkerWithDpRank::new(13, 0)),
+    );
+    assert_eq!(shared.memory().workers, 4);
 }

@@ -6,8 +6,8 @@
 
 use std::collections::BTreeMap;
 
-use kvroute_indexer::KvIndex;
 use kvroute_indexer::hash::{SequenceHash, next_seq_hash};
+use kvroute_indexer::{ConcurrentIndex, KvIndex};
 use kvroute_protocols::WorkerWithDpRank;
 use kvroute_protocols::kv_events::{
     ExternalSequenceBlockHash as Ext, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
@@ -413,5 +413,107 @@ proptest! {
             .collect();
         run_against_model(&mut index, &mut model, &prelude)?;
         run_against_model(&mut index, &mut model, &ops)?;
+    }
+}
+
+/// [`index_query`] for a shared index, whose answer is gathered from its shards.
+fn shared_query(
+    index: &ConcurrentIndex,
+    local: &[u64],
+) -> Result<BTreeMap<(WorkerWithDpRank, StorageTier), u32>, TestCaseError> {
+    let q: Vec<LocalBlockHash> = local.iter().map(|&l| LocalBlockHash(l)).collect();
+    let scores = index.find_matches(&q);
+    let mut out = BTreeMap::new();
+    for (w, s) in &scores.scores {
+        out.insert((*w, StorageTier::Device), *s);
+    }
+    for t in &scores.lower_tiers {
+        out.insert((t.worker, t.tier), t.blocks);
+    }
+    // Each worker once, in worker order, whichever shard answered.
+    prop_assert!(scores.scores.keys().is_sorted());
+    prop_assert!(scores.tree_sizes.keys().eq(scores.scores.keys()));
+    Ok(out)
+}
+
+/// Applies `ops` to a sharded shared index and the model, comparing every query, then checks
+/// each shard holds exactly its own workers and passes the audit.
+fn run_sharded_against_model(
+    index: &ConcurrentIndex,
+    model: &mut Model,
+    ops: &[Op],
+) -> Result<(), TestCaseError> {
+    for op in ops {
+        match op {
+            Op::Event(ev) => {
+                index.submit(ev.clone());
+                model.apply(ev);
+            }
+            Op::RemoveWorker(id) => {
+                index.remove_worker(*id);
+                model.remove_worker(*id);
+            }
+            Op::Query(q) => prop_assert_eq!(shared_query(index, q)?, model.query(q)),
+        }
+    }
+    for shard in 0..index.shards() {
+        index.read_shard(shard, |s| {
+            prop_assert_eq!(s.check_consistency(), Ok(()));
+            for worker in s.workers() {
+                prop_assert_eq!(index.shard_of(worker.worker_id), shard);
+            }
+            Ok(())
+        })?;
+    }
+    let held: usize = model.lanes.values().map(BTreeMap::len).sum();
+    prop_assert_eq!(index.memory().indexed_blocks, held);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// Workers split between 2 or 3 shards answer as one index does, in every tier.
+    #[test]
+    fn sharded_index_agrees_with_naive_model(
+        shards in 2usize..4,
+        ops in proptest::collection::vec(op_strategy(), 1..60),
+    ) {
+        run_sharded_against_model(&ConcurrentIndex::with_shards(shards), &mut Model::default(), &ops)?;
+    }
+
+    /// Long walks through two shards of 70 workers each (slots past the inline bits), two tiers.
+    #[test]
+    fn sharded_wide_walks_agree_with_naive_model(
+        ops in proptest::collection::vec(long_op_strategy(WIDE, TWO_TIERS), 1..40),
+    ) {
+        let (index, mut model) = (ConcurrentIndex::with_shards(2), Model::default());
+        let prelude: Vec<Op> = (1..=140)
+            .map(|w| {
+                Op::Event(event(
+                    w,
+                    0,
+                    StorageTier::Device,
+                    0,
+                    KvCacheEventData::Stored(KvCacheStoreData {
+                        parent_hash: None,
+                        blocks: vec![KvCacheStoredBlockData {
+                            block_hash: Ext(10_000),
+                            tokens_hash: LocalBlockHash(7),
+                        }],
+                    }),
+                ))
+            })
+            .collect();
+        run_sharded_against_model(&index, &mut model, &prelude)?;
+        run_sharded_against_model(&index, &mut model, &ops)?;
+    }
+
+    /// Long device walks through three shards.
+    #[test]
+    fn sharded_long_walks_agree_with_naive_model(
+        ops in proptest::collection::vec(long_op_strategy(FEW, DEVICE), 1..60),
+    ) {
+        run_sharded_against_model(&ConcurrentIndex::with_shards(3), &mut Model::default(), &ops)?;
     }
 }
