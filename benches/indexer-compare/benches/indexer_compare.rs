@@ -15,6 +15,7 @@ use kvroute_indexer_compare::alloc::CountingAlloc;
 use kvroute_indexer_compare::drivers::{Kind, same_hashes};
 use kvroute_indexer_compare::run::{Settings, compare, reader_scaling, scaling_table, table};
 use kvroute_indexer_compare::workload::{Fleet, Recorded, Source};
+use kvroute_protocols::kv_events::KvCacheEventData;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -167,6 +168,29 @@ fn main() -> anyhow::Result<()> {
         queried,
         100.0 * w.matched_blocks as f64 / queried.max(1) as f64
     );
+    if args.settings.kinds.contains(&Kind::KvSharded) {
+        // How evenly the workers' events split between the sharded index's writer threads: the
+        // busiest shard bounds its bulk apply.
+        let sharded = kvroute_indexer::ConcurrentIndex::with_shards(args.settings.kv_shards);
+        let mut ops = vec![0usize; sharded.shards()];
+        for e in &w.events {
+            ops[sharded.shard_of(e.worker_id)] += match &e.event.data {
+                KvCacheEventData::Stored(s) => s.blocks.len(),
+                KvCacheEventData::Removed(r) => r.block_hashes.len(),
+                KvCacheEventData::Cleared => 1,
+            };
+        }
+        let total = ops.iter().sum::<usize>().max(1);
+        let shares: Vec<String> = ops
+            .iter()
+            .map(|&n| format!("{:.0}%", 100.0 * n as f64 / total as f64))
+            .collect();
+        println!(
+            "  kv Sharded: {} shards (a writer thread each) take {} of the block operations",
+            ops.len(),
+            shares.join(" / ")
+        );
+    }
     let results = compare(&w, &args.settings)?;
     let (markdown, json) = table(&w, &results);
     println!("every answer of every indexer checked against the model: all correct");
