@@ -65,6 +65,10 @@ impl IndexWriters {
     }
 
     /// Hands `event` to its shard's writer; returns without waiting for it to be applied.
+    ///
+    /// The queues are unbounded, as the engines' event streams cannot be slowed down without
+    /// losing events: a source that outruns the writers grows them, which [`Self::queued`]
+    /// shows (export it as a gauge).
     pub fn send(&self, event: RouterEvent) {
         self.send_op(Op::Event(event));
     }
