@@ -165,7 +165,8 @@ pub fn build(kind: Kind, block_size: usize, threads: usize, shards: usize) -> Bo
             salt: HashSalt::default(),
         }),
         Kind::KvConcurrent => Box::new(KvShared {
-            index: ConcurrentIndex::new(),
+            index: Arc::new(ConcurrentIndex::new()),
+            writers: None,
             events: Vec::new(),
             block_size,
             salt: HashSalt::default(),
@@ -174,9 +175,9 @@ pub fn build(kind: Kind, block_size: usize, threads: usize, shards: usize) -> Bo
             let index = Arc::new(ConcurrentIndex::with_shards(shards));
             let writers = IndexWriters::spawn(Arc::clone(&index))
                 .expect("the bench starts a writer thread per shard");
-            Box::new(KvWriters {
+            Box::new(KvShared {
                 index,
-                writers,
+                writers: Some(writers),
                 events: Vec::new(),
                 block_size,
                 salt: HashSalt::default(),
@@ -247,8 +248,11 @@ impl Indexer for KvSingle {
     }
 }
 
+/// kvroute's shared index, applying events on the caller's thread (`submit`) or, with
+/// `writers`, handing them to a writer thread per shard.
 struct KvShared {
-    index: ConcurrentIndex,
+    index: Arc<ConcurrentIndex>,
+    writers: Option<IndexWriters>,
     /// Owned copies of the events, made before the clock starts (as the reference's are): the
     /// router hands over the events it decoded, by value, without copying them.
     events: Vec<Option<RouterEvent>>,
@@ -263,7 +267,10 @@ impl Indexer for KvShared {
 
     fn apply(&mut self, _: &[RouterEvent], i: usize) -> anyhow::Result<()> {
         let event = self.events[i].take().expect("each event is applied once");
-        self.index.submit(event);
+        match &self.writers {
+            Some(writers) => writers.send(event),
+            None => self.index.submit(event),
+        }
         Ok(())
     }
 
@@ -272,60 +279,11 @@ impl Indexer for KvShared {
     }
 
     fn sync(&mut self) -> anyhow::Result<()> {
-        // `submit` applies before it returns when no other thread is applying; check nothing
-        // went wrong on the way.
-        let gaps = self.index.take_gaps();
-        anyhow::ensure!(gaps.is_empty(), "unexpected gaps {gaps:?}");
-        Ok(())
-    }
-
-    fn query(&self, local: &[LocalBlockHash]) -> Query {
-        Query::Kv(local.to_vec())
-    }
-
-    fn find(&mut self, query: Query) -> Scores {
-        let Query::Kv(q) = query else {
-            unreachable!("kvroute queries are built by `query`")
-        };
-        Scores::Kv(self.index.find_matches(&q))
-    }
-
-    fn hash_find(&mut self, tokens: &[u32]) -> Scores {
-        let local = compute_block_hashes(tokens, self.block_size, &self.salt);
-        Scores::Kv(self.index.find_matches(&local))
-    }
-
-    fn shared(&self) -> Option<&dyn SharedFind> {
-        Some(&self.index)
-    }
-}
-
-struct KvWriters {
-    index: Arc<ConcurrentIndex>,
-    writers: IndexWriters,
-    /// Owned copies of the events, made before the clock starts, as for `KvShared`.
-    events: Vec<Option<RouterEvent>>,
-    block_size: usize,
-    salt: HashSalt,
-}
-
-impl Indexer for KvWriters {
-    fn prepare(&mut self, events: &[RouterEvent]) {
-        self.events = events.iter().cloned().map(Some).collect();
-    }
-
-    fn apply(&mut self, _: &[RouterEvent], i: usize) -> anyhow::Result<()> {
-        let event = self.events[i].take().expect("each event is applied once");
-        self.writers.send(event);
-        Ok(())
-    }
-
-    fn release(&mut self) {
-        self.events = Vec::new();
-    }
-
-    fn sync(&mut self) -> anyhow::Result<()> {
-        self.writers.flush();
+        // `submit` applies before it returns when no other thread is applying; writers are
+        // waited for. Then check nothing went wrong on the way.
+        if let Some(writers) = &self.writers {
+            writers.flush();
+        }
         let gaps = self.index.take_gaps();
         anyhow::ensure!(gaps.is_empty(), "unexpected gaps {gaps:?}");
         Ok(())

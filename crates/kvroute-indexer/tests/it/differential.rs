@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use kvroute_indexer::hash::{SequenceHash, next_seq_hash};
-use kvroute_indexer::{ConcurrentIndex, KvIndex};
+use kvroute_indexer::{ConcurrentIndex, KvIndex, OverlapScores};
 use kvroute_protocols::WorkerWithDpRank;
 use kvroute_protocols::kv_events::{
     ExternalSequenceBlockHash as Ext, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
@@ -181,7 +181,11 @@ fn op_strategy() -> impl Strategy<Value = Op> {
 
 fn index_query(index: &KvIndex, local: &[u64]) -> BTreeMap<(WorkerWithDpRank, StorageTier), u32> {
     let q: Vec<LocalBlockHash> = local.iter().map(|&l| LocalBlockHash(l)).collect();
-    let scores = index.find_matches(&q);
+    answer_map(&index.find_matches(&q))
+}
+
+/// An answer as the model gives it: blocks per (worker, tier).
+fn answer_map(scores: &OverlapScores) -> BTreeMap<(WorkerWithDpRank, StorageTier), u32> {
     let mut out = BTreeMap::new();
     for (w, s) in &scores.scores {
         out.insert((*w, StorageTier::Device), *s);
@@ -423,17 +427,10 @@ fn shared_query(
 ) -> Result<BTreeMap<(WorkerWithDpRank, StorageTier), u32>, TestCaseError> {
     let q: Vec<LocalBlockHash> = local.iter().map(|&l| LocalBlockHash(l)).collect();
     let scores = index.find_matches(&q);
-    let mut out = BTreeMap::new();
-    for (w, s) in &scores.scores {
-        out.insert((*w, StorageTier::Device), *s);
-    }
-    for t in &scores.lower_tiers {
-        out.insert((t.worker, t.tier), t.blocks);
-    }
     // Each worker once, in worker order, whichever shard answered.
     prop_assert!(scores.scores.keys().is_sorted());
     prop_assert!(scores.tree_sizes.keys().eq(scores.scores.keys()));
-    Ok(out)
+    Ok(answer_map(&scores))
 }
 
 /// Applies `ops` to a sharded shared index and the model, comparing every query, then checks
