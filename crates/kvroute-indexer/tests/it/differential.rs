@@ -380,6 +380,28 @@ fn run_against_model(
     Ok(())
 }
 
+/// Workers 1..=`n` each storing one block, so that the index knows them all (with more than 64,
+/// slots past the inline bits).
+fn known_workers(n: u64) -> Vec<Op> {
+    (1..=n)
+        .map(|w| {
+            Op::Event(event(
+                w,
+                0,
+                StorageTier::Device,
+                0,
+                KvCacheEventData::Stored(KvCacheStoreData {
+                    parent_hash: None,
+                    blocks: vec![KvCacheStoredBlockData {
+                        block_hash: Ext(10_000),
+                        tokens_hash: LocalBlockHash(7),
+                    }],
+                }),
+            ))
+        })
+        .collect()
+}
+
 const FEW: &[u64] = &[1, 2, 3, 4, 5];
 const DEVICE: &[StorageTier] = &[StorageTier::Device];
 /// Workers 65 and up get slots past the inline bits (see `wide_walks_agree_with_naive_model`).
@@ -398,23 +420,7 @@ proptest! {
     #[test]
     fn wide_walks_agree_with_naive_model(ops in proptest::collection::vec(long_op_strategy(WIDE, TWO_TIERS), 1..40)) {
         let (mut index, mut model) = (KvIndex::new(), Model::default());
-        let prelude: Vec<Op> = (1..=70)
-            .map(|w| {
-                Op::Event(event(
-                    w,
-                    0,
-                    StorageTier::Device,
-                    0,
-                    KvCacheEventData::Stored(KvCacheStoreData {
-                        parent_hash: None,
-                        blocks: vec![KvCacheStoredBlockData {
-                            block_hash: Ext(10_000),
-                            tokens_hash: LocalBlockHash(7),
-                        }],
-                    }),
-                ))
-            })
-            .collect();
+        let prelude = known_workers(70);
         run_against_model(&mut index, &mut model, &prelude)?;
         run_against_model(&mut index, &mut model, &ops)?;
     }
@@ -485,23 +491,7 @@ proptest! {
         ops in proptest::collection::vec(long_op_strategy(WIDE, TWO_TIERS), 1..40),
     ) {
         let (index, mut model) = (ConcurrentIndex::with_shards(2), Model::default());
-        let prelude: Vec<Op> = (1..=140)
-            .map(|w| {
-                Op::Event(event(
-                    w,
-                    0,
-                    StorageTier::Device,
-                    0,
-                    KvCacheEventData::Stored(KvCacheStoreData {
-                        parent_hash: None,
-                        blocks: vec![KvCacheStoredBlockData {
-                            block_hash: Ext(10_000),
-                            tokens_hash: LocalBlockHash(7),
-                        }],
-                    }),
-                ))
-            })
-            .collect();
+        let prelude = known_workers(140);
         run_sharded_against_model(&index, &mut model, &prelude)?;
         run_sharded_against_model(&index, &mut model, &ops)?;
     }
