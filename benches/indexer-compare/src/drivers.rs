@@ -3,13 +3,13 @@
 //! Whatever an API makes the caller build (the reference takes events and queries by value, in its
 //! own types) is built before the clock starts, so conversions never count against either side.
 
+use std::sync::Arc;
+
 use dynamo_kv_router::ConcurrentRadixTreeCompressed;
 use dynamo_kv_router::indexer::{SyncIndexer, ThreadPoolIndexer};
 use dynamo_kv_router::protocols as dy;
 use dynamo_kv_router::radix_tree::RadixTree;
 use kvroute_indexer::hash::{HashSalt, compute_block_hashes};
-use std::sync::Arc;
-
 use kvroute_indexer::{ConcurrentIndex, IndexWriters, KvIndex, OverlapScores};
 use kvroute_protocols::WorkerWithDpRank;
 use kvroute_protocols::kv_events::{KvCacheEventData, LocalBlockHash, RouterEvent};

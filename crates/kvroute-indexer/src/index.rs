@@ -32,6 +32,7 @@ use kvroute_protocols::kv_events::{
     KvCacheStoredBlockData, LocalBlockHash, RouterEvent, StorageTier,
 };
 use kvroute_protocols::{WorkerId, WorkerWithDpRank};
+use smallvec::SmallVec;
 
 use crate::error::{ErrorCounts, IndexError};
 use crate::fasthash::FastMap;
@@ -39,7 +40,6 @@ use crate::gap::{EventGap, EventOrder, GapTracker};
 use crate::hash::{SequenceHash, next_seq_hash};
 use crate::scores::{OverlapScores, TierScore, WorkerMap};
 use crate::table::U64Map;
-use smallvec::SmallVec;
 
 mod audit;
 mod nodes;
@@ -556,36 +556,29 @@ impl KvIndex {
         chain: &mut Vec<u64>,
     ) -> OverlapScores {
         chain.clear();
-        let mut out = Gathered::default();
-        if self.tiers[1..].iter().all(|nodes| nodes.is_empty()) {
-            // Nothing offloaded anywhere: the device walk alone, as fast as it was before tiers.
-            let nodes = &self.tiers[StorageTier::Device.index()];
-            if nodes.is_empty() {
-            } else if self.slots.len() <= INLINE_SLOTS as usize {
-                // Gather the matches first, so the answer is allocated once at its final size.
-                let mut found = [(0u32, 0u32); INLINE_SLOTS as usize];
-                let mut n = 0;
-                self.walk_segments(nodes, local, |slot, depth| {
-                    found[n] = (slot, depth);
-                    n += 1;
-                });
-                // Sorted by worker on the stack, so no list is built just to be sorted.
-                let found = &mut found[..n];
-                found.sort_unstable_by_key(|&(slot, _)| self.slots[slot as usize].worker);
-                let device = found
-                    .iter()
-                    .filter_map(|&(slot, depth)| self.device_match(slot, depth));
-                return answer(device, Vec::new());
-            } else {
-                self.walk(nodes, local, chain, |slot, depth| {
-                    self.report(&mut out, StorageTier::Device, slot, depth);
-                });
-            }
-        } else {
-            for word in 0..self.slots.len().div_ceil(64) {
-                self.walk_tiers(word, local, chain, &mut out);
-            }
+        let device = &self.tiers[StorageTier::Device.index()];
+        if self.slots.len() <= INLINE_SLOTS as usize
+            && !device.is_empty()
+            && self.tiers[1..].iter().all(|nodes| nodes.is_empty())
+        {
+            // Nothing offloaded anywhere and a fleet within the inline bits: the device walk
+            // alone, its matches gathered first so the answer is allocated once at its size.
+            let mut found = [(0u32, 0u32); INLINE_SLOTS as usize];
+            let mut n = 0;
+            self.walk_segments(device, local, |slot, depth| {
+                found[n] = (slot, depth);
+                n += 1;
+            });
+            // Sorted by worker on the stack, so no list is built just to be sorted.
+            let found = &mut found[..n];
+            found.sort_unstable_by_key(|&(slot, _)| self.slots[slot as usize].worker);
+            let device = found
+                .iter()
+                .filter_map(|&(slot, depth)| self.device_match(slot, depth));
+            return answer(device, Vec::new());
         }
+        let mut out = Gathered::default();
+        self.gather(local, chain, &mut out);
         out.finish()
     }
 
