@@ -2,7 +2,7 @@ use std::collections::HashMap;
 
 use proptest::prelude::*;
 
-use super::U64Map;
+use super::{MIX, U64Map};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -21,32 +21,97 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// The key whose mixed hash is `mixed` (the mix is a multiply by an odd number, so it has an
+/// inverse).
+fn key_mixing_to(mixed: u64) -> u64 {
+    let mut inv = MIX;
+    for _ in 0..6 {
+        inv = inv.wrapping_mul(2u64.wrapping_sub(MIX.wrapping_mul(inv)));
+    }
+    mixed.wrapping_mul(inv)
+}
+
+/// Keys whose homes crowd together: a few spots, each with many keys whose mixed hashes lie
+/// close, so runs grow long (probes, inserts' shifts and removals' back-shifts go far); the spot at the top of the hash range makes runs
+/// wrap round the end of the array into its start.
+fn crowded_key() -> impl Strategy<Value = u64> {
+    let spot = prop_oneof![Just(u64::MAX), Just(u64::MAX / 3), Just(1u64 << 20)];
+    (spot, 0u64..(1 << 58)).prop_map(|(spot, off)| key_mixing_to(spot.wrapping_sub(off)))
+}
+
+fn crowded_op() -> impl Strategy<Value = Op> {
+    let key = prop_oneof![crowded_key(), any::<u64>()];
+    prop_oneof![
+        6 => (key.clone(), any::<u64>()).prop_map(|(k, v)| Op::Insert(k, v)),
+        3 => key.prop_map(Op::Remove),
+        1 => Just(Op::Shrink),
+    ]
+}
+
+/// Applies `ops` to a map and to a model, checking after each that they agree and the map's
+/// runs are in order; at the end, that every key is found and nothing else is held.
+fn check_against_model(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let mut map = U64Map::default();
+    let mut model: HashMap<u64, u64> = HashMap::new();
+    for op in ops {
+        match op {
+            Op::Insert(k, v) => {
+                let fresh = map.insert_new(k, v);
+                prop_assert_eq!(fresh, !model.contains_key(&k));
+                model.entry(k).or_insert(v);
+            }
+            Op::Remove(k) => prop_assert_eq!(map.remove(k), model.remove(&k)),
+            Op::Shrink => map.maybe_shrink(),
+        }
+        prop_assert_eq!(map.len(), model.len());
+        prop_assert!(map.in_order());
+    }
+    for (k, v) in &model {
+        prop_assert_eq!(map.get(*k), Some(*v));
+    }
+    let mut got: Vec<(u64, u64)> = map.iter().collect();
+    got.sort_unstable();
+    let mut want: Vec<(u64, u64)> = model.into_iter().collect();
+    want.sort_unstable();
+    prop_assert_eq!(got, want);
+    Ok(())
+}
+
 proptest! {
     #[test]
     fn u64map_agrees_with_hashmap(ops in proptest::collection::vec(op(), 0..300)) {
-        let mut map = U64Map::default();
-        let mut model: HashMap<u64, u64> = HashMap::new();
-        for op in ops {
-            match op {
-                Op::Insert(k, v) => {
-                    let fresh = map.insert_new(k, v);
-                    prop_assert_eq!(fresh, !model.contains_key(&k));
-                    model.entry(k).or_insert(v);
-                }
-                Op::Remove(k) => prop_assert_eq!(map.remove(k), model.remove(&k)),
-                Op::Shrink => map.maybe_shrink(),
-            }
-            prop_assert_eq!(map.len(), model.len());
-            prop_assert!(map.in_order());
-        }
-        for (k, v) in &model {
-            prop_assert_eq!(map.get(*k), Some(*v));
-        }
-        let mut got: Vec<(u64, u64)> = map.iter().collect();
-        got.sort_unstable();
-        let mut want: Vec<(u64, u64)> = model.into_iter().collect();
-        want.sort_unstable();
-        prop_assert_eq!(got, want);
+        check_against_model(ops)?;
+    }
+
+    /// Long runs, and runs wrapping round the end of the array into its start.
+    #[test]
+    fn u64map_agrees_with_hashmap_on_crowded_keys(
+        ops in proptest::collection::vec(crowded_op(), 0..1500),
+    ) {
+        check_against_model(ops)?;
+    }
+}
+
+#[test]
+fn crowded_keys_make_long_wrapping_runs() {
+    // The crowded keys do what their test needs: long runs, one of them wrapping.
+    let mut map = U64Map::default();
+    let spot = u64::MAX;
+    for off in 0..200u64 {
+        map.insert_new(key_mixing_to(spot - off * (1 << 50)), off);
+    }
+    let n = map.slots.len();
+    let longest = (0..n)
+        .map(|i| (0..n).take_while(|d| map.slots[(i + d) % n].0 != 0).count())
+        .max()
+        .unwrap_or(0);
+    assert!(longest > 64, "longest run {longest}");
+    assert!(
+        map.slots[0].0 != 0 && map.slots[n - 1].0 != 0,
+        "a run wraps"
+    );
+    for off in 0..200u64 {
+        assert_eq!(map.get(key_mixing_to(spot - off * (1 << 50))), Some(off));
     }
 }
 
