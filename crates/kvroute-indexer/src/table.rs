@@ -14,6 +14,12 @@
 //! runs in hash order and only appends. A probe touches consecutive slots, four to a cache line.
 //! Key 0 marks an empty slot, so a real key 0 is kept aside in `zero`.
 //!
+//! Where a probe loop stops varies from key to key, so it is mispredicted about once an access:
+//! most of the index's mispredicted branches when applying events. Probes checking a window of
+//! slots into a bit mask, without a branch a slot, were measured and cost more instructions than
+//! the mispredictions they saved on baseline x86-64 (benchmarks.md, "Where the per-core gap
+//! goes").
+//!
 //! [`U64Map::peek`] prefetches the slot where a key's probe starts, so a batch of accesses can
 //! issue its cache misses together; it is the crate's only `unsafe` (a prefetch hint, which cannot
 //! fault), kept because it measured ~15% faster event application than a plain read of the slot.
