@@ -32,8 +32,8 @@ fn key_mixing_to(mixed: u64) -> u64 {
 }
 
 /// Keys whose homes crowd together: a few spots, each with many keys whose mixed hashes lie
-/// close, so runs grow long (probes, inserts' shifts and removals' back-shifts go far); the spot at the top of the hash range makes runs
-/// wrap round the end of the array into its start.
+/// close, so runs grow long (probes, inserts' shifts and removals' back-shifts go far); the spot
+/// at the top of the hash range makes runs wrap round the end of the array into its start.
 fn crowded_key() -> impl Strategy<Value = u64> {
     let spot = prop_oneof![Just(u64::MAX), Just(u64::MAX / 3), Just(1u64 << 20)];
     (spot, 0u64..(1 << 58)).prop_map(|(spot, off)| key_mixing_to(spot.wrapping_sub(off)))
