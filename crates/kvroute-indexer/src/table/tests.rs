@@ -2,7 +2,7 @@ use std::collections::HashMap;
 
 use proptest::prelude::*;
 
-use super::{MIX, U64Map};
+use super::{EMPTY, TAIL, U64Map, unmix};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -12,8 +12,8 @@ enum Op {
 }
 
 fn op() -> impl Strategy<Value = Op> {
-    // Few distinct keys (including 0) so removes hit and probe runs collide.
-    let key = prop_oneof![Just(0u64), 1u64..40, any::<u64>()];
+    // Few distinct keys (including the one kept aside) so removes hit and probe runs collide.
+    let key = prop_oneof![Just(unmix(EMPTY)), 0u64..40, any::<u64>()];
     prop_oneof![
         4 => (key.clone(), any::<u64>()).prop_map(|(k, v)| Op::Insert(k, v)),
         3 => key.prop_map(Op::Remove),
@@ -21,19 +21,15 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// The key whose mixed hash is `mixed` (the mix is a multiply by an odd number, so it has an
-/// inverse).
+/// The key whose mixed hash is `mixed`.
 fn key_mixing_to(mixed: u64) -> u64 {
-    let mut inv = MIX;
-    for _ in 0..6 {
-        inv = inv.wrapping_mul(2u64.wrapping_sub(MIX.wrapping_mul(inv)));
-    }
-    mixed.wrapping_mul(inv)
+    unmix(mixed)
 }
 
 /// Keys whose homes crowd together: a few spots, each with many keys whose mixed hashes lie
 /// close, so runs grow long (probes, inserts' shifts and removals' back-shifts go far); the spot
-/// at the top of the hash range makes runs wrap round the end of the array into its start.
+/// at the top of the hash range makes runs spill past the home range into the tail, and grow it
+/// (its top key is the one kept aside).
 fn crowded_key() -> impl Strategy<Value = u64> {
     let spot = prop_oneof![Just(u64::MAX), Just(u64::MAX / 3), Just(1u64 << 20)];
     (spot, 0u64..(1 << 58)).prop_map(|(spot, off)| key_mixing_to(spot.wrapping_sub(off)))
@@ -83,7 +79,7 @@ proptest! {
         check_against_model(ops)?;
     }
 
-    /// Long runs, and runs wrapping round the end of the array into its start.
+    /// Long runs, and runs spilling past the home range into a growing tail.
     #[test]
     fn u64map_agrees_with_hashmap_on_crowded_keys(
         ops in proptest::collection::vec(crowded_op(), 0..1500),
@@ -93,25 +89,40 @@ proptest! {
 }
 
 #[test]
-fn crowded_keys_make_long_wrapping_runs() {
-    // The crowded keys do what their test needs: long runs, one of them wrapping.
+fn crowded_keys_make_long_runs_into_a_grown_tail() {
+    // The crowded keys do what their test needs: long runs, one of them spilling past the home
+    // range and growing the tail.
     let mut map = U64Map::default();
-    let spot = u64::MAX;
+    let spot = u64::MAX - 1;
     for off in 0..200u64 {
         map.insert_new(key_mixing_to(spot - off * (1 << 50)), off);
     }
     let n = map.slots.len();
     let longest = (0..n)
-        .map(|i| (0..n).take_while(|d| map.slots[(i + d) % n].0 != 0).count())
+        .map(|i| (i..n).take_while(|&j| map.slots[j].0 != EMPTY).count())
         .max()
         .unwrap_or(0);
     assert!(longest > 64, "longest run {longest}");
     assert!(
-        map.slots[0].0 != 0 && map.slots[n - 1].0 != 0,
-        "a run wraps"
+        n > map.homes + TAIL,
+        "the tail grew: {n} slots, {} homes",
+        map.homes
     );
+    assert!(map.in_order());
     for off in 0..200u64 {
         assert_eq!(map.get(key_mixing_to(spot - off * (1 << 50))), Some(off));
+    }
+    for off in 0..200u64 {
+        assert_eq!(map.remove(key_mixing_to(spot - off * (1 << 50))), Some(off));
+        assert!(map.in_order());
+    }
+    assert!(map.is_empty());
+}
+
+#[test]
+fn unmix_undoes_the_mix() {
+    for key in [0, 1, 2, 12345, u64::MAX, 1 << 63] {
+        assert_eq!(unmix(super::mix(key)), key);
     }
 }
 
