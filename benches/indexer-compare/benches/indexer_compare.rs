@@ -55,6 +55,10 @@ fn parse_args() -> anyhow::Result<Args> {
     while let Some(flag) = it.next() {
         match flag.as_str() {
             "--bench" => continue, // Passed by `cargo bench` to every bench binary.
+            "-h" | "--help" => {
+                println!("indexer-compare: kvroute's indexer against the reference's; {USAGE}");
+                std::process::exit(0);
+            }
             "--no-hash" => {
                 settings.hash_phase = false;
                 continue;

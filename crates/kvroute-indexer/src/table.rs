@@ -168,7 +168,7 @@ impl U64Map {
 
     /// A mutable reference to the value of `key`, inserting `default` first if absent; the flag
     /// says whether it was inserted.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn get_or_insert(&mut self, key: u64, default: u64) -> (&mut u64, bool) {
         let mixed = mix(key);
         if mixed == EMPTY {
@@ -244,11 +244,19 @@ impl U64Map {
     }
 
     /// Makes room for `extra` more entries at most [`MAX_LOAD`].
+    #[inline]
     pub(crate) fn reserve(&mut self, extra: usize) {
         let need = self.len + extra;
         if need * MAX_LOAD.1 > self.homes * MAX_LOAD.0 {
-            self.rebuild(need, GROWN_LOAD);
+            self.grow(need);
         }
+    }
+
+    /// Rebuilds the table for `need` entries (kept out of line: inserts inline the check only).
+    #[cold]
+    #[inline(never)]
+    fn grow(&mut self, need: usize) {
+        self.rebuild(need, GROWN_LOAD);
     }
 
     /// Shrinks the slot array when the live set fell below [`MIN_LOAD`] of it.
