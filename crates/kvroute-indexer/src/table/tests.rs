@@ -21,18 +21,13 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// The key whose mixed hash is `mixed`.
-fn key_mixing_to(mixed: u64) -> u64 {
-    unmix(mixed)
-}
-
 /// Keys whose homes crowd together: a few spots, each with many keys whose mixed hashes lie
 /// close, so runs grow long (probes, inserts' shifts and removals' back-shifts go far); the spot
 /// at the top of the hash range makes runs spill past the home range into the tail, and grow it
 /// (its top key is the one kept aside).
 fn crowded_key() -> impl Strategy<Value = u64> {
     let spot = prop_oneof![Just(u64::MAX), Just(u64::MAX / 3), Just(1u64 << 20)];
-    (spot, 0u64..(1 << 58)).prop_map(|(spot, off)| key_mixing_to(spot.wrapping_sub(off)))
+    (spot, 0u64..(1 << 58)).prop_map(|(spot, off)| unmix(spot.wrapping_sub(off)))
 }
 
 fn crowded_op() -> impl Strategy<Value = Op> {
@@ -95,7 +90,7 @@ fn crowded_keys_make_long_runs_into_a_grown_tail() {
     let mut map = U64Map::default();
     let spot = u64::MAX - 1;
     for off in 0..200u64 {
-        map.insert_new(key_mixing_to(spot - off * (1 << 50)), off);
+        map.insert_new(unmix(spot - off * (1 << 50)), off);
     }
     let n = map.slots.len();
     let longest = (0..n)
@@ -110,10 +105,10 @@ fn crowded_keys_make_long_runs_into_a_grown_tail() {
     );
     assert!(map.in_order());
     for off in 0..200u64 {
-        assert_eq!(map.get(key_mixing_to(spot - off * (1 << 50))), Some(off));
+        assert_eq!(map.get(unmix(spot - off * (1 << 50))), Some(off));
     }
     for off in 0..200u64 {
-        assert_eq!(map.remove(key_mixing_to(spot - off * (1 << 50))), Some(off));
+        assert_eq!(map.remove(unmix(spot - off * (1 << 50))), Some(off));
         assert!(map.in_order());
     }
     assert!(map.is_empty());
