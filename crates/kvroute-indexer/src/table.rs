@@ -49,7 +49,7 @@ const UNMIX: u64 = {
 };
 
 /// Empty slots kept past the home range when the array is laid out: runs near the end spill
-/// into them, and a probe never needs a bounds check past its start.
+/// into them, so the array rarely has to grow between rebuilds.
 const TAIL: usize = 16;
 
 /// A key spread over all 64 bits, whose high bits pick its home slot (multiply-shift, Fibonacci
