@@ -19,7 +19,9 @@
 //! another; a stored chain that follows live nodes along a segment (a second worker storing a
 //! shared prefix) needs neither hashing nor a lookup, and the new nodes of a piece that go on at
 //! the end of a device segment are appended as one run (one capacity check, each array extended
-//! once, one probe a block to check the node is not live elsewhere).
+//! once, one probe a block to check the node is not live elsewhere); a removal's run of blocks
+//! that end a segment in reverse order (engines evict a chain's deepest blocks first), held by
+//! no other worker, is cut off the segment at once.
 //!
 //! Per indexed block this costs one 16-byte lane entry plus, shared by every worker holding the
 //! block, 24 bytes and a bit of segment; the tables sit at 1/3 to 2/3 load (see
@@ -485,9 +487,28 @@ impl KvIndex {
                 warm ^= nodes.peek_death(*loc, slot);
             }
             std::hint::black_box(warm);
-            for (loc, &block) in locs.iter().zip(piece) {
-                match *loc {
-                    Some(loc) => lane.release(nodes, loc, slot),
+            let mut k = 0;
+            while k < piece.len() {
+                let (loc, block) = (locs[k], piece[k]);
+                k += 1;
+                match loc {
+                    Some(top) => {
+                        // The blocks that follow at the positions before this one in its segment
+                        // (a chain evicted deepest first) die together if nobody else holds them.
+                        let run = locs[k..piece.len()]
+                            .iter()
+                            .zip(1..=nodes::position(top))
+                            .take_while(|&(l, back)| *l == Some(top - back as u64))
+                            .count();
+                        if run > 0
+                            && lane.aliases.is_empty()
+                            && nodes.release_tail(top, run + 1, slot)
+                        {
+                            k += run;
+                        } else {
+                            lane.release(nodes, top, slot);
+                        }
+                    }
                     None => {
                         self.errors.block_not_found += 1;
                         if first_err.is_ok() {

@@ -154,6 +154,19 @@ impl Segment {
         self.changes.truncate(p.div_ceil(64));
     }
 
+    /// Drops every block from position `len` on.
+    fn truncate(&mut self, len: usize) {
+        self.locals.truncate(len);
+        self.bits.truncate(len);
+        self.seqs.truncate(len);
+        self.changes.truncate(len.div_ceil(64));
+        if !len.is_multiple_of(64)
+            && let Some(word) = self.changes.last_mut()
+        {
+            *word &= (1u64 << (len % 64)) - 1;
+        }
+    }
+
     fn reserve(&mut self, extra: usize) {
         self.locals.reserve(extra);
         self.bits.reserve(extra);
@@ -258,6 +271,12 @@ fn encode(seg: u32, pos: usize) -> Loc {
 
 fn decode(loc: Loc) -> (u32, usize) {
     ((loc >> 32) as u32, (loc & 0xffff_ffff) as usize)
+}
+
+/// The position of `loc` in its segment: `loc - k` is the node `k` positions before it, for
+/// `k` up to this.
+pub(super) fn position(loc: Loc) -> usize {
+    decode(loc).1
 }
 
 impl TierNodes {
@@ -574,6 +593,72 @@ impl TierNodes {
         self.kill(seg, p);
     }
 
+    /// Releases `slot` from the `n` nodes that end the segment at `top` (its last position and
+    /// the `n - 1` before it) when `slot` alone holds each of them and no slot spills: they all
+    /// die, and the segment is cut back once instead of a position at a time. This is how
+    /// engines evict (a chain's deepest blocks first), so most removals take this path. Returns
+    /// `false`, having changed nothing, when the nodes are not such a run.
+    pub(super) fn release_tail(&mut self, top: Loc, n: usize, slot: u32) -> bool {
+        if slot >= INLINE_SLOTS || !self.hi.is_empty() {
+            return false;
+        }
+        let (seg, p) = decode(top);
+        let s = &mut self.segs[seg as usize];
+        if p + 1 != s.len() || n > s.len() {
+            return false;
+        }
+        let start = s.len() - n;
+        let only = 1u64 << slot;
+        if s.bits[start..].iter().any(|&b| b != only) {
+            return false;
+        }
+        // Without spill bits a node is live exactly when its bits are set. Each node of the run
+        // but the first follows a live one, so only the first can be an entry.
+        if self.every_node {
+            for &seq in &s.seqs[start..] {
+                self.loc.remove(seq);
+            }
+        } else if start == 0 || s.bits[start - 1] == 0 {
+            self.loc.remove(s.seqs[start]);
+        }
+        s.live -= n as u32;
+        self.live -= n;
+        if s.live == 0 {
+            self.free_segment(seg);
+            return true;
+        }
+        s.truncate(start);
+        self.cut_dead_tail(seg);
+        true
+    }
+
+    /// Puts the segment `seg`, whose nodes are all dead, on the free list.
+    fn free_segment(&mut self, seg: u32) {
+        let s = &mut self.segs[seg as usize];
+        // A small segment keeps its memory for the next chain (churn stores and frees them by
+        // the million); a large one gives it back.
+        if s.capacity() > REUSED_SEGMENT_BLOCKS {
+            *s = Segment::default();
+        } else {
+            s.clear();
+        }
+        self.free.push(seg);
+    }
+
+    /// Cuts the dead positions off the end of segment `seg` (which holds a live node) and gives
+    /// memory back once it is a quarter full, to the power of two pushing would have reached
+    /// (shrinking at every halving would copy back and forth at a boundary).
+    fn cut_dead_tail(&mut self, seg: u32) {
+        let s = &mut self.segs[seg as usize];
+        while s.len() > 0 && !Self::live_at(&self.hi, s, seg, s.len() - 1) {
+            s.pop();
+        }
+        let fit = s.len().next_power_of_two().max(4);
+        if s.capacity() >= 4 * fit {
+            s.shrink_to(fit);
+        }
+    }
+
     /// Forgets the node at position `p` of segment `seg` (nobody holds it any more): drops its
     /// location entry if it has one and makes the live node after it an entry, cuts dead tails
     /// and frees empty segments.
@@ -587,14 +672,7 @@ impl TierNodes {
         s.live -= 1;
         self.live -= 1;
         if s.live == 0 {
-            // A small segment keeps its memory for the next chain (churn stores and frees them
-            // by the million); a large one gives it back.
-            if s.capacity() > REUSED_SEGMENT_BLOCKS {
-                *s = Segment::default();
-            } else {
-                s.clear();
-            }
-            self.free.push(seg);
+            self.free_segment(seg);
             return;
         }
         if p + 1 < s.len() {
@@ -605,15 +683,7 @@ impl TierNodes {
             }
             return;
         }
-        while s.len() > 0 && !Self::live_at(&self.hi, s, seg, s.len() - 1) {
-            s.pop();
-        }
-        // Give memory back once a segment is a quarter full, to the power of two pushing would
-        // have reached (shrinking at every halving would copy back and forth at a boundary).
-        let fit = s.len().next_power_of_two().max(4);
-        if s.capacity() >= 4 * fit {
-            s.shrink_to(fit);
-        }
+        self.cut_dead_tail(seg);
     }
 
     /// Checks the invariants in the module docs.

@@ -292,3 +292,149 @@ fn wide_fleets_walk_lower_tiers_past_64_slots() {
     assert_eq!(tier(5, StorageTier::Device), 0);
     assert_eq!(scores.lower_tiers.len(), 4);
 }
+
+/// One step of [`tail_evictions_match_block_by_block`]: `Store` continues (or, for `None` or a
+/// chain the worker no longer holds, starts) a chain of the worker's in a tier; `Evict` removes
+/// `n` blocks the worker holds of one of its chains, the last ones but `skip` (so a chain can
+/// lose blocks in the middle), deepest first or, `upward`, in chain order.
+#[derive(Debug, Clone)]
+enum TailOp {
+    Store {
+        worker: u64,
+        host: bool,
+        after: Option<usize>,
+        locals: Vec<u64>,
+    },
+    Evict {
+        worker: u64,
+        host: bool,
+        chain: usize,
+        n: usize,
+        skip: usize,
+        upward: bool,
+    },
+}
+
+fn tail_op() -> impl proptest::strategy::Strategy<Value = TailOp> {
+    use proptest::prelude::*;
+    // Chains of few distinct local hashes share prefixes between workers (and alias within
+    // one, which takes the block-by-block path for the rest of the run); the others rarely do.
+    let locals = prop_oneof![
+        1 => proptest::collection::vec(1u64..4, 1..10),
+        3 => proptest::collection::vec(1u64..1000, 1..10),
+    ];
+    let store = (
+        1u64..3,
+        proptest::bool::weighted(0.2),
+        proptest::option::of(0usize..8),
+        locals,
+    )
+        .prop_map(|(worker, host, after, locals)| TailOp::Store {
+            worker,
+            host,
+            after,
+            locals,
+        });
+    let evict = (
+        1u64..4,
+        proptest::bool::weighted(0.2),
+        0usize..8,
+        1usize..8,
+        prop_oneof![3 => Just(0usize), 1 => 1usize..4],
+        proptest::bool::weighted(0.2),
+    )
+        .prop_map(|(worker, host, chain, n, skip, upward)| TailOp::Evict {
+            worker,
+            host,
+            chain,
+            n,
+            skip,
+            upward,
+        });
+    prop_oneof![3 => store, 2 => evict]
+}
+
+/// A chain a worker holds: the engine ids it still holds, and the local hashes from the root.
+type HeldChain = (Vec<u64>, Vec<u64>);
+
+proptest::proptest! {
+    /// Removing a chain's tail in one event (cut back at once when only its worker holds it)
+    /// leaves the index exactly as removing the same blocks one event each does.
+    #[test]
+    fn tail_evictions_match_block_by_block(
+        ops in proptest::collection::vec(tail_op(), 1..80)
+    ) {
+        let (mut batched, mut single) = (KvIndex::new(), KvIndex::new());
+        // Per (worker, host tier or not): the chains held.
+        let mut chains: std::collections::HashMap<(u64, bool), Vec<HeldChain>> =
+            Default::default();
+        let mut next_id = 1u64;
+        for op in ops {
+            match op {
+                TailOp::Store { worker, host, after, locals } => {
+                    let held = chains.entry((worker, host)).or_default();
+                    let parent = after.and_then(|c| held.get(c)).filter(|c| !c.0.is_empty());
+                    let (parent_hash, mut path) = match parent {
+                        Some((ids, path)) => (ids.last().map(|&id| Ext(id)), path[..ids.len()].to_vec()),
+                        None => (None, Vec::new()),
+                    };
+                    let mut ids = parent.map_or_else(Vec::new, |p| p.0.clone());
+                    let blocks: Vec<_> = locals
+                        .iter()
+                        .map(|&local| {
+                            next_id += 1;
+                            ids.push(next_id);
+                            path.push(local);
+                            KvCacheStoredBlockData {
+                                block_hash: Ext(next_id),
+                                tokens_hash: LocalBlockHash(local),
+                            }
+                        })
+                        .collect();
+                    let tier = if host { StorageTier::HostPinned } else { StorageTier::Device };
+                    let data = KvCacheStoreData { parent_hash, blocks };
+                    let w = WorkerWithDpRank::from_worker_id(worker);
+                    let a = batched.store(w, tier, &data);
+                    let b = single.store(w, tier, &data);
+                    proptest::prop_assert_eq!(a, b);
+                    held.push((ids, path));
+                }
+                TailOp::Evict { worker, host, chain, n, skip, upward } => {
+                    let Some(held) = chains.get_mut(&(worker, host)) else { continue };
+                    let Some((ids, _)) = held.get_mut(chain) else { continue };
+                    let end = ids.len().saturating_sub(skip);
+                    let mut gone: Vec<u64> = ids.drain(end.saturating_sub(n)..end).collect();
+                    if !upward {
+                        gone.reverse();
+                    }
+                    // Blocks shared with the worker's other chains go once, from every chain.
+                    for (other, _) in held.iter_mut() {
+                        other.retain(|id| !gone.contains(id));
+                    }
+                    let tier = if host { StorageTier::HostPinned } else { StorageTier::Device };
+                    let w = WorkerWithDpRank::from_worker_id(worker);
+                    let all = KvCacheRemoveData {
+                        block_hashes: gone.iter().map(|&id| Ext(id)).collect(),
+                    };
+                    proptest::prop_assert!(batched.remove(w, tier, &all).is_ok());
+                    for &id in &gone {
+                        let one = KvCacheRemoveData { block_hashes: vec![Ext(id)] };
+                        proptest::prop_assert!(single.remove(w, tier, &one).is_ok());
+                    }
+                }
+            }
+            batched
+                .check_consistency()
+                .map_err(|e| proptest::test_runner::TestCaseError::fail(format!("batched: {e}")))?;
+            proptest::prop_assert_eq!(batched.memory().live_nodes, single.memory().live_nodes);
+            proptest::prop_assert_eq!(
+                batched.memory().indexed_blocks,
+                single.memory().indexed_blocks
+            );
+            for (_, path) in chains.values().flatten() {
+                let q: Vec<LocalBlockHash> = path.iter().map(|&h| LocalBlockHash(h)).collect();
+                proptest::prop_assert_eq!(batched.find_matches(&q), single.find_matches(&q));
+            }
+        }
+    }
+}
