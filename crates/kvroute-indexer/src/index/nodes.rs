@@ -595,9 +595,9 @@ impl TierNodes {
 
     /// Releases `slot` from the `n` nodes that end the segment at `top` (its last position and
     /// the `n - 1` before it) when `slot` alone holds each of them and no slot spills: they all
-    /// die, and the segment is cut back once instead of a position at a time. This is how
-    /// engines evict (a chain's deepest blocks first), so most removals take this path. Returns
-    /// `false`, having changed nothing, when the nodes are not such a run.
+    /// die, and the segment is cut back once instead of a position at a time. Engines evict a
+    /// chain's deepest blocks first, so a removal often names such runs. Returns `false`, having
+    /// changed nothing, when the nodes are not such a run.
     pub(super) fn release_tail(&mut self, top: Loc, n: usize, slot: u32) -> bool {
         if slot >= INLINE_SLOTS || !self.hi.is_empty() {
             return false;
