@@ -146,12 +146,7 @@ impl Segment {
 
     /// Drops the last block.
     fn pop(&mut self) {
-        let p = self.len() - 1;
-        self.mark(p, false);
-        self.locals.pop();
-        self.bits.pop();
-        self.seqs.pop();
-        self.changes.truncate(p.div_ceil(64));
+        self.truncate(self.len() - 1);
     }
 
     /// Drops every block from position `len` on.
