@@ -23,7 +23,7 @@ use crate::error::ErrorCounts;
 use crate::gap::EventGap;
 use crate::index::{Gathered, KvIndex, MemoryStats};
 use crate::scores::OverlapScores;
-use crate::sync::{AtomicBool, Mutex, Ordering, RwLock, RwLockWriteGuard, lock};
+use crate::sync::{AtomicBool, Mutex, Ordering, RwLock, RwLockWriteGuard, lock, yield_now};
 
 #[cfg(all(test, loom))]
 mod loom_tests;
@@ -44,6 +44,8 @@ pub const MAX_SHARDS: usize = 64;
 #[derive(Debug)]
 enum Op {
     Event(RouterEvent),
+    /// An event applied without looking at its id (the caller tracks ids itself).
+    Untracked(RouterEvent),
     RemoveWorker(WorkerId),
 }
 
@@ -51,7 +53,7 @@ impl Op {
     /// The worker the change is about, which picks its shard.
     fn worker_id(&self) -> WorkerId {
         match self {
-            Op::Event(event) => event.worker_id,
+            Op::Event(event) | Op::Untracked(event) => event.worker_id,
             Op::RemoveWorker(worker_id) => *worker_id,
         }
     }
@@ -139,6 +141,41 @@ impl ConcurrentIndex {
         self.drain(shard);
     }
 
+    /// Queues an event without applying it, nor looking at its id (the caller tracks ids, as
+    /// [`KvIndex::apply_event_untracked`]): [`Self::apply_queued`], the next submit to its shard
+    /// or [`Self::with_shard_mut`] applies it, in queue order. A caller that orders events under
+    /// a lock of its own (a router's state lock) queues them there and applies them after
+    /// letting go of it, so that lock is never held while the index is written.
+    pub fn enqueue_untracked(&self, event: RouterEvent) {
+        let shard = self.shard_of(event.worker_id);
+        self.shards[shard].ops.push(Op::Untracked(event));
+    }
+
+    /// Applies what is queued on every shard, except on a shard another thread is applying to
+    /// (that thread applies it before it lets go).
+    pub fn apply_queued(&self) {
+        for shard in 0..self.shards.len() {
+            self.drain(shard);
+        }
+    }
+
+    /// Runs `f` with exclusive access to the index of shard `shard` (below [`Self::shards`]),
+    /// once every change queued for it has been applied, waiting for a thread applying them to
+    /// finish; changes queued meanwhile are applied after `f`. For changes that are not events
+    /// (a restore, a worker's removal in order with its queued events) and for consistent
+    /// reads (a snapshot that must hold every event queued before it).
+    ///
+    /// # Panics
+    ///
+    /// If there is no such shard.
+    pub fn with_shard_mut<R>(&self, shard: usize, f: impl FnOnce(&mut KvIndex) -> R) -> R {
+        let s = &self.shards[shard];
+        s.ops.exclusive(
+            |batch| self.apply(&s.index, batch),
+            || f(&mut s.index.write().unwrap_or_else(|e| e.into_inner())),
+        )
+    }
+
     /// Overlap of `local` with what every worker holds (see [`KvIndex::find_matches`]).
     pub fn find_matches(&self, local: &[LocalBlockHash]) -> OverlapScores {
         let mut chain = Vec::new();
@@ -210,7 +247,8 @@ impl ConcurrentIndex {
         };
         for op in ops {
             match op {
-                Op::Event(event) => apply_in_pieces(&mut held, &event, &mut gaps),
+                Op::Event(event) => apply_in_pieces(&mut held, &event, Some(&mut gaps)),
+                Op::Untracked(event) => apply_in_pieces(&mut held, &event, None),
                 Op::RemoveWorker(worker_id) => held.get(1).remove_worker(worker_id),
             }
         }
@@ -251,11 +289,18 @@ impl HeldWrite<'_> {
 /// [`MAX_BLOCKS_PER_HOLD`] blocks so a query waits for one piece, never a whole huge event.
 /// Between pieces a reader sees a prefix of the chain stored, a state the engine could have
 /// reported with two events.
-fn apply_in_pieces(held: &mut HeldWrite<'_>, event: &RouterEvent, gaps: &mut Vec<EventGap>) {
+/// With `gaps`, the event's id is tracked and gaps before it are pushed there.
+fn apply_in_pieces(
+    held: &mut HeldWrite<'_>,
+    event: &RouterEvent,
+    gaps: Option<&mut Vec<EventGap>>,
+) {
     let worker = WorkerWithDpRank::new(event.worker_id, event.event.dp_rank);
     let tier = event.storage_tier;
     let index = held.get(1);
-    if let Some(gap) = index.track_event_id(worker, event.event.event_id) {
+    if let Some(gaps) = gaps
+        && let Some(gap) = index.track_event_id(worker, event.event.event_id)
+    {
         gaps.push(gap);
     }
     // Errors are counted by the index; the caller reads them from its counters.
@@ -334,6 +379,42 @@ impl<T> Combiner<T> {
                 return;
             }
         }
+    }
+
+    /// Becomes the applier (waiting for the current one to let go), applies everything queued,
+    /// runs `f` while still the applier (so nothing queued meanwhile goes first), then lets go
+    /// and applies what was queued meanwhile.
+    pub(crate) fn exclusive<R>(
+        &self,
+        mut apply: impl FnMut(std::vec::Drain<'_, T>),
+        f: impl FnOnce() -> R,
+    ) -> R {
+        while self
+            .applying
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            yield_now();
+        }
+        let mut batch = Vec::new();
+        loop {
+            {
+                let mut pending = lock(&self.pending);
+                let n = pending.len().min(MAX_BATCH);
+                batch.extend(pending.drain(..n));
+            }
+            if batch.is_empty() {
+                break;
+            }
+            apply(batch.drain(..));
+        }
+        let out = f();
+        self.applying.store(false, Ordering::Release);
+        // Items pushed while we held the flag: their pushers saw us applying.
+        if !lock(&self.pending).is_empty() {
+            self.drain(apply);
+        }
+        out
     }
 
     /// Items queued and not yet applied.

@@ -4,10 +4,14 @@
 pub(crate) use loom::sync::atomic::{AtomicBool, Ordering};
 #[cfg(loom)]
 pub(crate) use loom::sync::{Mutex, MutexGuard, RwLock, RwLockWriteGuard};
+#[cfg(loom)]
+pub(crate) use loom::thread::yield_now;
 #[cfg(not(loom))]
 pub(crate) use std::sync::atomic::{AtomicBool, Ordering};
 #[cfg(not(loom))]
 pub(crate) use std::sync::{Mutex, MutexGuard};
+#[cfg(not(loom))]
+pub(crate) use std::thread::yield_now;
 // Readers take a read lock per query: with one lock word, every query on one core invalidated it
 // in the other core's cache (two readers answered 1.6x of one). A sharded lock gives each thread
 // its own word to read-lock; a writer takes them all, once per piece of up to a few hundred

@@ -1,9 +1,11 @@
 //! [`KvRouterCore`]: the synchronous routing core (KV indexes + scheduler + sessions).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_indexer::hash::{compute_block_hashes, next_seq_hash};
-use kvroute_indexer::{ApproxIndex, EventGap, EventOrder, FastMap, GapTracker, KvIndex};
+use kvroute_indexer::{
+    ApproxIndex, ConcurrentIndex, EventGap, EventOrder, FastMap, GapTracker, KvIndex, OverlapScores,
+};
 use kvroute_protocols::kv_events::{LocalBlockHash, RouterEvent};
 use kvroute_protocols::{ProtocolError, WorkerId, WorkerLoadReport, WorkerWithDpRank};
 use kvroute_scheduler::{
@@ -19,7 +21,9 @@ use rand::Rng;
 use crate::config::{KvMode, RouterConfig};
 use crate::error::RouteError;
 use crate::policy::Policy;
-use crate::request::{PhaseTimings, RouteRequest, RouteSource, Routed};
+use crate::request::{
+    PhaseTimings, PreparedRoute, RoutePreparer, RouteRequest, RouteSource, Routed, hash_prompt,
+};
 
 /// The KV router as a sans-IO state machine: apply KV events, route requests, track their load
 /// until they end, keep sessions sticky.
@@ -28,11 +32,16 @@ use crate::request::{PhaseTimings, RouteRequest, RouteSource, Routed};
 /// the RNG come in as arguments, so the live router (behind a mutex) and trace replay (in virtual
 /// time) run this same code. The only clock it reads is for [`PhaseTimings`], which no decision
 /// depends on.
+///
+/// The exact index is shared ([`Self::shared_index`]), so that a live router hashes prompts and
+/// matches them ([`Self::preparer`]) and applies queued events ([`Self::queue_event`]) without
+/// holding the lock its core sits behind: that lock then covers only the decisions.
 #[derive(Debug)]
 pub struct KvRouterCore<S: AffinityStore = InMemoryAffinityStore> {
     config: RouterConfig,
-    /// Blocks of workers that publish events.
-    index: KvIndex,
+    /// Blocks of workers that publish events (one shard: a router's events come from one event
+    /// loop, and queries are cheapest on one shard).
+    index: Arc<ConcurrentIndex>,
     /// Predicted blocks of workers that publish none.
     approx: ApproxIndex,
     modes: FastMap<WorkerId, KvMode>,
@@ -130,7 +139,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
     pub fn with_store(config: RouterConfig, store: S) -> Result<Self, ConfigError> {
         let scheduler = Scheduler::new(config.scheduler.clone())?;
         Ok(Self {
-            index: KvIndex::new(),
+            index: Arc::new(ConcurrentIndex::new()),
             approx: ApproxIndex::new(config.approx),
             modes: FastMap::default(),
             gaps: GapTracker::new(),
@@ -187,7 +196,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// `on_failed`, which then only settle sessions). Unknown workers return an empty list.
     pub fn remove_worker(&mut self, worker_id: WorkerId) -> Vec<RequestId> {
         self.modes.remove(&worker_id);
-        self.index.remove_worker(worker_id);
+        self.index_mut(|index| index.remove_worker(worker_id));
         self.approx.remove_worker(worker_id);
         self.gaps.forget_worker(worker_id);
         self.origin.remove(&worker_id);
@@ -220,15 +229,40 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// that keeps history, from its events since [`Self::expect_events_from`]'s base (the ones
     /// skipped before it joined come back as a gap to repair).
     pub fn apply_event(&mut self, event: &RouterEvent) -> Option<EventGap> {
+        let (admitted, gap) = self.admit(event);
+        if admitted {
+            // Bad events are counted by the index; it stays consistent.
+            self.index_mut(|index| {
+                let _ = index.apply_event_untracked(event);
+            });
+        }
+        gap
+    }
+
+    /// [`Self::apply_event`] without the write: an admitted event is queued on the shared index,
+    /// in order with every other change the core makes to it, and applied by the next
+    /// [`ConcurrentIndex::apply_queued`] (which the caller runs after letting go of whatever
+    /// lock guards this core), or by any change or consistent read of the index made first.
+    pub fn queue_event(&mut self, event: RouterEvent) -> Option<EventGap> {
+        let (admitted, gap) = self.admit(&event);
+        if admitted {
+            self.index.enqueue_untracked(event);
+        }
+        gap
+    }
+
+    /// Whether a live event is to be applied (its worker is registered in events mode and the
+    /// id is not late), and the gap before it; counts it.
+    fn admit(&mut self, event: &RouterEvent) -> (bool, Option<EventGap>) {
         match self.modes.get(&event.worker_id) {
             Some(KvMode::Events) => {}
             Some(KvMode::Approximate) => {
                 self.stats.events_ignored += 1;
-                return None;
+                return (false, None);
             }
             None => {
                 self.stats.events_unregistered += 1;
-                return None;
+                return (false, None);
             }
         }
         let key = WorkerWithDpRank::from_worker_id(event.worker_id);
@@ -247,13 +281,17 @@ impl<S: AffinityStore> KvRouterCore<S> {
             }
             EventOrder::Late => {
                 self.stats.events_late += 1;
-                return None;
+                return (false, None);
             }
         };
-        // Bad events are counted by the index; it stays consistent.
-        let _ = self.index.apply_event_untracked(event);
         self.stats.events_applied += 1;
-        gap
+        (true, gap)
+    }
+
+    /// Runs `f` on the exact index once every queued event is applied (see
+    /// [`ConcurrentIndex::with_shard_mut`]).
+    fn index_mut<R>(&self, f: impl FnOnce(&mut KvIndex) -> R) -> R {
+        self.index.with_shard_mut(0, f)
     }
 
     /// Applies an event fetched to fill a gap (its id is not tracked).
@@ -262,7 +300,9 @@ impl<S: AffinityStore> KvRouterCore<S> {
             self.stats.events_ignored += 1;
             return;
         }
-        let _ = self.index.apply_event_untracked(event);
+        self.index_mut(|index| {
+            let _ = index.apply_event_untracked(event);
+        });
         self.stats.events_recovered += 1;
     }
 
@@ -275,13 +315,18 @@ impl<S: AffinityStore> KvRouterCore<S> {
         last_event_id: Option<u64>,
         events: &[RouterEvent],
     ) {
-        self.index.remove_worker(worker_id);
+        let applied = self.index_mut(|index| {
+            index.remove_worker(worker_id);
+            let mut applied = 0;
+            for event in events.iter().filter(|e| e.worker_id == worker_id) {
+                let _ = index.apply_event_untracked(event);
+                applied += 1;
+            }
+            applied
+        });
         self.gaps.forget_worker(worker_id);
         self.origin.insert(worker_id, 0);
-        for event in events.iter().filter(|e| e.worker_id == worker_id) {
-            let _ = self.index.apply_event_untracked(event);
-            self.stats.events_recovered += 1;
-        }
+        self.stats.events_recovered += applied;
         if let Some(last) = last_event_id {
             self.gaps
                 .observe(WorkerWithDpRank::from_worker_id(worker_id), last);
@@ -304,6 +349,30 @@ impl<S: AffinityStore> KvRouterCore<S> {
         now: Duration,
         rng: &mut R,
     ) -> Result<Routed, RouteError> {
+        self.route_with(req, None, now, rng)
+    }
+
+    /// [`Self::route`] for a request whose prompt was hashed and matched beforehand by
+    /// [`RoutePreparer::prepare`] (outside the lock this core sits behind). The decision is the
+    /// one `route` makes on an index holding what the preparation saw. A preparation of
+    /// another request (id or prompt length) is ignored: the request is hashed and matched here.
+    pub fn route_prepared<R: Rng + ?Sized>(
+        &mut self,
+        req: &RouteRequest<'_>,
+        prepared: PreparedRoute,
+        now: Duration,
+        rng: &mut R,
+    ) -> Result<Routed, RouteError> {
+        self.route_with(req, Some(prepared), now, rng)
+    }
+
+    fn route_with<R: Rng + ?Sized>(
+        &mut self,
+        req: &RouteRequest<'_>,
+        prepared: Option<PreparedRoute>,
+        now: Duration,
+        rng: &mut R,
+    ) -> Result<Routed, RouteError> {
         if self.active.contains_key(&req.id) {
             return Err(LoadError::DuplicateRequest(req.id).into());
         }
@@ -311,7 +380,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
             mut routed,
             sticky,
             round_robin,
-        } = self.decide(req, now, rng, false)?;
+        } = self.decide(req, prepared, now, rng, false)?;
         let t = Instant::now();
         let control = req.hints.and_then(|h| h.session_control.as_ref());
         let plan = self
@@ -367,20 +436,52 @@ impl<S: AffinityStore> KvRouterCore<S> {
         now: Duration,
         rng: &mut R,
     ) -> Result<Routed, RouteError> {
-        Ok(self.decide(req, now, rng, true)?.routed)
+        Ok(self.decide(req, None, now, rng, true)?.routed)
+    }
+
+    /// [`Self::query`] for a prepared request (see [`Self::route_prepared`]).
+    pub fn query_prepared<R: Rng + ?Sized>(
+        &mut self,
+        req: &RouteRequest<'_>,
+        prepared: PreparedRoute,
+        now: Duration,
+        rng: &mut R,
+    ) -> Result<Routed, RouteError> {
+        Ok(self.decide(req, Some(prepared), now, rng, true)?.routed)
+    }
+
+    /// Hashes prompts and matches them against this core's exact index, from any thread and
+    /// without the core (see [`Self::route_prepared`]).
+    pub fn preparer(&self) -> RoutePreparer {
+        RoutePreparer::new(Arc::clone(&self.index), self.config.block_size())
     }
 
     fn decide<R: Rng + ?Sized>(
         &mut self,
         req: &RouteRequest<'_>,
+        prepared: Option<PreparedRoute>,
         now: Duration,
         rng: &mut R,
         query: bool,
     ) -> Result<Decided, RouteError> {
         let mut timings = PhaseTimings::default();
-        let t = Instant::now();
-        self.hash(req);
-        timings.hashing = t.elapsed();
+        let prepared = prepared.filter(|p| p.fits(req));
+        let exact = match prepared {
+            Some(p) => {
+                let (local, seq, exact, hashing, find) = p.into_parts();
+                self.scratch.local = local;
+                self.scratch.seq = seq;
+                timings.hashing = hashing;
+                timings.find_matches = find;
+                Some(exact)
+            }
+            None => {
+                let t = Instant::now();
+                self.hash(req);
+                timings.hashing = t.elapsed();
+                None
+            }
+        };
 
         let t = Instant::now();
         let pinned = req.hints.and_then(|h| h.pinned_worker(req.phase));
@@ -397,8 +498,11 @@ impl<S: AffinityStore> KvRouterCore<S> {
         let sticky_time = t.elapsed();
 
         let t = Instant::now();
-        self.find_matches();
-        timings.find_matches = t.elapsed();
+        let matched = exact.is_some();
+        self.find_matches(exact);
+        if !matched {
+            timings.find_matches = t.elapsed();
+        }
 
         let t = Instant::now();
         let isl_tokens = req.tokens.len() as u64;
@@ -452,26 +556,23 @@ impl<S: AffinityStore> KvRouterCore<S> {
 
     /// Block hashes (local, for the indexes) and sequence hashes (for the scheduler).
     fn hash(&mut self, req: &RouteRequest<'_>) {
-        let block_size = self.config.block_size() as usize;
-        self.scratch.local = compute_block_hashes(req.tokens, block_size, &req.salt);
-        self.scratch.seq.clear();
-        let mut prev = None;
-        for &local in &self.scratch.local {
-            let seq = next_seq_hash(prev, local);
-            self.scratch.seq.push(seq.0);
-            prev = Some(seq);
-        }
+        hash_prompt(
+            req,
+            self.config.block_size(),
+            &mut self.scratch.local,
+            &mut self.scratch.seq,
+        );
     }
 
-    /// Overlaps from the exact index for event workers (device prefixes, and their runs in
-    /// slower tiers) and from predictions for the others.
-    fn find_matches(&mut self) {
+    /// Overlaps from the exact index (`exact` when the request was prepared) for event workers
+    /// (device prefixes, and their runs in slower tiers) and from predictions for the others.
+    fn find_matches(&mut self, exact: Option<OverlapScores>) {
         self.scratch.overlaps.clear();
         self.scratch.lower.clear();
         if self.scratch.local.is_empty() {
             return;
         }
-        let exact = self.index.find_matches(&self.scratch.local);
+        let exact = exact.unwrap_or_else(|| self.index.find_matches(&self.scratch.local));
         let modes = &self.modes;
         self.scratch.overlaps.extend(
             exact
@@ -733,8 +834,14 @@ impl<S: AffinityStore> KvRouterCore<S> {
         &self.scheduler
     }
 
-    /// The exact index, fed by events.
-    pub fn index(&self) -> &KvIndex {
+    /// Runs `f` on the exact index, fed by events, once every queued event is applied.
+    pub fn with_index<R>(&self, f: impl FnOnce(&KvIndex) -> R) -> R {
+        self.index_mut(|index| f(index))
+    }
+
+    /// The exact index, shared: query it, or apply the events [`Self::queue_event`] queued, from
+    /// any thread.
+    pub fn shared_index(&self) -> &Arc<ConcurrentIndex> {
         &self.index
     }
 

@@ -82,7 +82,7 @@ pub use push::{
     KV_EVENTS_METADATA_KEY, KvPushRouter, KvPushRouterConfig, KvResponse, KvRouterError,
     LoadSyncStats, QUERY_INSTANCE_ID, QueryAnswer, SharedAffinityStore, SnapshotStats, StartError,
 };
-pub use request::{PhaseTimings, RouteRequest, RouteSource, Routed};
+pub use request::{PhaseTimings, PreparedRoute, RoutePreparer, RouteRequest, RouteSource, Routed};
 
 // The types callers need to drive the core, so they need not depend on every lower crate.
 pub use kvroute_indexer::hash::HashSalt;

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use kvroute_indexer::EventGap;
+use kvroute_indexer::{ConcurrentIndex, EventGap};
 use kvroute_protocols::{
     PreprocessedRequest, RequestPhase, SessionAction, SessionControl, WorkerId, WorkerWithDpRank,
 };
@@ -35,7 +35,7 @@ use crate::error::RouteError;
 use crate::guard::{KvRoutedStream, RequestGuard};
 use crate::load_sync::{self, LOAD_SUBJECT_PREFIX, LoadSync, LoadSyncConfig, Local};
 use crate::metrics::RouterMetrics;
-use crate::request::{RouteRequest, Routed};
+use crate::request::{RoutePreparer, RouteRequest, Routed};
 
 /// A router's sticky-session store: any [`AffinityStore`], shared.
 pub type SharedAffinityStore = Arc<dyn AffinityStore>;
@@ -186,6 +186,11 @@ pub struct KvPushRouter {
 
 pub(crate) struct Inner {
     pub(crate) state: Mutex<State>,
+    /// Hashes and matches prompts against the core's exact index without its lock.
+    preparer: RoutePreparer,
+    /// The core's exact index, where the event loop applies the events it queued under the
+    /// lock once it has let go of it.
+    index: Arc<ConcurrentIndex>,
     pub(crate) push: LlmPushRouter,
     pub(crate) metrics: RouterMetrics,
     epoch: Instant,
@@ -285,7 +290,11 @@ impl KvPushRouter {
             ),
             None => None,
         };
+        let preparer = core.preparer();
+        let index = Arc::clone(core.shared_index());
         let inner = Arc::new(Inner {
+            preparer,
+            index,
             state: Mutex::new(State {
                 core,
                 rng: ChaCha8Rng::seed_from_u64(config.seed),
@@ -364,11 +373,14 @@ impl KvPushRouter {
         let id = RequestId(inner.next_id.fetch_add(1, Ordering::Relaxed));
         let now = inner.now();
         let route_req = RouteRequest::from_preprocessed(id, &request).with_phase(phase);
+        // Hashing the prompt and matching it against the index take no lock: the state lock
+        // covers the decision only.
+        let prepared = inner.preparer.prepare(&route_req);
         if is_query(&request) {
             let decision = {
                 let mut state = inner.state.lock();
                 let State { core, rng } = &mut *state;
-                core.query(&route_req, now, rng)
+                core.query_prepared(&route_req, prepared, now, rng)
             }
             .inspect_err(|_| inner.metrics.on_route_error())?;
             inner.metrics.on_query();
@@ -381,7 +393,7 @@ impl KvPushRouter {
         let (routed, shared_load) = {
             let mut state = inner.state.lock();
             let State { core, rng } = &mut *state;
-            let routed = core.route(&route_req, now, rng);
+            let routed = core.route_prepared(&route_req, prepared, now, rng);
             let shared_load = match (&routed, &inner.load_sync) {
                 (Ok(_), Some(_)) => core.request_load(id),
                 _ => None,
@@ -924,7 +936,10 @@ async fn event_loop(inner: Arc<Inner>, mut subscription: Subscription) {
                 continue;
             }
         };
-        let gap = inner.state.lock().core.apply_event(&event);
+        // Ordered and counted under the lock, applied after it: routing never waits for an
+        // event to be written (a long prompt's chain can take a millisecond).
+        let gap = inner.state.lock().core.queue_event(event);
+        inner.index.apply_queued();
         if let Some(sequence) = message.sequence {
             inner.applied_sequence.store(sequence, Ordering::Release);
         }

@@ -1,8 +1,11 @@
 //! What the core is asked to route, and what it answers.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use kvroute_indexer::hash::HashSalt;
+use kvroute_indexer::hash::{HashSalt, compute_block_hashes, next_seq_hash};
+use kvroute_indexer::{ConcurrentIndex, OverlapScores};
+use kvroute_protocols::kv_events::LocalBlockHash;
 use kvroute_protocols::{
     PreprocessedRequest, RequestPhase, RouterConfigOverride, RoutingHints, WorkerWithDpRank,
 };
@@ -169,5 +172,104 @@ impl Routed {
             return 0.0;
         }
         self.predicted_cached_tokens(block_size) as f64 / self.isl_tokens as f64
+    }
+}
+
+/// Hashes a request's prompt into `local` (the index's block hashes) and `seq` (their sequence
+/// hashes, for the scheduler).
+pub(crate) fn hash_prompt(
+    req: &RouteRequest<'_>,
+    block_size: u32,
+    local: &mut Vec<LocalBlockHash>,
+    seq: &mut Vec<u64>,
+) {
+    *local = compute_block_hashes(req.tokens, block_size as usize, &req.salt);
+    seq.clear();
+    seq.reserve(local.len());
+    let mut prev = None;
+    for &block in local.iter() {
+        let next = next_seq_hash(prev, block);
+        seq.push(next.0);
+        prev = Some(next);
+    }
+}
+
+/// Hashes prompts and matches them against a routing core's exact index, from any thread,
+/// without the core: a live router does this before taking the lock its core sits behind, so
+/// the lock covers only the decision (from [`crate::KvRouterCore::preparer`]).
+#[derive(Debug, Clone)]
+pub struct RoutePreparer {
+    index: Arc<ConcurrentIndex>,
+    block_size: u32,
+}
+
+impl RoutePreparer {
+    pub(crate) fn new(index: Arc<ConcurrentIndex>, block_size: u32) -> Self {
+        Self { index, block_size }
+    }
+
+    /// The request's block hashes and what the exact index holds of them now, for
+    /// [`crate::KvRouterCore::route_prepared`] or [`crate::KvRouterCore::query_prepared`] with
+    /// the same request.
+    pub fn prepare(&self, req: &RouteRequest<'_>) -> PreparedRoute {
+        let t = Instant::now();
+        let (mut local, mut seq) = (Vec::new(), Vec::new());
+        hash_prompt(req, self.block_size, &mut local, &mut seq);
+        let hashing = t.elapsed();
+        let t = Instant::now();
+        let exact = if local.is_empty() {
+            OverlapScores::default()
+        } else {
+            self.index.find_matches(&local)
+        };
+        PreparedRoute {
+            id: req.id,
+            tokens: req.tokens.len(),
+            local,
+            seq,
+            exact,
+            hashing,
+            find_matches: t.elapsed(),
+        }
+    }
+}
+
+/// A request's prompt hashed and matched against the exact index ahead of the routing decision
+/// (see [`RoutePreparer`]).
+#[derive(Debug, Clone)]
+pub struct PreparedRoute {
+    id: RequestId,
+    tokens: usize,
+    local: Vec<LocalBlockHash>,
+    seq: Vec<u64>,
+    exact: OverlapScores,
+    hashing: Duration,
+    find_matches: Duration,
+}
+
+impl PreparedRoute {
+    /// Whether this was prepared for `req` (its id and prompt length): another request's
+    /// preparation is not used.
+    pub(crate) fn fits(&self, req: &RouteRequest<'_>) -> bool {
+        self.id == req.id && self.tokens == req.tokens.len()
+    }
+
+    /// (block hashes, sequence hashes, exact overlaps, hashing time, matching time).
+    pub(crate) fn into_parts(
+        self,
+    ) -> (
+        Vec<LocalBlockHash>,
+        Vec<u64>,
+        OverlapScores,
+        Duration,
+        Duration,
+    ) {
+        (
+            self.local,
+            self.seq,
+            self.exact,
+            self.hashing,
+            self.find_matches,
+        )
     }
 }

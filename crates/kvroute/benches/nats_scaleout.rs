@@ -418,15 +418,17 @@ async fn catch_up(url: &str, a: &Args) {
     let tail = apply_until(&mut restored, &mut subscription, end).await;
     let restart = started.elapsed();
     assert!(
-        restored.index().same_content(replayed.index()),
+        restored.with_index(|a| replayed.with_index(|b| a.same_content(b))),
         "the restored router and the replaying one disagree"
     );
     let blocks: usize = (0..a.workers)
         .map(|w| {
-            restored.index().block_count(
-                WorkerWithDpRank::from_worker_id(w + 1000),
-                StorageTier::Device,
-            )
+            restored.with_index(|i| {
+                i.block_count(
+                    WorkerWithDpRank::from_worker_id(w + 1000),
+                    StorageTier::Device,
+                )
+            })
         })
         .sum();
     println!(

@@ -239,3 +239,47 @@ fn writers_apply_one_source_of_events_in_order_on_a_thread_per_shard() {
     );
     assert_eq!(shared.memory().workers, 4);
 }
+
+/// Queued events wait for `apply_queued`, apply in queue order, and an exclusive section sees
+/// every event queued before it (a router queues under its own lock and applies after it).
+#[test]
+fn queued_events_apply_in_order_and_before_an_exclusive_section() {
+    let shared = ConcurrentIndex::new();
+    let events = events_of(5);
+    let mut sequential = KvIndex::new();
+    for ev in &events[..30] {
+        let _ = sequential.apply_event(ev);
+        shared.enqueue_untracked(ev.clone());
+    }
+    // Nothing is applied until asked.
+    assert_eq!(shared.memory().indexed_blocks, 0);
+    shared.apply_queued();
+    assert!(shared.read_shard(0, |idx| idx.same_content(&sequential)));
+
+    for ev in &events[30..60] {
+        let _ = sequential.apply_event(ev);
+        shared.enqueue_untracked(ev.clone());
+    }
+    // The section runs after everything queued, and its own change lands between those and
+    // what is queued after it.
+    let blocks = shared.with_shard_mut(0, |idx| {
+        let held = idx.block_count(
+            kvroute_protocols::WorkerWithDpRank::from_worker_id(5),
+            StorageTier::Device,
+        );
+        idx.remove_worker(5);
+        held
+    });
+    assert_eq!(
+        blocks,
+        sequential.block_count(
+            kvroute_protocols::WorkerWithDpRank::from_worker_id(5),
+            StorageTier::Device,
+        )
+    );
+    assert!(blocks > 0);
+    assert_eq!(shared.memory().indexed_blocks, 0);
+    shared.enqueue_untracked(events[0].clone());
+    shared.with_shard_mut(0, |_| ());
+    assert_eq!(shared.memory().indexed_blocks, 4);
+}

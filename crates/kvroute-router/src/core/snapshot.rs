@@ -124,33 +124,36 @@ impl<S: AffinityStore> KvRouterCore<S> {
             })
             .collect();
         workers.sort_by_key(|w| w.worker_id);
-        for event in self.index.dump() {
-            let Ok(at) = workers.binary_search_by_key(&event.worker_id, |w| w.worker_id) else {
-                continue;
-            };
-            let KvCacheEventData::Stored(store) = &event.event.data else {
-                continue;
-            };
-            let lanes = &mut workers[at].lanes;
-            let (dp_rank, tier) = (event.event.dp_rank, event.storage_tier);
-            if lanes
-                .last()
-                .is_none_or(|l| l.dp_rank != dp_rank || l.tier != tier)
-            {
-                lanes.push(LaneSnapshot {
-                    dp_rank,
-                    tier,
-                    blocks: Vec::new(),
-                });
+        // Every event queued before the cut is in it.
+        self.with_index(|index| {
+            for event in index.dump() {
+                let Ok(at) = workers.binary_search_by_key(&event.worker_id, |w| w.worker_id) else {
+                    continue;
+                };
+                let KvCacheEventData::Stored(store) = &event.event.data else {
+                    continue;
+                };
+                let lanes = &mut workers[at].lanes;
+                let (dp_rank, tier) = (event.event.dp_rank, event.storage_tier);
+                if lanes
+                    .last()
+                    .is_none_or(|l| l.dp_rank != dp_rank || l.tier != tier)
+                {
+                    lanes.push(LaneSnapshot {
+                        dp_rank,
+                        tier,
+                        blocks: Vec::new(),
+                    });
+                }
+                let lane = lanes.last_mut().expect("a lane was just pushed");
+                lane.blocks.extend(
+                    store
+                        .blocks
+                        .iter()
+                        .map(|b| (b.block_hash.0, b.tokens_hash.0)),
+                );
             }
-            let lane = lanes.last_mut().expect("a lane was just pushed");
-            lane.blocks.extend(
-                store
-                    .blocks
-                    .iter()
-                    .map(|b| (b.block_hash.0, b.tokens_hash.0)),
-            );
-        }
+        });
         IndexSnapshot {
             block_size: self.block_size(),
             sequence,
@@ -186,24 +189,28 @@ impl<S: AffinityStore> KvRouterCore<S> {
         };
         let mut restored = 0;
         for worker in &snapshot.workers {
-            self.index.remove_worker(worker.worker_id);
             self.gaps.forget_worker(worker.worker_id);
             event.worker_id = worker.worker_id;
-            for lane in &worker.lanes {
-                event.storage_tier = lane.tier;
-                event.event.dp_rank = lane.dp_rank;
-                for &(ext, seq) in &lane.blocks {
-                    if let KvCacheEventData::Stored(store) = &mut event.event.data {
-                        store.blocks[0] = KvCacheStoredBlockData {
-                            block_hash: ExternalSequenceBlockHash(ext),
-                            tokens_hash: LocalBlockHash(seq),
-                        };
+            restored += self.index_mut(|index| {
+                index.remove_worker(worker.worker_id);
+                let mut restored = 0;
+                for lane in &worker.lanes {
+                    event.storage_tier = lane.tier;
+                    event.event.dp_rank = lane.dp_rank;
+                    for &(ext, seq) in &lane.blocks {
+                        if let KvCacheEventData::Stored(store) = &mut event.event.data {
+                            store.blocks[0] = KvCacheStoredBlockData {
+                                block_hash: ExternalSequenceBlockHash(ext),
+                                tokens_hash: LocalBlockHash(seq),
+                            };
+                        }
+                        // A snapshot holds valid one-block chains; anything else is counted.
+                        let _ = index.apply_event_untracked(&event);
+                        restored += 1;
                     }
-                    // A snapshot holds valid one-block chains; anything else is counted.
-                    let _ = self.index.apply_event_untracked(&event);
-                    restored += 1;
                 }
-            }
+                restored
+            });
             if let Some(next) = worker.next_event_id {
                 self.gaps
                     .expect(WorkerWithDpRank::from_worker_id(worker.worker_id), next);
@@ -219,16 +226,15 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// Returns how many workers were dropped.
     pub fn forget_unregistered(&mut self) -> usize {
         let mut gone: Vec<WorkerId> = self
-            .index
-            .workers()
-            .map(|w| w.worker_id)
+            .with_index(|index| index.workers().map(|w| w.worker_id).collect::<Vec<_>>())
+            .into_iter()
             .chain(self.origin.keys().copied())
             .filter(|id| !self.modes.contains_key(id))
             .collect();
         gone.sort_unstable();
         gone.dedup();
         for &id in &gone {
-            self.index.remove_worker(id);
+            self.index_mut(|index| index.remove_worker(id));
             self.gaps.forget_worker(id);
             self.origin.remove(&id);
         }
@@ -260,7 +266,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
             }
             earlier => {
                 if earlier.is_some() {
-                    self.index.remove_worker(worker_id);
+                    self.index_mut(|index| index.remove_worker(worker_id));
                 }
                 self.gaps.expect(key, base);
                 self.origin.insert(worker_id, base);

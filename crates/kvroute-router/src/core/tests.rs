@@ -618,7 +618,7 @@ fn a_device_prefix_and_its_offloaded_continuation_earn_weighted_credit() {
     core.apply_event(&stored_blocks(1, 0, StorageTier::Device, &p, 0..2));
     core.apply_event(&stored_blocks(1, 1, StorageTier::HostPinned, &p, 2..4));
     core.apply_event(&stored_blocks(1, 2, StorageTier::Disk, &p, 4..6));
-    assert_eq!(core.index().error_counts().parent_not_found, 0);
+    assert_eq!(core.with_index(|i| i.error_counts()).parent_not_found, 0);
     let hints = RoutingHints {
         allowed_worker_ids: Some(vec![1]),
         ..RoutingHints::default()
@@ -699,4 +699,111 @@ fn cache_hit_weights_out_of_range_fail_the_core_naming_the_key() {
             .map_err(|e| e.to_string()),
         Err("disk_cache_hit_weight must be a number in 0..=1, got 2".to_owned())
     );
+}
+
+/// A live router queues events under its lock and applies them after: nothing is visible until
+/// applied, the queue keeps the core's order (a removal queued after stores wins), and the
+/// applied index is the one `apply_event` builds.
+#[test]
+fn queued_events_apply_after_the_lock_as_apply_event_does() {
+    let workers = [(1, KvMode::Events), (2, KvMode::Events)];
+    let (mut direct, mut queued) = (core(Policy::Kv, &workers), core(Policy::Kv, &workers));
+    let events = [
+        stored(1, 0, &prompt(16)),
+        stored(2, 0, &prompt(8)),
+        stored(1, 1, &(100..120).collect::<Vec<_>>()),
+    ];
+    for ev in &events {
+        assert_eq!(direct.apply_event(ev), None);
+        assert_eq!(queued.queue_event(ev.clone()), None);
+    }
+    let local = compute_block_hashes(&prompt(16), BS as usize, &HashSalt::default());
+    assert_eq!(queued.shared_index().find_matches(&local).max_score(), 0);
+    queued.shared_index().apply_queued();
+    assert!(queued.with_index(|q| direct.with_index(|d| q.same_content(d))));
+    assert_eq!(queued.shared_index().find_matches(&local).max_score(), 4);
+    assert_eq!(queued.stats().events_applied, 3);
+
+    // A late event is counted and never queued; a removal made under the lock lands after the
+    // events queued before it.
+    assert_eq!(queued.queue_event(events[0].clone()), None);
+    assert_eq!(queued.stats().events_late, 1);
+    assert_eq!(queued.queue_event(stored(2, 1, &prompt(16))), None);
+    queued.remove_worker(2);
+    queued.shared_index().apply_queued();
+    assert_eq!(
+        queued.with_index(|i| i.block_count(w(2), StorageTier::Device)),
+        0
+    );
+    assert_eq!(
+        queued.with_index(|i| i.block_count(w(1), StorageTier::Device)),
+        9
+    );
+}
+
+/// A snapshot holds the events queued before it, applied or not.
+#[test]
+fn snapshot_holds_queued_events() {
+    let mut core = core(Policy::Kv, &[(1, KvMode::Events)]);
+    assert_eq!(core.queue_event(stored(1, 0, &prompt(16))), None);
+    assert_eq!(core.snapshot(7).blocks(), 4);
+}
+
+/// A request prepared outside the core (hashed and matched on the shared index) is routed as
+/// `route` routes it; a preparation of another prompt is ignored, not trusted.
+#[test]
+fn prepared_requests_route_as_route_does() {
+    let workers = [
+        (1, KvMode::Events),
+        (2, KvMode::Events),
+        (3, KvMode::Events),
+    ];
+    let (mut plain, mut prepared) = (core(Policy::Kv, &workers), core(Policy::Kv, &workers));
+    for c in [&mut plain, &mut prepared] {
+        c.apply_event(&stored(1, 0, &prompt(32)));
+        c.apply_event(&stored(2, 0, &prompt(12)));
+        c.apply_event(&stored(3, 0, &(500..540).collect::<Vec<_>>()));
+    }
+    let preparer = prepared.preparer();
+    let (mut rng_a, mut rng_b) = (rng(), rng());
+    let prompts: Vec<Vec<u32>> = vec![
+        prompt(32),
+        prompt(12),
+        (500..530).collect(),
+        prompt(40),
+        (900..960).collect(),
+    ];
+    for (i, p) in prompts.iter().enumerate() {
+        let req = RouteRequest::new(RequestId(i as u64), p);
+        let a = plain.route(&req, T0, &mut rng_a).unwrap();
+        let b = prepared
+            .route_prepared(&req, preparer.prepare(&req), T0, &mut rng_b)
+            .unwrap();
+        assert_eq!(
+            (a.worker, a.overlap_blocks),
+            (b.worker, b.overlap_blocks),
+            "{i}"
+        );
+        assert_eq!(a.candidates, b.candidates, "{i}");
+    }
+    // Worker 1 holds prompt(32); a preparation made for another request is not used, whatever
+    // its prompt's length.
+    let p = prompt(32);
+    let req = RouteRequest::new(RequestId(100), &p);
+    let other = (900..932).collect::<Vec<u32>>();
+    for wrong in [
+        RouteRequest::new(RequestId(99), &other),
+        RouteRequest::new(RequestId(100), &other[..8]),
+    ] {
+        let routed = prepared
+            .query_prepared(&req, preparer.prepare(&wrong), T0, &mut rng_b)
+            .unwrap();
+        assert_eq!((routed.worker, routed.overlap_blocks), (w(1), 8));
+    }
+    for i in 0..prompts.len() as u64 {
+        plain.on_finished(RequestId(i));
+        prepared.on_finished(RequestId(i));
+    }
+    assert_idle(&plain);
+    assert_idle(&prepared);
 }

@@ -32,7 +32,7 @@ fn second_turn_lands_on_the_worker_holding_the_prefix() {
         drop(first);
         let holder = home;
         eventually("the router indexed the prompt", || {
-            router.with_core(|c| c.index().block_count(holder, Default::default()) == 8)
+            router.with_core(|c| c.with_index(|i| i.block_count(holder, Default::default())) == 8)
         })
         .await;
         let mut longer = p.clone();
@@ -173,7 +173,8 @@ fn lost_events_are_fetched_from_the_worker() {
         engine.muted.store(false, Ordering::SeqCst);
         engine.store(&prompt(8, 4)); // event 2: reveals the gap
         eventually("the gap was filled", || {
-            router.with_core(|c| c.index().block_count(w1, Default::default()) == 2 + 3 + 1)
+            router
+                .with_core(|c| c.with_index(|i| i.block_count(w1, Default::default())) == 2 + 3 + 1)
         })
         .await;
         let stats = router.with_core(|c| c.stats());
@@ -227,7 +228,7 @@ fn a_joining_worker_is_dumped_and_a_leaving_one_removed() {
         );
         let w = WorkerWithDpRank::from_worker_id(2);
         eventually("worker 2's dump applied", || {
-            router.with_core(|c| c.index().block_count(w, Default::default()) == 2)
+            router.with_core(|c| c.with_index(|i| i.block_count(w, Default::default())) == 2)
         })
         .await;
     });

@@ -104,7 +104,7 @@ fn a_restored_snapshot_holds_the_same_blocks_answers_and_event_ids() {
     let blocks = restored.restore(&decoded).unwrap();
     assert_eq!(blocks, snapshot.blocks());
     assert!(blocks > 60, "{blocks} blocks");
-    assert!(restored.index().same_content(source.index()));
+    assert!(restored.with_index(|a| source.with_index(|b| a.same_content(b))));
     for worker in 1..=3 {
         assert_eq!(
             restored.expected_event_id(worker),
@@ -120,8 +120,8 @@ fn a_restored_snapshot_holds_the_same_blocks_answers_and_event_ids() {
     ] {
         let local = compute_block_hashes(&probe, BS as usize, &HashSalt::default());
         assert_eq!(
-            restored.index().find_matches(&local),
-            source.index().find_matches(&local)
+            restored.with_index(|i| i.find_matches(&local)),
+            source.with_index(|i| i.find_matches(&local))
         );
     }
     // Later events continue where the snapshot stopped: in order, no gap, none late.
@@ -162,7 +162,7 @@ fn a_bad_snapshot_is_refused_whole_and_changes_nothing() {
     let bytes = source.snapshot(7).encode();
     let mut target = core(&[1]);
     target.apply_event(&stored(1, 0, &tokens(5, 16), 1, StorageTier::Device));
-    let before = target.index().dump().count();
+    let before = target.with_index(|i| i.dump().count());
 
     assert!(matches!(
         IndexSnapshot::decode(b"not a snapshot"),
@@ -184,7 +184,7 @@ fn a_bad_snapshot_is_refused_whole_and_changes_nothing() {
         }
     );
     assert!(error.to_string().contains("16 tokens per block"), "{error}");
-    assert_eq!(target.index().dump().count(), before);
+    assert_eq!(target.with_index(|i| i.dump().count()), before);
     assert_eq!(target.expected_event_id(1), Some(1));
 }
 
@@ -194,8 +194,9 @@ fn a_workers_new_life_replaces_the_old_one_and_its_current_life_is_kept() {
     let mut core = KvRouterCore::new(RouterConfig::new(BS)).unwrap();
     core.restore(&source.snapshot(3)).unwrap();
     let worker_blocks = |core: &KvRouterCore, id: u64| {
-        core.index()
-            .block_count(WorkerWithDpRank::from_worker_id(id), StorageTier::Device)
+        core.with_index(|i| {
+            i.block_count(WorkerWithDpRank::from_worker_id(id), StorageTier::Device)
+        })
     };
     let held = worker_blocks(&core, 1);
     assert!(held > 0);
