@@ -188,14 +188,17 @@ async fn a_worker_that_goes_silent_is_declared_dead_by_the_keepalive() {
 #[tokio::test]
 async fn an_idle_connection_to_a_live_worker_stays_open() {
     let (server, _engine) = start_worker(1).await;
+    // Ten intervals of quiet: several pings answered. The interval leaves 150 ms (three
+    // intervals) for a pong, so a loaded machine (a build beside the tests) cannot fake a death;
+    // at 10 ms it once did.
     let config = ClientConfig {
-        keepalive_interval: Some(Duration::from_millis(10)),
+        keepalive_interval: Some(Duration::from_millis(50)),
         ..ClientConfig::default()
     };
     let client: TestClient = Client::connect(&server.local_addr().to_string(), config)
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!client.is_closed(), "pongs keep a quiet connection alive");
     assert_eq!(
         crate::support::collect(client.generate("r", &Job::new(2)).await.unwrap()).await,
