@@ -12,8 +12,11 @@
 //! latency (from the start of the route, preparation included, to the decision) and events per
 //! second, for each way, in alternating trials.
 //!
+//! Events come at a paced `--event-rate` (half of them stores of a whole prompt's chain), so that
+//! the cores are not all busy and what the routes wait for is the lock.
+//!
 //! `cargo bench -p kvroute-router --bench route_contention -- [--seconds S] [--trials N]
-//! [--routers R] [--prompt-tokens T]`
+//! [--routers R] [--prompt-tokens T] [--event-rate E]`
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -41,6 +44,7 @@ struct Args {
     trials: usize,
     routers: usize,
     prompt_tokens: u32,
+    event_rate: f64,
 }
 
 fn parse() -> Args {
@@ -49,6 +53,7 @@ fn parse() -> Args {
         trials: 3,
         routers: 2,
         prompt_tokens: 32_768,
+        event_rate: 400.0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -59,13 +64,18 @@ fn parse() -> Args {
             "--seconds" => a.seconds = value("--seconds").parse().expect("--seconds: a number"),
             "--trials" => a.trials = value("--trials").parse().expect("--trials: a count"),
             "--routers" => a.routers = value("--routers").parse().expect("--routers: a count"),
+            "--event-rate" => {
+                a.event_rate = value("--event-rate")
+                    .parse()
+                    .expect("--event-rate: events per second");
+            }
             "--prompt-tokens" => {
                 a.prompt_tokens = value("--prompt-tokens")
                     .parse()
                     .expect("--prompt-tokens: a count");
             }
             other => panic!(
-                "unknown flag {other}; expected --seconds S, --trials N, --routers R, --prompt-tokens T"
+                "unknown flag {other}; expected --seconds S, --trials N, --routers R, --prompt-tokens T, --event-rate E"
             ),
         }
     }
@@ -145,10 +155,17 @@ fn trial(a: &Args, prepared: bool) -> Trial {
     let events = std::thread::scope(|s| {
         let feeder = {
             let (core, stop, index) = (Arc::clone(&core), Arc::clone(&stop), Arc::clone(&index));
-            let tokens = a.prompt_tokens;
+            let (tokens, rate) = (a.prompt_tokens, a.event_rate);
             s.spawn(move || {
                 let mut n = 0u64;
+                let start = Instant::now();
                 while !stop.load(Ordering::Relaxed) {
+                    // Paced: the machine has room for the routers, so what is measured is
+                    // waiting for the lock, not for a core.
+                    let due = Duration::from_secs_f64(n as f64 / rate);
+                    if let Some(wait) = due.checked_sub(start.elapsed()) {
+                        std::thread::sleep(wait);
+                    }
                     let (worker, k) = (n % WORKERS, n / WORKERS);
                     let ev = event(worker, k, tokens);
                     if prepared {
@@ -224,10 +241,11 @@ fn pct(sorted: &[u64], p: f64) -> f64 {
 fn main() {
     let a = parse();
     println!(
-        "route contention: {} router threads, {}-token prompts, {WORKERS} workers, an event \
-         thread storing and evicting {}-block chains; {} trials of {} s per way",
+        "route contention: {} router threads, {}-token prompts, {WORKERS} workers, {} events/s \
+         storing and evicting {}-block chains; {} trials of {} s per way",
         a.routers,
         a.prompt_tokens,
+        a.event_rate,
         a.prompt_tokens / BLOCK,
         a.trials,
         a.seconds
