@@ -361,17 +361,7 @@ impl<T> Combiner<T> {
                 // The applier will see our item: it re-checks the queue after letting go.
                 return;
             }
-            loop {
-                {
-                    let mut pending = lock(&self.pending);
-                    let n = pending.len().min(MAX_BATCH);
-                    batch.extend(pending.drain(..n));
-                }
-                if batch.is_empty() {
-                    break;
-                }
-                apply(batch.drain(..));
-            }
+            self.apply_pending(&mut batch, &mut apply);
             self.applying.store(false, Ordering::Release);
             // An item pushed after our last look, whose pusher saw us applying, would otherwise
             // be stranded until the next submit.
@@ -396,18 +386,7 @@ impl<T> Combiner<T> {
         {
             yield_now();
         }
-        let mut batch = Vec::new();
-        loop {
-            {
-                let mut pending = lock(&self.pending);
-                let n = pending.len().min(MAX_BATCH);
-                batch.extend(pending.drain(..n));
-            }
-            if batch.is_empty() {
-                break;
-            }
-            apply(batch.drain(..));
-        }
+        self.apply_pending(&mut Vec::new(), &mut apply);
         let out = f();
         self.applying.store(false, Ordering::Release);
         // Items pushed while we held the flag: their pushers saw us applying.
@@ -415,6 +394,21 @@ impl<T> Combiner<T> {
             self.drain(apply);
         }
         out
+    }
+
+    /// As the applier, applies batches of at most [`MAX_BATCH`] until the queue is empty.
+    fn apply_pending(&self, batch: &mut Vec<T>, apply: &mut impl FnMut(std::vec::Drain<'_, T>)) {
+        loop {
+            {
+                let mut pending = lock(&self.pending);
+                let n = pending.len().min(MAX_BATCH);
+                batch.extend(pending.drain(..n));
+            }
+            if batch.is_empty() {
+                return;
+            }
+            apply(batch.drain(..));
+        }
     }
 
     /// Items queued and not yet applied.
