@@ -468,12 +468,11 @@ impl<S: AffinityStore> KvRouterCore<S> {
         let prepared = prepared.filter(|p| p.fits(req));
         let exact = match prepared {
             Some(p) => {
-                let (local, seq, exact, hashing, find) = p.into_parts();
-                self.scratch.local = local;
-                self.scratch.seq = seq;
-                timings.hashing = hashing;
-                timings.find_matches = find;
-                Some(exact)
+                self.scratch.local = p.local;
+                self.scratch.seq = p.seq;
+                timings.hashing = p.hashing;
+                timings.find_matches = p.find_matches;
+                Some(p.exact)
             }
             None => {
                 let t = Instant::now();
@@ -498,11 +497,8 @@ impl<S: AffinityStore> KvRouterCore<S> {
         let sticky_time = t.elapsed();
 
         let t = Instant::now();
-        let matched = exact.is_some();
         self.find_matches(exact);
-        if !matched {
-            timings.find_matches = t.elapsed();
-        }
+        timings.find_matches += t.elapsed();
 
         let t = Instant::now();
         let isl_tokens = req.tokens.len() as u64;

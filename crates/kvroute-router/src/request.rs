@@ -240,11 +240,11 @@ impl RoutePreparer {
 pub struct PreparedRoute {
     id: RequestId,
     tokens: usize,
-    local: Vec<LocalBlockHash>,
-    seq: Vec<u64>,
-    exact: OverlapScores,
-    hashing: Duration,
-    find_matches: Duration,
+    pub(crate) local: Vec<LocalBlockHash>,
+    pub(crate) seq: Vec<u64>,
+    pub(crate) exact: OverlapScores,
+    pub(crate) hashing: Duration,
+    pub(crate) find_matches: Duration,
 }
 
 impl PreparedRoute {
@@ -252,24 +252,5 @@ impl PreparedRoute {
     /// preparation is not used.
     pub(crate) fn fits(&self, req: &RouteRequest<'_>) -> bool {
         self.id == req.id && self.tokens == req.tokens.len()
-    }
-
-    /// (block hashes, sequence hashes, exact overlaps, hashing time, matching time).
-    pub(crate) fn into_parts(
-        self,
-    ) -> (
-        Vec<LocalBlockHash>,
-        Vec<u64>,
-        OverlapScores,
-        Duration,
-        Duration,
-    ) {
-        (
-            self.local,
-            self.seq,
-            self.exact,
-            self.hashing,
-            self.find_matches,
-        )
     }
 }
