@@ -28,8 +28,8 @@ struct Args {
 }
 
 const USAGE: &str = "expected --trace FILE [--trace-block-size T] or --workload agentic|multi-turn [--seed N], \
-     and optionally --workers, --block-size, --cache-blocks, --limit, --repeats, --ref-threads, \
-     --kv-shards, --only LIST (kv,kv-concurrent,kv-sharded,ref-tree,ref-pool), --no-hash, --readers LIST (1,2; 0 for none)";
+     and optionally --workers, --block-size, --cache-blocks, --limit, --repeats, --bulk-passes, --ref-threads, \
+     --kv-shards, --kv-writers, --only LIST (kv,kv-concurrent,kv-sharded,ref-tree,ref-pool), --no-hash, --readers LIST (1,2; 0 for none)";
 
 fn parse_args() -> anyhow::Result<Args> {
     let mut trace = None;
@@ -47,7 +47,9 @@ fn parse_args() -> anyhow::Result<Args> {
         ref_threads: 4,
         // One shard, and writer thread, per core.
         kv_shards: std::thread::available_parallelism().map_or(2, |n| n.get()),
+        kv_writers: std::thread::available_parallelism().map_or(2, |n| n.get()),
         repeats: 1,
+        bulk_passes: 1,
         hash_phase: true,
         readers: vec![1, 2],
     };
@@ -81,8 +83,10 @@ fn parse_args() -> anyhow::Result<Args> {
             "--cache-blocks" => fleet.cache_blocks = num()?,
             "--limit" => limit = num()?,
             "--repeats" => settings.repeats = num()?.max(1),
+            "--bulk-passes" => settings.bulk_passes = num()?.max(1),
             "--ref-threads" => settings.ref_threads = num()?.max(1),
             "--kv-shards" => settings.kv_shards = num()?.clamp(1, kvroute_indexer::MAX_SHARDS),
+            "--kv-writers" => settings.kv_writers = num()?.max(1),
             "--readers" => {
                 settings.readers = value
                     .split(',')
@@ -190,8 +194,9 @@ fn main() -> anyhow::Result<()> {
             .map(|&n| format!("{:.0}%", 100.0 * n as f64 / total as f64))
             .collect();
         println!(
-            "  kv Sharded: {} shards (a writer thread each) take {} of the block operations",
+            "  kv Sharded: {} shards ({} writer threads) take {} of the block operations",
             ops.len(),
+            args.settings.kv_writers,
             shares.join(" / ")
         );
     }

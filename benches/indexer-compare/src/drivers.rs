@@ -13,6 +13,7 @@ use kvroute_indexer::hash::{HashSalt, compute_block_hashes};
 use kvroute_indexer::{ConcurrentIndex, IndexWriters, KvIndex, OverlapScores};
 use kvroute_protocols::WorkerWithDpRank;
 use kvroute_protocols::kv_events::{KvCacheEventData, LocalBlockHash, RouterEvent};
+use crate::run::Settings;
 
 /// Which indexer, as named on the command line and in the table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,8 +22,8 @@ pub enum Kind {
     KvIndex,
     /// kvroute's `ConcurrentIndex` of one shard, driven from one thread.
     KvConcurrent,
-    /// kvroute's `ConcurrentIndex` split into worker shards, each applied by its own
-    /// `IndexWriters` thread (kvroute's answer to the reference's thread pool).
+    /// kvroute's `ConcurrentIndex` split into worker shards, applied by `IndexWriters` threads
+    /// (kvroute's answer to the reference's thread pool).
     KvSharded,
     /// The reference's single-threaded `RadixTree`.
     RefRadixTree,
@@ -156,7 +157,12 @@ impl SharedFind for ThreadPoolIndexer<ConcurrentRadixTreeCompressed> {
 /// Builds the indexer of `kind`; `block_size` is the engine block size, `threads` the event
 /// threads of the reference's thread pool, `shards` the worker shards (and writer threads) of
 /// kvroute's sharded index.
-pub fn build(kind: Kind, block_size: usize, threads: usize, shards: usize) -> Box<dyn Indexer> {
+pub fn build(kind: Kind, block_size: usize, settings: &Settings) -> Box<dyn Indexer> {
+    let (threads, shards, writers) = (
+        settings.ref_threads,
+        settings.kv_shards,
+        settings.kv_writers,
+    );
     match kind {
         Kind::KvIndex => Box::new(KvSingle {
             index: KvIndex::new(),
@@ -173,8 +179,8 @@ pub fn build(kind: Kind, block_size: usize, threads: usize, shards: usize) -> Bo
         }),
         Kind::KvSharded => {
             let index = Arc::new(ConcurrentIndex::with_shards(shards));
-            let writers = IndexWriters::spawn(Arc::clone(&index))
-                .expect("the bench starts a writer thread per shard");
+            let writers = IndexWriters::with_threads(Arc::clone(&index), writers)
+                .expect("the bench starts its writer threads");
             Box::new(KvShared {
                 index,
                 writers: Some(writers),
@@ -249,7 +255,7 @@ impl Indexer for KvSingle {
 }
 
 /// kvroute's shared index, applying events on the caller's thread (`submit`) or, with
-/// `writers`, handing them to a writer thread per shard.
+/// `writers`, handing them to writer threads that share the shards out.
 struct KvShared {
     index: Arc<ConcurrentIndex>,
     writers: Option<IndexWriters>,

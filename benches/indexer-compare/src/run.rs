@@ -16,10 +16,15 @@ pub struct Settings {
     pub kinds: Vec<Kind>,
     /// Event threads of the reference's thread pool (its router's default is 4).
     pub ref_threads: usize,
-    /// Worker shards, each with its writer thread, of kvroute's sharded index.
+    /// Worker shards of kvroute's sharded index.
     pub kv_shards: usize,
+    /// Writer threads applying to those shards (each takes from any shard).
+    pub kv_writers: usize,
     /// Times each indexer runs; the table keeps each one's best figures.
     pub repeats: usize,
+    /// Fresh indexes each run fills in bulk; the run's bulk figure is their median (a bulk
+    /// apply takes tens of milliseconds, so one is at the mercy of a noisy machine).
+    pub bulk_passes: usize,
     /// Also time hashing each prompt plus the query.
     pub hash_phase: bool,
     /// Reader threads to time querying a shared index with (empty: no reader-scaling phase).
@@ -32,7 +37,8 @@ pub struct Figures {
     /// Event application, interleaved with the queries, up to the point each query saw it
     /// applied (for the thread pool: enqueueing plus the flush before the next query).
     pub apply: Duration,
-    /// All events back to back into a fresh index, timed until all are applied.
+    /// All events back to back into a fresh index, timed until all are applied (the median of
+    /// [`Settings::bulk_passes`] indexes).
     pub bulk_apply: Duration,
     /// Per-query latency of a find over given local hashes, sorted.
     pub find_ns: Vec<u64>,
@@ -84,7 +90,7 @@ pub fn replay(w: &Recorded, kind: Kind, settings: &Settings) -> anyhow::Result<F
     };
     let mut tokens = Vec::new();
     let base = live_bytes();
-    let mut index = build(kind, w.block_size, settings.ref_threads, settings.kv_shards);
+    let mut index = build(kind, w.block_size, settings);
     index.prepare(&w.events);
     let mut pending = false;
     for op in &w.ops {
@@ -129,16 +135,22 @@ pub fn replay(w: &Recorded, kind: Kind, settings: &Settings) -> anyhow::Result<F
     Ok(f)
 }
 
-/// Every event into a fresh index back to back, until all are applied.
+/// Every event into a fresh index back to back, until all are applied: the median of
+/// `settings.bulk_passes` fresh indexes.
 fn bulk_apply(w: &Recorded, kind: Kind, settings: &Settings) -> anyhow::Result<Duration> {
-    let mut index = build(kind, w.block_size, settings.ref_threads, settings.kv_shards);
-    index.prepare(&w.events);
-    let start = Instant::now();
-    for i in 0..w.events.len() {
-        index.apply(&w.events, i)?;
+    let mut times = Vec::with_capacity(settings.bulk_passes.max(1));
+    for _ in 0..settings.bulk_passes.max(1) {
+        let mut index = build(kind, w.block_size, settings);
+        index.prepare(&w.events);
+        let start = Instant::now();
+        for i in 0..w.events.len() {
+            index.apply(&w.events, i)?;
+        }
+        index.sync()?;
+        times.push(start.elapsed());
     }
-    index.sync()?;
-    Ok(start.elapsed())
+    times.sort_unstable();
+    Ok(times[times.len() / 2])
 }
 
 /// Queries per second from each count of reader threads in `settings.readers`, all querying one
@@ -151,7 +163,7 @@ pub fn reader_scaling(
     kind: Kind,
     settings: &Settings,
 ) -> anyhow::Result<Option<Vec<(usize, f64)>>> {
-    let mut index = build(kind, w.block_size, settings.ref_threads, settings.kv_shards);
+    let mut index = build(kind, w.block_size, settings);
     index.prepare(&w.events);
     for i in 0..w.events.len() {
         index.apply(&w.events, i)?;

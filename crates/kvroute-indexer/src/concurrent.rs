@@ -9,8 +9,9 @@
 //!
 //! With more than one shard ([`ConcurrentIndex::with_shards`]) workers are split between shards
 //! by id, each shard a whole index of its workers behind its own lock, so events of workers in
-//! different shards are applied at the same time (by their submitters, or by [`IndexWriters`],
-//! a thread per shard). A query walks every shard and gathers one answer: the shards share the
+//! different shards are applied at the same time (by their submitters, or by [`IndexWriters`]:
+//! background threads, each owning some shards and taking over another's when it has nothing of
+//! its own queued). A query walks every shard and gathers one answer: the shards share the
 //! request's sequence hashes and one answer buffer, but each walks its own copy of a prefix its
 //! workers share, so a query costs more than with one shard (see `docs/benchmarks.md`).
 
@@ -23,7 +24,9 @@ use crate::error::ErrorCounts;
 use crate::gap::EventGap;
 use crate::index::{Gathered, KvIndex, MemoryStats};
 use crate::scores::OverlapScores;
-use crate::sync::{AtomicBool, Mutex, Ordering, RwLock, RwLockWriteGuard, lock, yield_now};
+use crate::sync::{
+    AtomicBool, AtomicU64, Mutex, Ordering, RwLock, RwLockWriteGuard, lock, yield_now,
+};
 
 #[cfg(all(test, loom))]
 mod loom_tests;
@@ -97,7 +100,8 @@ impl ConcurrentIndex {
     /// An empty shared index whose workers are split between `shards` indexes (clamped to
     /// `1..=`[`MAX_SHARDS`]), so that events of workers in different shards can be applied at
     /// the same time. Every query walks every shard; use as many shards as cores that apply
-    /// events, no more.
+    /// events, or up to twice that when the workers' loads are very uneven (the writers even
+    /// out the load between shards, see [`IndexWriters`]), no more.
     pub fn with_shards(shards: usize) -> Self {
         let n = shards.clamp(1, MAX_SHARDS);
         Self {
@@ -330,22 +334,69 @@ fn apply_in_pieces(
 /// A queue whose items are applied by whichever pusher finds nobody else applying.
 #[derive(Debug)]
 pub(crate) struct Combiner<T> {
-    pending: Mutex<VecDeque<T>>,
+    pending: Mutex<Queue<T>>,
     applying: AtomicBool,
+    /// Items applied so far (a writer's flush waits for it to reach what was pushed).
+    applied: AtomicU64,
+}
+
+/// The items waiting, and how many were ever pushed.
+#[derive(Debug)]
+struct Queue<T> {
+    items: VecDeque<T>,
+    pushed: u64,
+}
+
+/// What [`Combiner::drain_once`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Drained {
+    /// Another thread is applying; it looks at the queue again after letting go.
+    Busy,
+    /// Nothing is queued (looked at after letting go).
+    Idle,
+    /// A batch was applied; more may be queued.
+    Applied,
 }
 
 impl<T> Combiner<T> {
     /// An empty queue with nobody applying.
     pub(crate) fn new() -> Self {
         Self {
-            pending: Mutex::new(VecDeque::new()),
+            pending: Mutex::new(Queue {
+                items: VecDeque::new(),
+                pushed: 0,
+            }),
             applying: AtomicBool::new(false),
+            applied: AtomicU64::new(0),
         }
     }
 
     /// Queues one item (applied by the next `drain`).
     pub(crate) fn push(&self, item: T) {
-        lock(&self.pending).push_back(item);
+        let mut queue = lock(&self.pending);
+        queue.items.push_back(item);
+        queue.pushed += 1;
+    }
+
+    /// Items ever pushed.
+    pub(crate) fn pushed(&self) -> u64 {
+        lock(&self.pending).pushed
+    }
+
+    /// Items applied so far: every item pushed before the `pushed()`-th is applied once this
+    /// reaches it (items are applied in push order).
+    pub(crate) fn applied(&self) -> u64 {
+        self.applied.load(Ordering::Acquire)
+    }
+
+    /// Whether nothing is queued.
+    pub(crate) fn is_empty(&self) -> bool {
+        lock(&self.pending).items.is_empty()
+    }
+
+    /// Whether a thread is applying.
+    pub(crate) fn is_busy(&self) -> bool {
+        self.applying.load(Ordering::Acquire)
     }
 
     /// Applies queued items in batches of at most [`MAX_BATCH`] unless another thread already
@@ -353,11 +404,7 @@ impl<T> Combiner<T> {
     pub(crate) fn drain(&self, mut apply: impl FnMut(std::vec::Drain<'_, T>)) {
         let mut batch = Vec::new();
         loop {
-            if self
-                .applying
-                .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-                .is_err()
-            {
+            if !self.try_begin() {
                 // The applier will see our item: it re-checks the queue after letting go.
                 return;
             }
@@ -365,8 +412,46 @@ impl<T> Combiner<T> {
             self.applying.store(false, Ordering::Release);
             // An item pushed after our last look, whose pusher saw us applying, would otherwise
             // be stranded until the next submit.
-            if lock(&self.pending).is_empty() {
+            if self.is_empty() {
                 return;
+            }
+        }
+    }
+
+    /// Applies one batch of at most [`MAX_BATCH`] queued items unless another thread is
+    /// applying. Unlike [`Self::drain`] it lets go after one batch, so a thread serving several
+    /// queues moves between them; whoever calls it must call it again after
+    /// [`Drained::Applied`] until it finds the queue [`Drained::Idle`] or [`Drained::Busy`] (that
+    /// applier looks again after letting go), or an item pushed meanwhile by a submitter that
+    /// saw it applying is stranded.
+    pub(crate) fn drain_once(
+        &self,
+        batch: &mut Vec<T>,
+        mut apply: impl FnMut(std::vec::Drain<'_, T>),
+    ) -> Drained {
+        /// Lets go even if `apply` panics, so the queue is not wedged for the threads left.
+        struct Release<'a>(&'a AtomicBool);
+        impl Drop for Release<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        loop {
+            if !self.try_begin() {
+                return Drained::Busy;
+            }
+            let release = Release(&self.applying);
+            if self.take_batch(batch) {
+                let n = batch.len() as u64;
+                apply(batch.drain(..));
+                self.applied.fetch_add(n, Ordering::Release);
+                return Drained::Applied;
+            }
+            drop(release);
+            // An item pushed after our look, whose pusher saw us applying, would otherwise be
+            // stranded: the caller takes `Idle` as nothing left to do.
+            if self.is_empty() {
+                return Drained::Idle;
             }
         }
     }
@@ -379,41 +464,46 @@ impl<T> Combiner<T> {
         mut apply: impl FnMut(std::vec::Drain<'_, T>),
         f: impl FnOnce() -> R,
     ) -> R {
-        while self
-            .applying
-            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
+        while !self.try_begin() {
             yield_now();
         }
         self.apply_pending(&mut Vec::new(), &mut apply);
         let out = f();
         self.applying.store(false, Ordering::Release);
         // Items pushed while we held the flag: their pushers saw us applying.
-        if !lock(&self.pending).is_empty() {
+        if !self.is_empty() {
             self.drain(apply);
         }
         out
     }
 
+    /// Becomes the applier if nobody is.
+    fn try_begin(&self) -> bool {
+        self.applying
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    /// Moves up to [`MAX_BATCH`] queued items into `batch`; whether there were any.
+    fn take_batch(&self, batch: &mut Vec<T>) -> bool {
+        let mut pending = lock(&self.pending);
+        let n = pending.items.len().min(MAX_BATCH);
+        batch.extend(pending.items.drain(..n));
+        n > 0
+    }
+
     /// As the applier, applies batches of at most [`MAX_BATCH`] until the queue is empty.
     fn apply_pending(&self, batch: &mut Vec<T>, apply: &mut impl FnMut(std::vec::Drain<'_, T>)) {
-        loop {
-            {
-                let mut pending = lock(&self.pending);
-                let n = pending.len().min(MAX_BATCH);
-                batch.extend(pending.drain(..n));
-            }
-            if batch.is_empty() {
-                return;
-            }
+        while self.take_batch(batch) {
+            let n = batch.len() as u64;
             apply(batch.drain(..));
+            self.applied.fetch_add(n, Ordering::Release);
         }
     }
 
     /// Items queued and not yet applied.
     #[cfg(all(test, loom))]
     pub(crate) fn pending(&self) -> usize {
-        lock(&self.pending).len()
+        lock(&self.pending).items.len()
     }
 }

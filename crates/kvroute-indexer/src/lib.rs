@@ -6,7 +6,7 @@
 //! it counts bad events instead of panicking, detects lost events ([`GapTracker`]), accounts its
 //! memory and dumps itself as events to rebuild from. [`ConcurrentIndex`] lets many threads query
 //! while events are applied, split between shards of workers whose events [`IndexWriters`]
-//! apply on a thread each; [`ApproxIndex`] serves workers that publish no events by recording
+//! apply on background threads that share the shards out between them; [`ApproxIndex`] serves workers that publish no events by recording
 //! routing decisions with a TTL.
 //!
 //! This crate is a synchronous, deterministic core: it must not depend on tokio, the network or

@@ -70,6 +70,39 @@ fn loom_exclusive_applies_what_was_queued_first() {
     });
 }
 
+/// A writer serving the queue a batch at a time (`drain_once`, as `IndexWriters` do) races a
+/// submitter: the writer goes on until it finds the queue idle or busy (the busy applier looks
+/// again after letting go); once both return, nothing is stranded.
+#[test]
+fn loom_batch_at_a_time_writer_never_strands_an_item() {
+    use super::Drained;
+    loom::model(|| {
+        let combiner = Arc::new(Combiner::<u32>::new());
+        let applied = Arc::new(AtomicUsize::new(0));
+        combiner.push(0);
+        let submitter = {
+            let combiner = Arc::clone(&combiner);
+            let applied = Arc::clone(&applied);
+            thread::spawn(move || {
+                combiner.push(1);
+                combiner.drain(|batch| {
+                    applied.fetch_add(batch.count(), Ordering::Relaxed);
+                });
+            })
+        };
+        let mut batch = Vec::new();
+        while combiner.drain_once(&mut batch, |b| {
+            applied.fetch_add(b.count(), Ordering::Relaxed);
+        }) == Drained::Applied
+        {}
+        submitter.join().expect("submitter panicked");
+        assert_eq!(combiner.pending(), 0, "an item was stranded");
+        assert_eq!(applied.load(Ordering::Relaxed), 2);
+        assert_eq!(combiner.applied(), 2);
+        assert_eq!(combiner.pushed(), 2);
+    });
+}
+
 /// The same handoff without the re-check after letting go of the applier flag: loom must find
 /// the interleaving that strands an item (negative control for the model above).
 #[test]

@@ -240,6 +240,90 @@ fn writers_apply_one_source_of_events_in_order_on_a_thread_per_shard() {
     assert_eq!(shared.memory().workers, 4);
 }
 
+#[test]
+fn fewer_writers_than_shards_apply_every_shard_in_order() {
+    let workers: Vec<u64> = (20..27).collect();
+    let shared = Arc::new(ConcurrentIndex::with_shards(4));
+    let writers = IndexWriters::with_threads(Arc::clone(&shared), 2).expect("threads start");
+    assert_eq!(writers.threads(), 2);
+    let streams: Vec<Vec<RouterEvent>> = workers.iter().map(|&w| events_of(w)).collect();
+    for i in 0..streams[0].len() {
+        for stream in &streams {
+            writers.send(stream[i].clone());
+        }
+        // A flush midway waits for what was sent so far, and the writers go on after it.
+        if i == 100 {
+            writers.flush();
+        }
+    }
+    writers.flush();
+    assert_eq!(writers.queued(), 0);
+    for shard in 0..4 {
+        let expected = sequential_shard(&shared, shard, &workers);
+        shared.read_shard(shard, |index| {
+            assert!(index.same_content(&expected), "shard {shard}");
+            assert_eq!(index.check_consistency(), Ok(()));
+        });
+    }
+    assert!(shared.take_gaps().is_empty());
+    assert_eq!(shared.memory().workers, workers.len());
+}
+
+#[test]
+fn sends_and_submits_for_one_worker_keep_their_order() {
+    let shared = Arc::new(ConcurrentIndex::with_shards(2));
+    let writers = IndexWriters::with_threads(Arc::clone(&shared), 1).expect("threads start");
+    let events = events_of(31);
+    for (i, ev) in events.iter().enumerate() {
+        // Alternate the two ways in: both queue on the worker's shard, in call order.
+        if i % 2 == 0 {
+            writers.send(ev.clone());
+        } else {
+            shared.submit(ev.clone());
+        }
+    }
+    writers.flush();
+    let expected = sequential_shard(&shared, shared.shard_of(31), &[31]);
+    shared.read_shard(shared.shard_of(31), |index| {
+        assert!(index.same_content(&expected));
+    });
+    assert!(shared.take_gaps().is_empty(), "events applied out of order");
+}
+
+#[test]
+fn an_idle_writer_takes_over_a_shard_its_busy_owner_cannot_get_to() {
+    // Workers 40 and 42 sit on shards 0 and 2 of four, both first owned by writer 0 of two;
+    // writer 1 owns only the idle shards 1 and 3. Everything is queued before the writers start,
+    // so writer 0 has two loaded shards and writer 1 none: writer 1 takes one over.
+    let shared = Arc::new(ConcurrentIndex::with_shards(4));
+    let workers = [40u64, 42];
+    assert_eq!(shared.shard_of(40), 0);
+    assert_eq!(shared.shard_of(42), 2);
+    for _ in 0..20 {
+        for &w in &workers {
+            for ev in events_of(w) {
+                shared.enqueue_untracked(ev);
+            }
+        }
+    }
+    let writers = IndexWriters::with_threads(Arc::clone(&shared), 2).expect("threads start");
+    writers.flush();
+    assert!(writers.steals() > 0, "writer 1 never took over a shard");
+    // Every copy of a stored block after the first is a duplicate store, counted and dropped;
+    // the shards hold what one pass of each worker's events leaves.
+    for &w in &workers {
+        let shard = shared.shard_of(w);
+        let mut expected = KvIndex::new();
+        for _ in 0..20 {
+            for ev in events_of(w) {
+                let _ = expected.apply_event_untracked(&ev);
+            }
+        }
+        shared.read_shard(shard, |index| assert!(index.same_content(&expected)));
+    }
+    drop(writers);
+}
+
 /// Queued events wait for `apply_queued`, apply in queue order, and an exclusive section sees
 /// every event queued before it (a router queues under its own lock and applies after it).
 #[test]
