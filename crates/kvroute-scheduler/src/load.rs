@@ -16,6 +16,8 @@ use std::time::Duration;
 
 use kvroute_protocols::WorkerWithDpRank;
 
+use smallvec::SmallVec;
+
 use crate::fxhash::FxHashMap;
 use crate::workers::Workers;
 
@@ -118,8 +120,11 @@ impl SlotLoad {
     }
 }
 
+/// One worker slot's holding of an active block.
 #[derive(Debug, Clone, Copy)]
-struct BlockRef {
+pub(crate) struct BlockRef {
+    /// The slot holding the block.
+    pub(crate) slot: u32,
     refs: u32,
     /// Wrapping sum of the holders' request indices; equals the holder when `refs == 1`.
     owners: u32,
@@ -145,9 +150,11 @@ pub(crate) struct Requests {
     slab: Vec<Option<RequestState>>,
     free: Vec<u32>,
     by_id: FxHashMap<RequestId, u32>,
-    blocks: FxHashMap<(u32, u64), BlockRef>,
-    /// For each active block hash, the slots holding it (for the "already active" count).
-    pub(crate) holders: FxHashMap<u64, Vec<u32>>,
+    /// For each active block hash, the slots holding it (for the "already active" count) with
+    /// their reference counts: one table lookup a block to add or free a request. Inline up to
+    /// two slots: a long prompt adds thousands of blocks, nearly all held by one worker, and a
+    /// heap list each (or a second table keyed by slot) cost an allocation or a lookup a block.
+    pub(crate) holders: FxHashMap<u64, SmallVec<[BlockRef; 2]>>,
     /// Requests in arrival order, for expiry; freed entries are skipped lazily.
     arrivals: VecDeque<(Duration, RequestId, u32)>,
 }
@@ -196,15 +203,23 @@ impl Requests {
         load.active_requests += 1;
         load.prefill_tokens += state.prefill_tokens;
         for &h in req.block_hashes {
-            let entry = self
-                .blocks
-                .entry((slot_idx, h))
-                .or_insert(BlockRef { refs: 0, owners: 0 });
+            let holders = self.holders.entry(h).or_default();
+            let at = match holders.iter().position(|b| b.slot == slot_idx) {
+                Some(at) => at,
+                None => {
+                    holders.push(BlockRef {
+                        slot: slot_idx,
+                        refs: 0,
+                        owners: 0,
+                    });
+                    holders.len() - 1
+                }
+            };
+            let entry = &mut holders[at];
             match entry.refs {
                 0 => {
                     state.exclusive += 1;
                     load.exclusive_weighted += state.fraction;
-                    self.holders.entry(h).or_default().push(slot_idx);
                 }
                 1 => {
                     // The block stops being exclusive to its single holder.
@@ -315,25 +330,22 @@ impl Requests {
         state.exclusive -= state.output_blocks;
         let prompt = std::mem::take(&mut state.prompt);
         for &h in prompt.iter() {
-            let key = (state.slot, h);
-            let (refs, owners) = {
-                let entry = self.blocks.get_mut(&key).expect("held block is tracked");
-                entry.refs -= 1;
-                entry.owners = entry.owners.wrapping_sub(ri);
-                (entry.refs, entry.owners)
-            };
+            let holders = self.holders.get_mut(&h).expect("held block is tracked");
+            let at = holders
+                .iter()
+                .position(|b| b.slot == state.slot)
+                .expect("held block is tracked for its slot");
+            let entry = &mut holders[at];
+            entry.refs -= 1;
+            entry.owners = entry.owners.wrapping_sub(ri);
+            let (refs, owners) = (entry.refs, entry.owners);
             match refs {
                 0 => {
                     state.exclusive -= 1;
                     load.exclusive_weighted -= state.fraction;
-                    self.blocks.remove(&key);
-                    if let Some(hs) = self.holders.get_mut(&h) {
-                        if let Some(pos) = hs.iter().position(|&s| s == state.slot) {
-                            hs.swap_remove(pos);
-                        }
-                        if hs.is_empty() {
-                            self.holders.remove(&h);
-                        }
+                    holders.swap_remove(at);
+                    if holders.is_empty() {
+                        self.holders.remove(&h);
                     }
                 }
                 1 => {

@@ -573,8 +573,8 @@ impl Scheduler {
         if w.assume_kv_reuse {
             for h in req.block_hashes {
                 if let Some(holders) = self.requests.holders.get(h) {
-                    for &idx in holders {
-                        marks[idx as usize].current(generation).active += 1;
+                    for held in holders {
+                        marks[held.slot as usize].current(generation).active += 1;
                     }
                 }
             }
