@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use crate::run::Settings;
 use dynamo_kv_router::ConcurrentRadixTreeCompressed;
 use dynamo_kv_router::indexer::{SyncIndexer, ThreadPoolIndexer};
 use dynamo_kv_router::protocols as dy;
@@ -13,7 +14,6 @@ use kvroute_indexer::hash::{HashSalt, compute_block_hashes};
 use kvroute_indexer::{ConcurrentIndex, IndexWriters, KvIndex, OverlapScores};
 use kvroute_protocols::WorkerWithDpRank;
 use kvroute_protocols::kv_events::{KvCacheEventData, LocalBlockHash, RouterEvent};
-use crate::run::Settings;
 
 /// Which indexer, as named on the command line and in the table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
