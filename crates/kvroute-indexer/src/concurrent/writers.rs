@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvroute_protocols::WorkerId;
 use kvroute_protocols::kv_events::RouterEvent;
 
-use super::{ConcurrentIndex, Drained, Op};
+use super::{ConcurrentIndex, Drained, Op, Shard};
 
 /// Writer threads for the shards of a [`ConcurrentIndex`]: [`IndexWriters::send`] queues an
 /// event on its shard and returns at once, so a single source of events (a router's event
@@ -278,14 +278,10 @@ impl Pool {
         // Wait for the list of threads, so this one can wake the others.
         drop(self.threads());
         let _gone = Gone(self, me);
-        let shards = &self.index.shards;
         let mut batch = Vec::new();
         loop {
             let mut applied = false;
-            for (s, shard) in shards.iter().enumerate() {
-                if self.owner[s].load(Ordering::Relaxed) != me {
-                    continue;
-                }
+            for (s, shard) in self.owned(me) {
                 self.applying[me].store(s, Ordering::Relaxed);
                 let drained = shard.ops.drain_once(&mut batch, |ops| {
                     let n = ops.len();
@@ -324,12 +320,16 @@ impl Pool {
 
     /// Shards of writer `me` with changes queued.
     fn loaded_shards(&self, me: usize) -> usize {
+        self.owned(me).filter(|(_, s)| !s.ops.is_empty()).count()
+    }
+
+    /// The shards writer `me` owns now, with their numbers.
+    fn owned(&self, me: usize) -> impl Iterator<Item = (usize, &Shard)> {
         self.index
             .shards
             .iter()
-            .zip(&*self.owner)
-            .filter(|(s, o)| o.load(Ordering::Relaxed) == me && !s.ops.is_empty())
-            .count()
+            .enumerate()
+            .filter(move |&(s, _)| self.owner[s].load(Ordering::Relaxed) == me)
     }
 
     /// Takes over, for writer `me`, a shard with changes queued that its owner is not getting
@@ -356,11 +356,8 @@ impl Pool {
 
     /// Whether a shard of writer `me` has changes queued that nobody is applying.
     fn own_work(&self, me: usize) -> bool {
-        self.index
-            .shards
-            .iter()
-            .zip(&*self.owner)
-            .any(|(s, o)| o.load(Ordering::Relaxed) == me && !s.ops.is_busy() && !s.ops.is_empty())
+        self.owned(me)
+            .any(|(_, s)| !s.ops.is_busy() && !s.ops.is_empty())
     }
 
     /// Sleeps until there may be work; `false` when the writer should stop instead.
