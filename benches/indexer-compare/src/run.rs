@@ -409,7 +409,9 @@ pub fn table(w: &Recorded, results: &[(Kind, Figures)]) -> (String, serde_json::
         for (k, v) in &values {
             entry.insert(k.name().to_owned(), serde_json::json!(round3(*v)));
         }
-        entry.insert("ratio".to_owned(), serde_json::json!(round3(ratio)));
+        // No ratio (JSON null, not 0) when only one side ran.
+        let ratio = ratio.is_finite().then(|| round3(ratio));
+        entry.insert("ratio".to_owned(), serde_json::json!(ratio));
         json.insert(row.name.to_owned(), entry.into());
     }
     (out, json.into())

@@ -16,11 +16,12 @@ use super::{ConcurrentIndex, Drained, Op, Shard};
 /// event on its shard and returns at once, so a single source of events (a router's event
 /// subscription) keeps every core busy, as the reference's thread-pool indexer does.
 ///
-/// The threads are not tied to shards: each goes round the shards applying one batch of events
-/// from each shard nobody else is applying, so the load evens out between the threads however
-/// unevenly the workers split between shards. With more shards than threads (say two a thread),
-/// a shard holding a few busy workers no longer bounds the rest; every shard costs every query a
-/// walk, though (see [`ConcurrentIndex::with_shards`]).
+/// Each thread owns some shards and applies one batch of events from each of its own in turn, so
+/// a shard's tables stay in one core's cache. A thread with nothing of its own queued takes over
+/// a loaded shard whose owner is applying another one (or asleep), so the load evens out between
+/// the threads however unevenly the workers split between shards. With more shards than threads
+/// (say two a thread), a shard holding a few busy workers no longer bounds the rest; every shard
+/// costs every query a walk, though (see [`ConcurrentIndex::with_shards`]).
 ///
 /// Events of one worker are applied in the order they were sent, also when mixed with
 /// [`ConcurrentIndex::submit`] for the same worker (both queue on the worker's shard). Dropping
