@@ -47,8 +47,6 @@ struct Pool {
     applying: Box<[AtomicUsize]>,
     /// Writers that have stopped.
     gone: Box<[AtomicBool]>,
-    /// Changes sent and not yet applied (a gauge).
-    queued: AtomicUsize,
     /// Shards taken over from another writer.
     steals: AtomicUsize,
     /// Flushes waiting (changes under `gate`).
@@ -98,7 +96,6 @@ impl IndexWriters {
                 .map(|_| AtomicUsize::new(NOT_APPLYING))
                 .collect(),
             index,
-            queued: AtomicUsize::new(0),
             steals: AtomicUsize::new(0),
             flushers: AtomicUsize::new(0),
             alive: AtomicUsize::new(0),
@@ -163,12 +160,10 @@ impl IndexWriters {
     fn send_op(&self, op: Op) {
         let pool = &*self.pool;
         let shard = pool.index.shard_of(op.worker_id());
-        pool.queued.fetch_add(1, Ordering::Relaxed);
         pool.index.shards[shard].ops.push(op);
         if pool.alive.load(Ordering::SeqCst) == 0 {
             // Every writer is gone (one can only have panicked): apply here rather than lose it.
             pool.index.drain(shard);
-            pool.queued.store(0, Ordering::Relaxed);
             return;
         }
         // A writer going to sleep says so before its last look at the queues, so either it sees
@@ -179,9 +174,21 @@ impl IndexWriters {
         }
     }
 
-    /// Changes sent and not yet applied, over all shards (a gauge for back-pressure).
+    /// Changes queued and not yet applied, over all shards (a gauge for back-pressure): those
+    /// sent, and those submitted or queued on the index directly.
     pub fn queued(&self) -> usize {
-        self.pool.queued.load(Ordering::Relaxed)
+        // Counted from each queue's own totals, so it stays exact whichever thread applies a
+        // change (a submitter may apply sent ones, a writer submitted ones). `applied` is read
+        // first: it never passes what was pushed by then.
+        self.pool
+            .index
+            .shards
+            .iter()
+            .map(|s| {
+                let applied = s.ops.applied();
+                s.ops.pushed().saturating_sub(applied) as usize
+            })
+            .sum()
     }
 
     /// How many times a writer with nothing of its own queued took over a shard from a writer
@@ -191,8 +198,9 @@ impl IndexWriters {
         self.pool.steals.load(Ordering::Relaxed)
     }
 
-    /// Returns once every change queued before this call (sent, or submitted to the index) is
-    /// applied and visible to queries.
+    /// Returns once every change queued before this call (sent, submitted to the index, or
+    /// queued on it with [`ConcurrentIndex::enqueue_untracked`]) is applied and visible to
+    /// queries.
     pub fn flush(&self) {
         let pool = &*self.pool;
         let shards = &pool.index.shards;
@@ -211,6 +219,16 @@ impl IndexWriters {
                 pool.index.apply_queued();
                 gate = pool.gate();
                 continue;
+            }
+            // Changes queued on the index directly (`ConcurrentIndex::enqueue_untracked`) wake
+            // no writer: wake the owner of each shard still behind.
+            for (s, (shard, &t)) in shards.iter().zip(&target).enumerate() {
+                if shard.ops.applied() < t {
+                    let owner = pool.owner[s].load(Ordering::Relaxed);
+                    if pool.parked[owner].load(Ordering::SeqCst) {
+                        pool.wake(owner);
+                    }
+                }
             }
             pool.flushers.fetch_add(1, Ordering::SeqCst);
             gate = pool
@@ -285,9 +303,7 @@ impl Pool {
             for (s, shard) in self.owned(me) {
                 self.applying[me].store(s, Ordering::Relaxed);
                 let drained = shard.ops.drain_once(&mut batch, |ops| {
-                    let n = ops.len();
                     self.index.apply(&shard.index, ops);
-                    self.queued.fetch_sub(n, Ordering::Relaxed);
                 });
                 self.applying[me].store(NOT_APPLYING, Ordering::Relaxed);
                 if drained == Drained::Applied {

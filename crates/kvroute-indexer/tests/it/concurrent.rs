@@ -367,3 +367,71 @@ fn queued_events_apply_in_order_and_before_an_exclusive_section() {
     shared.with_shard_mut(0, |_| ());
     assert_eq!(shared.memory().indexed_blocks, 4);
 }
+
+/// Runs `f` on a thread of its own and fails the test if it has not returned within `secs`
+/// seconds (a flush that waits on writers nobody woke would otherwise hang the test run).
+fn within<R: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
+    let (tx, rx) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(secs))
+        .unwrap_or_else(|_| panic!("{what} did not return within {secs} s"))
+}
+
+#[test]
+fn flush_applies_events_queued_on_the_index_while_the_writers_sleep() {
+    let shared = Arc::new(ConcurrentIndex::with_shards(2));
+    let writers =
+        Arc::new(IndexWriters::with_threads(Arc::clone(&shared), 2).expect("threads start"));
+    // Let the writers find nothing to do and go to sleep.
+    writers.flush();
+    thread::sleep(std::time::Duration::from_millis(20));
+    // A router orders events under its own lock with `enqueue_untracked`, which wakes nobody.
+    for w in [50u64, 51] {
+        for ev in events_of(w) {
+            shared.enqueue_untracked(ev);
+        }
+    }
+    let flushing = Arc::clone(&writers);
+    within(10, "flush", move || flushing.flush());
+    for w in [50u64, 51] {
+        let expected = sequential_shard(&shared, shared.shard_of(w), &[w]);
+        shared.read_shard(shared.shard_of(w), |index| {
+            assert!(index.same_content(&expected));
+        });
+    }
+    assert_eq!(writers.queued(), 0);
+}
+
+#[test]
+fn the_queued_gauge_counts_sends_and_submits_alike() {
+    // One shard: a writer applying sent events meets a thread submitting to the same shard, so
+    // each applies some of the other's changes. The gauge must end at zero either way (it must
+    // neither wrap below zero nor keep changes another thread applied).
+    let shared = Arc::new(ConcurrentIndex::new());
+    let writers =
+        Arc::new(IndexWriters::with_threads(Arc::clone(&shared), 1).expect("threads start"));
+    // Sent and submitted alike: the most that can be queued at once.
+    let total = 2 * 20 * events_of(0).len();
+    let sender = {
+        let writers = Arc::clone(&writers);
+        thread::spawn(move || {
+            for _ in 0..20 {
+                for ev in events_of(60) {
+                    writers.send(ev);
+                    assert!(writers.queued() <= total, "the gauge wrapped below zero");
+                }
+            }
+        })
+    };
+    for _ in 0..20 {
+        for ev in events_of(61) {
+            shared.submit(ev);
+        }
+    }
+    sender.join().expect("the sender ran");
+    let flushing = Arc::clone(&writers);
+    within(10, "flush", move || flushing.flush());
+    assert_eq!(writers.queued(), 0);
+}
