@@ -16,6 +16,7 @@
 //! workers share, so a query costs more than with one shard (see `docs/benchmarks.md`).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use kvroute_protocols::kv_events::{KvCacheEventData, LocalBlockHash, RouterEvent};
 use kvroute_protocols::{WorkerId, WorkerWithDpRank};
@@ -195,6 +196,26 @@ impl ConcurrentIndex {
         out.finish()
     }
 
+    /// Applies every change queued so far and holds every shard at that point: changes queued
+    /// while the returned [`Frozen`] lives wait in their queues (a submit or
+    /// [`Self::apply_queued`] leaves them there and returns), and are applied when it is
+    /// dropped. Queries go on meanwhile. For a consistent read that takes long (a snapshot's
+    /// dump) without holding the lock that orders the events: freeze under that lock, let go of
+    /// it, then read.
+    ///
+    /// While it lives, a [`Self::with_shard_mut`] (or a writer's flush) waits for it: do not
+    /// call one on the thread holding it.
+    pub fn freeze(self: &Arc<Self>) -> Frozen {
+        for shard in &*self.shards {
+            shard
+                .ops
+                .begin_exclusive(&mut |batch| self.apply(&shard.index, batch));
+        }
+        Frozen {
+            index: Arc::clone(self),
+        }
+    }
+
     /// Runs `f` with shared access to the index of shard `shard` (below [`Self::shards`]).
     ///
     /// # Panics
@@ -267,6 +288,41 @@ impl ConcurrentIndex {
 impl Default for ConcurrentIndex {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// Every shard of a [`ConcurrentIndex`] held at one point of its queues (see
+/// [`ConcurrentIndex::freeze`]); dropping it applies what was queued meanwhile.
+#[derive(Debug)]
+#[must_use = "the index is held only while this lives"]
+pub struct Frozen {
+    index: Arc<ConcurrentIndex>,
+}
+
+impl Frozen {
+    /// Runs `f` on shard `shard` as of the freeze, with queries going on alongside.
+    ///
+    /// # Panics
+    ///
+    /// If there is no such shard.
+    pub fn read_shard<R>(&self, shard: usize, f: impl FnOnce(&KvIndex) -> R) -> R {
+        self.index.read_shard(shard, f)
+    }
+
+    /// How many shards the index has.
+    pub fn shards(&self) -> usize {
+        self.index.shards()
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        let index = &*self.index;
+        for shard in &*index.shards {
+            shard
+                .ops
+                .end_exclusive(|batch| index.apply(&shard.index, batch));
+        }
     }
 }
 
@@ -465,17 +521,29 @@ impl<T> Combiner<T> {
         mut apply: impl FnMut(std::vec::Drain<'_, T>),
         f: impl FnOnce() -> R,
     ) -> R {
+        self.begin_exclusive(&mut apply);
+        let out = f();
+        self.end_exclusive(apply);
+        out
+    }
+
+    /// The first half of [`Self::exclusive`]: becomes the applier (waiting for the current one
+    /// to let go) and applies everything queued. Until [`Self::end_exclusive`], items pushed stay
+    /// queued.
+    pub(crate) fn begin_exclusive(&self, apply: &mut impl FnMut(std::vec::Drain<'_, T>)) {
         while !self.try_begin() {
             yield_now();
         }
-        self.apply_pending(&mut Vec::new(), &mut apply);
-        let out = f();
+        self.apply_pending(&mut Vec::new(), apply);
+    }
+
+    /// The second half of [`Self::exclusive`]: lets go, then applies what was queued meanwhile.
+    pub(crate) fn end_exclusive(&self, apply: impl FnMut(std::vec::Drain<'_, T>)) {
         self.applying.store(false, Ordering::Release);
         // Items pushed while we held the flag: their pushers saw us applying.
         if !self.is_empty() {
             self.drain(apply);
         }
-        out
     }
 
     /// Becomes the applier if nobody is.

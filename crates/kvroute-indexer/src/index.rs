@@ -44,6 +44,7 @@ use crate::scores::{OverlapScores, TierScore, WorkerMap};
 use crate::table::U64Map;
 
 mod audit;
+pub use audit::LaneDump;
 mod nodes;
 #[cfg(test)]
 mod tests;

@@ -24,9 +24,9 @@ mod sync;
 mod table;
 
 pub use approx::{ApproxConfig, ApproxIndex};
-pub use concurrent::{ConcurrentIndex, IndexWriters, MAX_SHARDS};
+pub use concurrent::{ConcurrentIndex, Frozen, IndexWriters, MAX_SHARDS};
 pub use error::{ErrorCounts, IndexError};
 pub use fasthash::{FastBuildHasher, FastHasher, FastMap};
 pub use gap::{EventGap, EventOrder, GapTracker};
-pub use index::{ApplyOutcome, KvIndex, MemoryStats};
+pub use index::{ApplyOutcome, KvIndex, LaneDump, MemoryStats};
 pub use scores::{OverlapScores, TierScore, WorkerMap};

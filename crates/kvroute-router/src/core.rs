@@ -860,7 +860,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
 
 mod snapshot;
 
-pub use snapshot::{IndexSnapshot, LaneSnapshot, SnapshotError, WorkerSnapshot};
+pub use snapshot::{IndexSnapshot, LaneSnapshot, SnapshotCut, SnapshotError, WorkerSnapshot};
 
 #[cfg(test)]
 mod tests;

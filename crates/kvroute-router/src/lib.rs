@@ -66,7 +66,8 @@ pub mod tokenizer;
 
 pub use config::{DEFAULT_REPORT_TTL, KvMode, RouterConfig};
 pub use core::{
-    CoreStats, Expired, IndexSnapshot, KvRouterCore, LaneSnapshot, SnapshotError, WorkerSnapshot,
+    CoreStats, Expired, IndexSnapshot, KvRouterCore, LaneSnapshot, SnapshotCut, SnapshotError,
+    WorkerSnapshot,
 };
 pub use error::RouteError;
 pub use guard::{KvRoutedStream, RequestGuard};

@@ -729,9 +729,22 @@ impl Inner {
         // Read the position before the cut: the cut then reflects at least the events up to it
         // (later ones it may also hold are skipped by id when replayed after a restore).
         let sequence = self.applied_sequence.load(Ordering::Acquire);
-        let snapshot = self.state.lock().core.snapshot(sequence);
-        let blocks = snapshot.blocks();
-        let bytes = bytes::Bytes::from(snapshot.encode());
+        // Only the cut holds the routing lock; the blocks are read and encoded off it, and off
+        // the runtime's threads, while routes go on and events queue behind the cut.
+        let cut = self.state.lock().core.snapshot_cut(sequence);
+        let encoded = tokio::task::spawn_blocking(move || {
+            let snapshot = cut.finish();
+            (snapshot.blocks(), snapshot.encode())
+        })
+        .await;
+        let (blocks, bytes) = match encoded {
+            Ok((blocks, bytes)) => (blocks, bytes::Bytes::from(bytes)),
+            Err(error) => {
+                c.failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%error, "index snapshot not taken");
+                return false;
+            }
+        };
         let size = bytes.len() as u64;
         match store.save(bytes).await {
             Ok(()) => {

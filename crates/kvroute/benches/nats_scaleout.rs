@@ -370,9 +370,11 @@ async fn catch_up(url: &str, a: &Args) {
         .await
         .unwrap();
     let started = Instant::now();
-    let snapshot = core.snapshot(snapshot_at);
-    // The live router holds its routing lock for the cut only.
+    // The live router holds its routing lock for the cut only; it reads the blocks after.
+    let taken = core.snapshot_cut(snapshot_at);
     let cut = started.elapsed();
+    let snapshot = taken.finish();
+    let read = started.elapsed() - cut;
     let snapshot_blocks = snapshot.blocks();
     let bytes = bytes::Bytes::from(snapshot.encode());
     let size = bytes.len();
@@ -432,10 +434,12 @@ async fn catch_up(url: &str, a: &Args) {
         })
         .sum();
     println!(
-        "restart catch-up: index snapshot of {snapshot_blocks} blocks, {:.1} MB: cut in {:.0} ms \
-         (the routing lock), cut + encoded + saved in {:.2} s",
+        "restart catch-up: index snapshot of {snapshot_blocks} blocks, {:.1} MB: cut in {:.3} ms \
+         (the routing lock), blocks read in {:.0} ms (off the lock), cut + read + encoded + \
+         saved in {:.2} s",
         size as f64 / 1e6,
         cut.as_secs_f64() * 1e3,
+        read.as_secs_f64() * 1e3,
         save.as_secs_f64()
     );
     println!(

@@ -283,6 +283,11 @@ impl TierNodes {
         }
     }
 
+    /// Whether the location table maps every live node (else only entries).
+    pub(super) fn every_node(&self) -> bool {
+        self.every_node
+    }
+
     /// Live nodes.
     pub(super) fn len(&self) -> usize {
         self.live
@@ -351,6 +356,23 @@ impl TierNodes {
     pub(super) fn seq_at(&self, loc: Loc) -> u64 {
         let (seg, p) = decode(loc);
         self.segs[seg as usize].seqs[p]
+    }
+
+    /// The local hash of the block of the node at `loc`.
+    #[inline]
+    pub(super) fn local_at(&self, loc: Loc) -> u64 {
+        let (seg, p) = decode(loc);
+        self.segs[seg as usize].locals[p]
+    }
+
+    /// Every live node, as (sequence hash, location).
+    pub(super) fn live_nodes(&self) -> impl Iterator<Item = (u64, Loc)> + '_ {
+        self.segs.iter().enumerate().flat_map(move |(i, s)| {
+            let seg = i as u32;
+            (0..s.len())
+                .filter(move |&p| Self::live_at(&self.hi, s, seg, p))
+                .map(move |p| (s.seqs[p], encode(seg, p)))
+        })
     }
 
     /// Peeks where the node `seq` would be found (see [`U64Map::peek`]).

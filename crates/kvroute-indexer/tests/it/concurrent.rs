@@ -435,3 +435,125 @@ fn the_queued_gauge_counts_sends_and_submits_alike() {
     within(10, "flush", move || flushing.flush());
     assert_eq!(writers.queued(), 0);
 }
+
+/// A frozen index holds the state of the freeze while changes queue behind it and queries go
+/// on; letting go applies them in order (a router's snapshot cut, taken off its routing lock).
+#[test]
+fn a_frozen_index_reads_as_of_the_freeze_and_applies_what_queued_behind_it_after() {
+    let shared = Arc::new(ConcurrentIndex::with_shards(2));
+    let (before, after) = (events_of(70), events_of(71));
+    let mut at_freeze = KvIndex::new();
+    for ev in &before[..100] {
+        shared.enqueue_untracked(ev.clone());
+        let _ = at_freeze.apply_event_untracked(ev);
+    }
+    // Queued, not yet applied: the freeze applies it first.
+    let frozen = shared.freeze();
+    for ev in &before[100..] {
+        shared.enqueue_untracked(ev.clone());
+    }
+    shared.apply_queued();
+    // A submitter neither waits for the freeze nor gets ahead of it.
+    {
+        let shared = Arc::clone(&shared);
+        within(10, "submits while frozen", move || {
+            for ev in after {
+                shared.submit(ev);
+            }
+        });
+    }
+    frozen.read_shard(shared.shard_of(70), |index| {
+        assert!(
+            index.same_content(&at_freeze),
+            "changes got past the freeze"
+        );
+    });
+    frozen.read_shard(shared.shard_of(71), |index| {
+        assert_eq!(
+            index.memory().indexed_blocks,
+            0,
+            "a submit got past the freeze"
+        );
+    });
+    // Queries go on while it is held.
+    let reader = Arc::clone(&shared);
+    let probe: Vec<LocalBlockHash> = (0..4).map(LocalBlockHash).collect();
+    within(10, "a query while frozen", move || {
+        reader.find_matches(&probe)
+    });
+    drop(frozen);
+    for w in [70u64, 71] {
+        let expected = sequential_shard(&shared, shared.shard_of(w), &[w]);
+        shared.read_shard(shared.shard_of(w), |index| {
+            assert!(index.same_content(&expected), "worker {w} after the freeze");
+        });
+    }
+}
+
+/// Lanes dumped and restored keep the index's layout: long chains shared by several workers
+/// come back along segments, in about the memory they took, and answer alike.
+#[test]
+fn restored_lanes_keep_the_layout_of_long_shared_chains() {
+    let mut index = KvIndex::new();
+    for w in 0..4u64 {
+        for c in 0..10u64 {
+            // 150 blocks every chain shares, then 150 of its own.
+            let blocks = (0..300u64)
+                .map(|k| KvCacheStoredBlockData {
+                    block_hash: Ext(c * 1_000 + k),
+                    tokens_hash: LocalBlockHash(if k < 150 { k } else { c * 100_000 + k }),
+                })
+                .collect();
+            let ev = RouterEvent {
+                worker_id: w,
+                storage_tier: StorageTier::Device,
+                event: KvCacheEvent {
+                    event_id: c,
+                    dp_rank: 0,
+                    data: KvCacheEventData::Stored(KvCacheStoreData {
+                        parent_hash: None,
+                        blocks,
+                    }),
+                },
+            };
+            index.apply_event_untracked(&ev).expect("a valid chain");
+        }
+        // Evict the middle of one chain: its tail lives on after a dead stretch.
+        let evict = KvCacheEventData::Removed(KvCacheRemoveData {
+            block_hashes: (200..220u64).map(|k| Ext(3_000 + k)).collect(),
+        });
+        let ev = RouterEvent {
+            worker_id: w,
+            storage_tier: StorageTier::Device,
+            event: KvCacheEvent {
+                event_id: 10,
+                dp_rank: 0,
+                data: evict,
+            },
+        };
+        index.apply_event_untracked(&ev).expect("held blocks");
+    }
+    let lanes: Vec<kvroute_indexer::LaneDump> = index.dump_lanes().collect();
+    let mut restored = KvIndex::new();
+    let blocks = restored.restore_lanes(lanes.iter().map(|l| (l.worker, l.tier, &l.blocks[..])));
+    assert_eq!(blocks, index.memory().indexed_blocks);
+    assert!(index.same_content(&restored));
+    restored
+        .check_consistency()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (before, after) = (index.memory().table_bytes, restored.memory().table_bytes);
+    // The tables may sit anywhere in their 1/3 to 2/3 load band, so allow half again. Rebuilt
+    // from one-block events (`KvIndex::dump`), every block is a segment of its own and the
+    // index takes about three times the bytes.
+    let flat = KvIndex::from_events(index.dump()).memory().table_bytes;
+    assert!(
+        after * 2 <= before * 3 && flat * 2 > before * 3,
+        "restored index takes {after} bytes, the original {before}, one rebuilt from events {flat}"
+    );
+    for c in [0u64, 3, 9] {
+        let prompt: Vec<LocalBlockHash> = (0..300u64)
+            .map(|k| LocalBlockHash(if k < 150 { k } else { c * 100_000 + k }))
+            .collect();
+        assert_eq!(index.find_matches(&prompt), restored.find_matches(&prompt));
+    }
+}

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use kvroute_indexer::hash::{SequenceHash, next_seq_hash};
-use kvroute_indexer::{ConcurrentIndex, KvIndex, OverlapScores};
+use kvroute_indexer::{ConcurrentIndex, KvIndex, LaneDump, OverlapScores};
 use kvroute_protocols::WorkerWithDpRank;
 use kvroute_protocols::kv_events::{
     ExternalSequenceBlockHash as Ext, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
@@ -224,6 +224,7 @@ proptest! {
         for q in [vec![1, 2, 3], vec![2, 1], vec![3, 3, 3, 1]] {
             prop_assert_eq!(index_query(&rebuilt, &q), model.query(&q));
         }
+        check_restored(&index, &model, &ops)?;
     }
 }
 
@@ -296,6 +297,7 @@ proptest! {
             }
             prop_assert_eq!(index.check_consistency(), Ok(()));
         }
+        check_restored(&index, &model, &ops)?;
     }
 }
 
@@ -377,6 +379,23 @@ fn run_against_model(
         }
     }
     prop_assert_eq!(index.check_consistency(), Ok(()));
+    check_restored(index, model, ops)
+}
+
+/// An index restored from `index`'s lanes holds the same blocks, passes the audit and answers
+/// every query of `ops` as the model does.
+fn check_restored(index: &KvIndex, model: &Model, ops: &[Op]) -> Result<(), TestCaseError> {
+    let lanes: Vec<LaneDump> = index.dump_lanes().collect();
+    let mut restored = KvIndex::new();
+    let blocks = restored.restore_lanes(lanes.iter().map(|l| (l.worker, l.tier, &l.blocks[..])));
+    prop_assert_eq!(blocks, index.memory().indexed_blocks);
+    prop_assert!(index.same_content(&restored));
+    prop_assert_eq!(restored.check_consistency(), Ok(()));
+    for op in ops {
+        if let Op::Query(q) = op {
+            prop_assert_eq!(index_query(&restored, q), model.query(q));
+        }
+    }
     Ok(())
 }
 

@@ -2,11 +2,8 @@
 //! stream, so that a router that starts or restarts loads them and reads only the events after
 //! that point instead of asking every worker for a dump.
 
-use kvroute_indexer::EventGap;
-use kvroute_protocols::kv_events::{
-    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData,
-    KvCacheStoredBlockData, LocalBlockHash, RouterEvent, StorageTier,
-};
+use kvroute_indexer::{EventGap, Frozen, KvIndex};
+use kvroute_protocols::kv_events::StorageTier;
 use kvroute_protocols::{WorkerId, WorkerWithDpRank};
 use kvroute_sessions::AffinityStore;
 use serde::{Deserialize, Serialize};
@@ -14,8 +11,10 @@ use serde::{Deserialize, Serialize};
 use super::KvRouterCore;
 use crate::config::KvMode;
 
-/// What a snapshot's bytes start with: the format and its version.
-const MAGIC: &[u8; 8] = b"KVRSNAP1";
+/// What a snapshot's bytes start with: the format and its version. Version 1 listed each block
+/// without its local hash, and a router restored from it held every block in a segment of its own
+/// (queries looked up every block of a prompt): it is refused, and the stream replayed instead.
+const MAGIC: &[u8; 8] = b"KVRSNAP2";
 
 /// The exact KV index of a router's event-mode workers and the next event id expected from each,
 /// as of the KV event at position `sequence` of the event plane's history.
@@ -48,8 +47,9 @@ pub struct LaneSnapshot {
     pub dp_rank: u32,
     /// The tier.
     pub tier: StorageTier,
-    /// `(engine block hash, sequence hash)` of each block.
-    pub blocks: Vec<(u64, u64)>,
+    /// `(engine block hash, sequence hash, local hash)` of each block, in the index's layout
+    /// order (see `KvIndex::dump_lanes`).
+    pub blocks: Vec<(u64, u64, u64)>,
 }
 
 /// Why a snapshot was refused (the core is unchanged).
@@ -90,7 +90,7 @@ impl IndexSnapshot {
     /// Reads [`Self::encode`]'s bytes.
     pub fn decode(bytes: &[u8]) -> Result<Self, SnapshotError> {
         let body = bytes.strip_prefix(MAGIC).ok_or(SnapshotError::Format {
-            expected: "KVRSNAP1",
+            expected: "KVRSNAP2",
         })?;
         bincode::deserialize(body).map_err(|e| SnapshotError::Corrupt(e.to_string()))
     }
@@ -105,12 +105,61 @@ impl IndexSnapshot {
     }
 }
 
+/// An [`IndexSnapshot`] cut at one point and not yet read (see [`KvRouterCore::snapshot_cut`]):
+/// the index stays at the cut while this lives, with queries going on and events queueing.
+#[derive(Debug)]
+#[must_use = "the index applies no event until the cut is finished or dropped"]
+pub struct SnapshotCut {
+    /// The workers and their event positions, without their blocks yet.
+    snapshot: IndexSnapshot,
+    frozen: Frozen,
+}
+
+impl SnapshotCut {
+    /// Reads the blocks of every worker in the cut, then lets the index apply the events queued
+    /// since.
+    pub fn finish(mut self) -> IndexSnapshot {
+        let workers = &mut self.snapshot.workers;
+        for shard in 0..self.frozen.shards() {
+            self.frozen
+                .read_shard(shard, |index| add_lanes(workers, index));
+        }
+        self.snapshot
+    }
+}
+
+/// Adds the blocks `index` holds for each of `workers` (sorted by id) to its lanes.
+fn add_lanes(workers: &mut [WorkerSnapshot], index: &KvIndex) {
+    for lane in index.dump_lanes() {
+        let Ok(at) = workers.binary_search_by_key(&lane.worker.worker_id, |w| w.worker_id) else {
+            continue;
+        };
+        workers[at].lanes.push(LaneSnapshot {
+            dp_rank: lane.worker.dp_rank,
+            tier: lane.tier,
+            blocks: lane.blocks,
+        });
+    }
+}
+
 impl<S: AffinityStore> KvRouterCore<S> {
     /// A snapshot of the exact index of every registered worker that publishes KV events, with
     /// the next event id expected from each, reflecting the events up to position `sequence` of
     /// the event plane (the caller passes the position of the last event it applied, and takes
-    /// no snapshot while a gap is being repaired).
+    /// no snapshot while a gap is being repaired). [`Self::snapshot_cut`] then
+    /// [`SnapshotCut::finish`].
     pub fn snapshot(&self, sequence: u64) -> IndexSnapshot {
+        self.snapshot_cut(sequence).finish()
+    }
+
+    /// The cut of [`Self::snapshot`]: the event positions, and the index held at the same point
+    /// (every event queued so far applied, later ones waiting), without reading its blocks. A
+    /// router takes the cut under its routing lock and [`SnapshotCut::finish`]es it after letting
+    /// go, so routing goes on while the blocks are read (65 ns a block: most of a second for
+    /// ten million blocks). Events queued meanwhile are applied when the cut is finished or
+    /// dropped; until then a change to the index through this core waits for it, so do not make
+    /// one on the thread holding it.
+    pub fn snapshot_cut(&self, sequence: u64) -> SnapshotCut {
         let mut workers: Vec<WorkerSnapshot> = self
             .modes
             .iter()
@@ -124,40 +173,14 @@ impl<S: AffinityStore> KvRouterCore<S> {
             })
             .collect();
         workers.sort_by_key(|w| w.worker_id);
-        // Every event queued before the cut is in it.
-        self.with_index(|index| {
-            for event in index.dump() {
-                let Ok(at) = workers.binary_search_by_key(&event.worker_id, |w| w.worker_id) else {
-                    continue;
-                };
-                let KvCacheEventData::Stored(store) = &event.event.data else {
-                    continue;
-                };
-                let lanes = &mut workers[at].lanes;
-                let (dp_rank, tier) = (event.event.dp_rank, event.storage_tier);
-                if lanes
-                    .last()
-                    .is_none_or(|l| l.dp_rank != dp_rank || l.tier != tier)
-                {
-                    lanes.push(LaneSnapshot {
-                        dp_rank,
-                        tier,
-                        blocks: Vec::new(),
-                    });
-                }
-                let lane = lanes.last_mut().expect("a lane was just pushed");
-                lane.blocks.extend(
-                    store
-                        .blocks
-                        .iter()
-                        .map(|b| (b.block_hash.0, b.tokens_hash.0)),
-                );
-            }
-        });
-        IndexSnapshot {
-            block_size: self.block_size(),
-            sequence,
-            workers,
+        SnapshotCut {
+            snapshot: IndexSnapshot {
+                block_size: self.block_size(),
+                sequence,
+                workers,
+            },
+            // Every event queued before the cut is in it, none queued after.
+            frozen: self.index.freeze(),
         }
     }
 
@@ -172,45 +195,21 @@ impl<S: AffinityStore> KvRouterCore<S> {
                 router: self.block_size(),
             });
         }
-        let mut event = RouterEvent {
-            worker_id: 0,
-            storage_tier: StorageTier::Device,
-            event: KvCacheEvent {
-                event_id: 0,
-                data: KvCacheEventData::Stored(KvCacheStoreData {
-                    parent_hash: None,
-                    blocks: vec![KvCacheStoredBlockData {
-                        block_hash: ExternalSequenceBlockHash(0),
-                        tokens_hash: LocalBlockHash(0),
-                    }],
-                }),
-                dp_rank: 0,
-            },
-        };
-        let mut restored = 0;
+        // Every worker's blocks in one pass, so chains shared between workers come back along
+        // one segment (the index's own layout, see `KvIndex::restore_lanes`).
+        let restored = self.index_mut(|index| {
+            for worker in &snapshot.workers {
+                index.remove_worker(worker.worker_id);
+            }
+            index.restore_lanes(snapshot.workers.iter().flat_map(|worker| {
+                worker.lanes.iter().map(|lane| {
+                    let rank = WorkerWithDpRank::new(worker.worker_id, lane.dp_rank);
+                    (rank, lane.tier, &lane.blocks[..])
+                })
+            }))
+        });
         for worker in &snapshot.workers {
             self.gaps.forget_worker(worker.worker_id);
-            event.worker_id = worker.worker_id;
-            restored += self.index_mut(|index| {
-                index.remove_worker(worker.worker_id);
-                let mut restored = 0;
-                for lane in &worker.lanes {
-                    event.storage_tier = lane.tier;
-                    event.event.dp_rank = lane.dp_rank;
-                    for &(ext, seq) in &lane.blocks {
-                        if let KvCacheEventData::Stored(store) = &mut event.event.data {
-                            store.blocks[0] = KvCacheStoredBlockData {
-                                block_hash: ExternalSequenceBlockHash(ext),
-                                tokens_hash: LocalBlockHash(seq),
-                            };
-                        }
-                        // A snapshot holds valid one-block chains; anything else is counted.
-                        let _ = index.apply_event_untracked(&event);
-                        restored += 1;
-                    }
-                }
-                restored
-            });
             if let Some(next) = worker.next_event_id {
                 self.gaps
                     .expect(WorkerWithDpRank::from_worker_id(worker.worker_id), next);

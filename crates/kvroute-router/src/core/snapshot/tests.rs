@@ -251,3 +251,34 @@ fn a_workers_new_life_replaces_the_old_one_and_its_current_life_is_kept() {
     assert_eq!(worker_blocks(&core, 3), 0);
     assert_eq!(core.expected_event_id(3), None);
 }
+
+/// The cut is the snapshot: events queued after it (the routing lock let go) are neither in it
+/// nor lost, and routing's queries go on while it is read.
+#[test]
+fn events_queued_after_a_snapshot_cut_wait_for_it_and_are_not_in_it() {
+    let mut core = busy_core();
+    let expected = core.snapshot(7);
+    let cut = core.snapshot_cut(7);
+    // After the cut, worker 1 evicts and stores: queued on the shared index, applied by nobody
+    // while the cut is held (the event loop's apply returns at once).
+    let later = [
+        removed(1, 104, &[5_000 + 22]),
+        stored(1, 105, &tokens(77, 16), 20_000, StorageTier::Device),
+    ];
+    for event in &later {
+        assert_eq!(core.queue_event(event.clone()), None);
+        core.shared_index().apply_queued();
+    }
+    // A route's query still runs against the index as of the cut.
+    let prompt = compute_block_hashes(&tokens(77, 16), BS as usize, &HashSalt::default());
+    assert_eq!(core.shared_index().find_matches(&prompt).max_score(), 0);
+    let snapshot = cut.finish();
+    assert_eq!(snapshot, expected, "the cut moved");
+    // Finishing let the queued events in.
+    assert_eq!(core.shared_index().find_matches(&prompt).max_score(), 4);
+    let mut replayed = busy_core();
+    for event in &later {
+        replayed.apply_event(event);
+    }
+    assert!(core.with_index(|a| replayed.with_index(|b| a.same_content(b))));
+}
