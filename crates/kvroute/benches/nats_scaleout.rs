@@ -423,6 +423,11 @@ async fn catch_up(url: &str, a: &Args) {
         restored.with_index(|a| replayed.with_index(|b| a.same_content(b))),
         "the restored router and the replaying one disagree"
     );
+    // The restore keeps the index's layout: about the memory of the index that replayed.
+    let (replayed_bytes, restored_bytes) = (
+        replayed.shared_index().memory().table_bytes,
+        restored.shared_index().memory().table_bytes,
+    );
     let blocks: usize = (0..a.workers)
         .map(|w| {
             restored.with_index(|i| {
@@ -452,6 +457,11 @@ async fn catch_up(url: &str, a: &Args) {
          after it: caught up in {:.2} s ({blocks} catch-up blocks, same index as the replay)",
         loaded_in.as_secs_f64(),
         restart.as_secs_f64()
+    );
+    println!(
+        "restart catch-up: index tables {:.1} MB replayed, {:.1} MB restored from the snapshot",
+        replayed_bytes as f64 / 1e6,
+        restored_bytes as f64 / 1e6
     );
 }
 
