@@ -149,9 +149,10 @@ impl ConcurrentIndex {
     /// Queues an event without applying it, nor looking at its id (the caller tracks ids, as
     /// [`KvIndex::apply_event_untracked`]): [`Self::apply_queued`], the next submit to its shard
     /// or [`Self::with_shard_mut`] applies it, in queue order; so do [`IndexWriters`] running on
-    /// this index, once a send to the shard or [`IndexWriters::flush`] wakes them. A caller that orders events under
-    /// a lock of its own (a router's state lock) queues them there and applies them after
-    /// letting go of it, so that lock is never held while the index is written.
+    /// this index, once a send to the shard or [`IndexWriters::flush`] wakes them. A caller that
+    /// orders events under a lock of its own (a router's state lock) queues them there and
+    /// applies them after letting go of it, so that lock is never held while the index is
+    /// written.
     pub fn enqueue_untracked(&self, event: RouterEvent) {
         let shard = self.shard_of(event.worker_id);
         self.shards[shard].ops.push(Op::Untracked(event));

@@ -110,22 +110,17 @@ impl KvIndex {
             let nodes = &mut self.tiers[t];
             let lane = &mut self.slots[slot as usize].lanes[t];
             lane.blocks.reserve(blocks.len());
+            // Whether each block's sequence hash chains from the one before it in the list.
+            let chains: Vec<bool> = std::iter::once(false)
+                .chain(blocks.windows(2).map(|w| {
+                    next_seq_hash(Some(SequenceHash(w[0].1)), LocalBlockHash(w[1].2)).0 == w[1].1
+                }))
+                .collect();
             let mut prev: Option<Parent> = None;
             for (i, &(ext, seq, local)) in blocks.iter().enumerate() {
-                let continues = prev.is_some_and(|p| {
-                    next_seq_hash(Some(SequenceHash(p.seq)), LocalBlockHash(local)).0 == seq
-                });
-                if !continues {
+                if !(chains[i] && prev.is_some()) {
                     // A run starts: let a segment it starts make room for all of it.
-                    let run = 1 + blocks[i + 1..]
-                        .iter()
-                        .scan(seq, |at, &(_, s, l)| {
-                            let next = next_seq_hash(Some(SequenceHash(*at)), LocalBlockHash(l)).0;
-                            *at = s;
-                            Some(next == s)
-                        })
-                        .take_while(|&chains| chains)
-                        .count();
+                    let run = 1 + chains[i + 1..].iter().take_while(|&&c| c).count();
                     nodes.expect_chain(run);
                     prev = None;
                 }
@@ -138,10 +133,9 @@ impl KvIndex {
                 let (loc, had) = match prev {
                     Some(p) => nodes.add(Some(p), seq, local, slot),
                     None => {
-                        let at = nodes
-                            .locate(seq)
-                            .map(|(g, p)| (u64::from(g) << 32) | p as u64);
-                        let at = at.or_else(|| {
+                        // An entry (every live node, in a tier that maps them all), else a
+                        // node listed live.
+                        let at = nodes.follow(None, seq, local).or_else(|| {
                             if nodes.every_node() {
                                 return None;
                             }
