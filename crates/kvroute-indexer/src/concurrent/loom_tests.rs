@@ -9,24 +9,28 @@ use loom::thread;
 use super::Combiner;
 use crate::sync::{AtomicBool, Mutex, Ordering, lock};
 
+/// A submitter thread: pushes `item`, then drains, counting what it applies into `applied`.
+fn submitter(
+    combiner: &Arc<Combiner<u32>>,
+    applied: &Arc<AtomicUsize>,
+    item: u32,
+) -> thread::JoinHandle<()> {
+    let (combiner, applied) = (Arc::clone(combiner), Arc::clone(applied));
+    thread::spawn(move || {
+        combiner.push(item);
+        combiner.drain(|batch| {
+            applied.fetch_add(batch.count(), Ordering::Relaxed);
+        });
+    })
+}
+
 /// Two submitters push and drain; once both return, everything pushed has been applied.
 #[test]
 fn loom_combiner_never_strands_an_item() {
     loom::model(|| {
         let combiner = Arc::new(Combiner::<u32>::new());
         let applied = Arc::new(AtomicUsize::new(0));
-        let handles: Vec<_> = (0..2)
-            .map(|i| {
-                let combiner = Arc::clone(&combiner);
-                let applied = Arc::clone(&applied);
-                thread::spawn(move || {
-                    combiner.push(i);
-                    combiner.drain(|batch| {
-                        applied.fetch_add(batch.count(), Ordering::Relaxed);
-                    });
-                })
-            })
-            .collect();
+        let handles: Vec<_> = (0..2).map(|i| submitter(&combiner, &applied, i)).collect();
         for h in handles {
             h.join().expect("submitter panicked");
         }
@@ -43,16 +47,7 @@ fn loom_exclusive_applies_what_was_queued_first() {
         let combiner = Arc::new(Combiner::<u32>::new());
         let applied = Arc::new(AtomicUsize::new(0));
         combiner.push(0);
-        let submitter = {
-            let combiner = Arc::clone(&combiner);
-            let applied = Arc::clone(&applied);
-            thread::spawn(move || {
-                combiner.push(1);
-                combiner.drain(|batch| {
-                    applied.fetch_add(batch.count(), Ordering::Relaxed);
-                });
-            })
-        };
+        let submitter = submitter(&combiner, &applied, 1);
         let seen = combiner.exclusive(
             |batch| {
                 applied.fetch_add(batch.count(), Ordering::Relaxed);
@@ -80,16 +75,7 @@ fn loom_batch_at_a_time_writer_never_strands_an_item() {
         let combiner = Arc::new(Combiner::<u32>::new());
         let applied = Arc::new(AtomicUsize::new(0));
         combiner.push(0);
-        let submitter = {
-            let combiner = Arc::clone(&combiner);
-            let applied = Arc::clone(&applied);
-            thread::spawn(move || {
-                combiner.push(1);
-                combiner.drain(|batch| {
-                    applied.fetch_add(batch.count(), Ordering::Relaxed);
-                });
-            })
-        };
+        let submitter = submitter(&combiner, &applied, 1);
         let mut batch = Vec::new();
         while combiner.drain_once(&mut batch, |b| {
             applied.fetch_add(b.count(), Ordering::Relaxed);
