@@ -1,4 +1,5 @@
-"""Prints the evaluation-set matrix (docs/benchmarks.md) from what matrix.sh wrote.
+"""Prints the evaluation-set matrix from what matrix.sh wrote (docs/benchmarks-history.md has the
+full matrices, docs/benchmarks.md the default policy's rows).
 
 Usage: python3 table.py EVAL_DIR WORKLOAD:RATE:ENGINES ...  (the specs matrix.sh was given)
 

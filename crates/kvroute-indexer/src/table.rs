@@ -17,14 +17,15 @@
 //! falling below 1/6 rebuilds it at 2/5. A table whose size levels off holds 1/3 to 2/3 of its
 //! peak, 24-48 bytes an entry. It used to run at 1/2 to 3/4 (21-32 bytes an entry), but near 3/4 a
 //! probe and an insert's shift cross cache lines often enough that applying events ran 17-26%
-//! slower for 20-30% less memory per indexed block (benchmarks.md, "Tables at 1/3 to 2/3 load").
+//! slower for 20-30% less memory per indexed block (benchmarks-history.md, "tables at 1/3 to 2/3
+//! load", issue 12 step 6).
 //! A rebuild reads the old array in order and only appends. A probe touches consecutive slots,
 //! four to a cache line. The one key whose mixed hash is `u64::MAX` is kept aside in `aside`.
 //!
 //! Where a probe loop stops varies from key to key, so it is mispredicted about once an access.
 //! Until step 9 the slots held the keys themselves and runs wrapped round the array's end, so each
-//! probed slot cost a multiply and a wrap-aware distance (benchmarks.md, "Where the per-core gap
-//! goes" and step 9).
+//! probed slot cost a multiply and a wrap-aware distance (benchmarks-history.md, "Where the
+//! per-core gap goes" and step 9).
 //!
 //! [`U64Map::peek`] prefetches the slots where a key's probe starts, so a batch of accesses can
 //! issue its cache misses together; it is the crate's only `unsafe` (a prefetch hint, which cannot
