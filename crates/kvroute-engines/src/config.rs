@@ -116,10 +116,11 @@ pub struct HttpEngineConfig {
     )]
     #[serde(with = "opt_millis")]
     pub first_byte_timeout: Option<Duration>,
-    /// The longest silence allowed between two pieces of a response body once it has started.
-    /// `None` waits forever.
-    #[serde(rename = "idle_timeout_ms", default, with = "opt_millis")]
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// The longest silence allowed between two pieces of a response body once it has started
+    /// (default 60 s: an engine that stops mid-stream, frozen or cut off without a reset, is
+    /// given up on and the request migrates with what it generated). `None` waits forever.
+    #[serde(rename = "idle_timeout_ms", default = "default_idle_timeout")]
+    #[serde(with = "opt_millis")]
     pub idle_timeout: Option<Duration>,
     /// The longest a whole request may take. `None` has no bound.
     #[serde(rename = "request_timeout_ms", default, with = "opt_millis")]
@@ -142,7 +143,7 @@ impl HttpEngineConfig {
             default_max_tokens: None,
             connect_timeout: default_connect_timeout(),
             first_byte_timeout: default_first_byte_timeout(),
-            idle_timeout: None,
+            idle_timeout: default_idle_timeout(),
             request_timeout: None,
             health_timeout: default_health_timeout(),
         }
@@ -173,6 +174,10 @@ fn default_connect_timeout() -> Duration {
 
 fn default_first_byte_timeout() -> Option<Duration> {
     Some(Duration::from_secs(300))
+}
+
+fn default_idle_timeout() -> Option<Duration> {
+    Some(Duration::from_secs(60))
 }
 
 fn default_health_timeout() -> Duration {

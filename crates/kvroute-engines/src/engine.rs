@@ -12,11 +12,13 @@ use kvroute_protocols::{Annotated, PreprocessedRequest};
 use kvroute_runtime::{Engine, EngineError, LlmResponse, RequestContext, ResponseStream};
 use reqwest::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderValue};
 use reqwest::{Response, StatusCode, Url};
+use serde_json::Value;
 use tokio::time::Instant;
 
 use crate::config::{EngineConfigError, EngineKind, HttpEngineConfig};
 use crate::dialect::{self, Built, Dialect, Target};
-use crate::error::{HealthError, error_message, is_unavailable_status};
+use crate::error::{HealthError, error_message, is_unavailable_status, refusal_code};
+use crate::identify::{self, Answers, EngineIdentity, IdentifyError, PROBES};
 use crate::load::{self, EngineLoad, LoadError};
 use crate::stream::{Action, StreamState};
 
@@ -42,11 +44,16 @@ pub struct HttpEngine {
 struct Inner {
     config: HttpEngineConfig,
     client: reqwest::Client,
+    /// The base URL, ending in `/`: endpoint paths join below it.
+    base: Url,
     generate_url: Url,
     health_url: Url,
     metrics_url: Url,
     dialect: &'static dyn Dialect,
     auth: Option<HeaderValue>,
+    /// The engine's context length, once [`HttpEngine::identify`] learned it: a prompt that
+    /// cannot fit is refused without being sent.
+    context_length: std::sync::OnceLock<u32>,
 }
 
 impl std::fmt::Debug for HttpEngine {
@@ -122,11 +129,13 @@ impl HttpEngine {
             inner: Arc::new(Inner {
                 config,
                 client,
+                base,
                 generate_url,
                 health_url,
                 metrics_url,
                 dialect,
                 auth,
+                context_length: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -173,6 +182,54 @@ impl HttpEngine {
             status: status.as_u16(),
             message: error_message(&body),
         })
+    }
+
+    /// Asks the engine what it is (see the table in `identify`): refuses an engine that answers
+    /// like another kind than configured, or not like its kind at all, and learns its context
+    /// length, from then on refusing prompts that cannot fit before sending them (an HTTP 400
+    /// `context_length_exceeded` error item, as the engine itself would answer).
+    pub async fn identify(&self) -> Result<EngineIdentity, IdentifyError> {
+        let inner = &self.inner;
+        let mut answers = Answers::default();
+        for (slot, path) in [
+            &mut answers.props,
+            &mut answers.model_info,
+            &mut answers.models,
+        ]
+        .into_iter()
+        .zip(PROBES)
+        {
+            *slot = self.probe(path).await;
+        }
+        let identity = identify::check(&inner.config.base_url, inner.config.kind, &answers)?;
+        if let Some(n) = identity.context_length {
+            let _ = inner.context_length.set(n);
+        }
+        Ok(identity)
+    }
+
+    /// `GET path` on the engine: its JSON body, or `None` for anything else.
+    async fn probe(&self, path: &str) -> Option<Value> {
+        let inner = &self.inner;
+        let url = inner.base.join(path).ok()?;
+        let mut request = inner
+            .client
+            .get(url)
+            .header(ACCEPT, "application/json")
+            .timeout(inner.config.health_timeout);
+        if let Some(auth) = &inner.auth {
+            request = request.header(AUTHORIZATION, auth.clone());
+        }
+        let response = request.send().await.ok()?;
+        if !response.status().is_success() {
+            return None;
+        }
+        response.json().await.ok()
+    }
+
+    /// The engine's context length, once [`Self::identify`] learned it.
+    pub fn context_length(&self) -> Option<u32> {
+        self.inner.context_length.get().copied()
     }
 
     /// The engine's own load, one [`EngineLoad`] per data-parallel rank, read from its
@@ -243,6 +300,20 @@ impl Engine for HttpEngine {
     ) -> Result<ResponseStream<LlmResponse>, EngineError> {
         let inner = &self.inner;
         dialect::check_supported(&request)?;
+        if let Some(&context) = inner.context_length.get()
+            && request.token_ids.len() >= context as usize
+        {
+            let message = format!(
+                "{} engine at {} refused the request: the prompt has {} tokens and the engine's \
+                 context holds {context}",
+                inner.config.kind,
+                inner.config.base_url,
+                request.token_ids.len()
+            );
+            let refusal =
+                Annotated::from_engine_error(message, 400, Some("context_length_exceeded"));
+            return Ok(Box::pin(futures::stream::iter([refusal])));
+        }
         let model = inner
             .config
             .served_model_name
@@ -275,9 +346,18 @@ fn drive(mut driver: Driver, context: RequestContext) -> impl Stream<Item = LlmR
                         }
                         yield *item;
                     }
-                    Action::Fail(message) => {
-                        tracing::warn!(request = context.id(), %message, "engine unavailable");
-                        context.fail(EngineError::Unavailable { message });
+                    Action::Fail(error) => {
+                        match &error {
+                            EngineError::Timeout { .. } => tracing::warn!(
+                                request = context.id(),
+                                %error,
+                                "engine sent nothing within its first-byte limit; the request \
+                                 goes back to the router (raise first_byte_timeout_ms / \
+                                 --first-byte-timeout for longer prefills)"
+                            ),
+                            _ => tracing::warn!(request = context.id(), %error, "engine unavailable"),
+                        }
+                        context.fail(error);
                     }
                     Action::End => return,
                 }
@@ -381,8 +461,19 @@ impl Driver {
         };
         match sent {
             Sent::Stopped => self.state.stopped(),
-            Sent::TimedOut => {
-                self.unavailable(format!("no response within {:?}", self.first_byte_limit()))
+            Sent::TimedOut => self.timed_out(),
+            // Nothing reached the engine: the router may send the request elsewhere for free.
+            Sent::Failed(e) if e.is_connect() => {
+                let message = format!(
+                    "{} engine at {} cannot be reached: {}",
+                    self.inner.config.kind,
+                    self.inner.generate_url,
+                    error_chain(&e)
+                );
+                vec![
+                    Action::Fail(EngineError::Unreachable { message }),
+                    Action::End,
+                ]
             }
             Sent::Failed(e) => self.unavailable(error_chain(&e)),
             Sent::Response(response) => self.respond(response).await,
@@ -432,10 +523,15 @@ impl Driver {
         if is_unavailable_status(status.as_u16()) {
             self.unavailable(format!("HTTP {status}: {message}"))
         } else {
+            let code = refusal_code(&body);
             let message =
                 format!("{kind} engine at {url} refused the request: HTTP {status}: {message}");
             vec![
-                Action::Emit(Box::new(Annotated::from_error(message))),
+                Action::Emit(Box::new(Annotated::from_engine_error(
+                    message,
+                    status.as_u16(),
+                    code,
+                ))),
                 Action::End,
             ]
         }
@@ -466,15 +562,10 @@ impl Driver {
         };
         match read {
             Read::Stopped => self.state.stopped(),
-            Read::TimedOut => {
-                let what = if self.started_body {
-                    "the next piece of the stream"
-                } else {
-                    "the first token"
-                };
-                self.state
-                    .body_error(format!("timed out waiting for {what}"))
-            }
+            Read::TimedOut if !self.started_body => self.timed_out(),
+            Read::TimedOut => self
+                .state
+                .body_error("timed out waiting for the next piece of the stream".to_owned()),
             Read::Failed(e) => self.state.body_error(error_chain(&e)),
             Read::Eof => self.state.end_of_body(),
             Read::Chunk(chunk) => {
@@ -493,7 +584,21 @@ impl Driver {
             "{} engine at {} is unavailable: {what}",
             self.inner.config.kind, self.inner.generate_url
         );
-        vec![Action::Fail(message), Action::End]
+        vec![
+            Action::Fail(EngineError::Unavailable { message }),
+            Action::End,
+        ]
+    }
+
+    /// Nothing arrived within the first-byte limit: the request is abandoned before any output.
+    fn timed_out(&self) -> Vec<Action> {
+        let message = format!(
+            "{} engine at {} sent nothing within the first-byte limit of {:?}",
+            self.inner.config.kind,
+            self.inner.generate_url,
+            self.first_byte_limit()
+        );
+        vec![Action::Fail(EngineError::Timeout { message }), Action::End]
     }
 
     /// The time allowed until the first byte of the body.

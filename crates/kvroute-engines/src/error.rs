@@ -54,6 +54,24 @@ pub(crate) fn is_unavailable_status(status: u16) -> bool {
     matches!(status, 429 | 502 | 503 | 504)
 }
 
+/// The OpenAI error code of an engine's refusal, when the answer says which: a prompt longer
+/// than the engine's context is `context_length_exceeded` (llama.cpp's
+/// `exceed_context_size_error`, vLLM's "maximum context length", SGLang's "longer than the
+/// model's context length").
+pub(crate) fn refusal_code(body: &str) -> Option<&'static str> {
+    let lower = body.to_ascii_lowercase();
+    let context = [
+        "exceed_context_size",
+        "context length",
+        "context size",
+        "context_length",
+    ];
+    context
+        .iter()
+        .any(|needle| lower.contains(needle))
+        .then_some("context_length_exceeded")
+}
+
 /// The longest excerpt of an engine's body quoted in a message.
 const EXCERPT_CHARS: usize = 512;
 

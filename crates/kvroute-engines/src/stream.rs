@@ -3,7 +3,7 @@
 //! [`crate::engine`]; keeping this part free of I/O lets it be tested piece by piece.
 
 use kvroute_protocols::{Annotated, CompletionUsage, LLMEngineOutput};
-use kvroute_runtime::LlmResponse;
+use kvroute_runtime::{EngineError, LlmResponse};
 
 use crate::config::EngineKind;
 use crate::dialect::{Parsed, Step, StreamParser, counted_usage};
@@ -15,8 +15,9 @@ use crate::sse::{SseDecoder, SseEvent};
 pub(crate) enum Action {
     /// Send this item (boxed: an item is ten times the size of the other actions).
     Emit(Box<LlmResponse>),
-    /// Fail the request with [`kvroute_runtime::EngineError::Unavailable`] and this message.
-    Fail(String),
+    /// Fail the request with this error ([`EngineError::Unavailable`] when the stream broke, so
+    /// that the caller may migrate it).
+    Fail(EngineError),
     /// End the stream (and drop the connection).
     End,
 }
@@ -223,7 +224,7 @@ impl StreamState {
     }
 
     fn fail(&mut self, message: String, out: &mut Vec<Action>) {
-        out.push(Action::Fail(message));
+        out.push(Action::Fail(EngineError::Unavailable { message }));
         self.end(out);
     }
 

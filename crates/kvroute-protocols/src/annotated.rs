@@ -34,6 +34,14 @@ fn none<T>() -> Option<T> {
     None
 }
 
+/// The comment line prefix carrying an engine error's HTTP status (see
+/// [`Annotated::from_engine_error`]).
+pub const ERROR_STATUS_COMMENT: &str = "http_status:";
+
+/// The comment line prefix carrying an engine error's OpenAI error code (see
+/// [`Annotated::from_engine_error`]).
+pub const ERROR_CODE_COMMENT: &str = "error_code:";
+
 impl<T> Annotated<T> {
     /// An item carrying `data`.
     pub fn from_data(data: T) -> Self {
@@ -55,6 +63,42 @@ impl<T> Annotated<T> {
             comment: None,
             error: Some(message.into()),
         }
+    }
+
+    /// An error item for an engine's refusal that came with an HTTP status (and, when the
+    /// engine's answer names one, an OpenAI error code such as `context_length_exceeded`): the
+    /// status and code travel as comment lines ([`ERROR_STATUS_COMMENT`], [`ERROR_CODE_COMMENT`])
+    /// so that the router can answer the client with the engine's own status.
+    pub fn from_engine_error(message: impl Into<String>, status: u16, code: Option<&str>) -> Self {
+        let mut comment = vec![format!("{ERROR_STATUS_COMMENT}{status}")];
+        if let Some(code) = code {
+            comment.push(format!("{ERROR_CODE_COMMENT}{code}"));
+        }
+        Self {
+            comment: Some(comment),
+            ..Self::from_error(message)
+        }
+    }
+
+    /// The HTTP status an error item made by [`Self::from_engine_error`] carries.
+    pub fn error_status(&self) -> Option<u16> {
+        self.error_comment(ERROR_STATUS_COMMENT)
+            .and_then(|s| s.trim().parse().ok())
+    }
+
+    /// The OpenAI error code an error item made by [`Self::from_engine_error`] carries.
+    pub fn error_code(&self) -> Option<&str> {
+        self.error_comment(ERROR_CODE_COMMENT).map(str::trim)
+    }
+
+    fn error_comment(&self, prefix: &str) -> Option<&str> {
+        if !self.is_error() {
+            return None;
+        }
+        self.comment
+            .iter()
+            .flatten()
+            .find_map(|line| line.strip_prefix(prefix))
     }
 
     /// An out-of-band event named `event` with `comment` lines and no data.

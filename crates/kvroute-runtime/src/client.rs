@@ -522,6 +522,14 @@ fn remote_error(e: WireError, addr: &str) -> RequestError {
             addr: addr.to_owned(),
             reason: message,
         },
+        WireErrorCode::EngineUnreachable => RequestError::EngineUnreachable {
+            addr: addr.to_owned(),
+            reason: message,
+        },
+        WireErrorCode::EngineTimeout => RequestError::EngineTimeout {
+            addr: addr.to_owned(),
+            reason: message,
+        },
         WireErrorCode::Engine => RequestError::Engine { message },
         WireErrorCode::BadRequest => RequestError::BadRequest { message },
         WireErrorCode::TooLarge => RequestError::Engine { message },

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 pub use in_process::{InProcessDiscovery, Lease};
-pub use registry::{RegistryServer, RemoteDiscovery, RemoteDiscoveryConfig};
+pub use registry::{RegistryChecks, RegistryServer, RemoteDiscovery, RemoteDiscoveryConfig};
 pub use static_file::{StaticDiscovery, StaticFleetError};
 
 /// What a worker instance serves.

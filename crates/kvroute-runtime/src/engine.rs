@@ -75,6 +75,22 @@ pub enum EngineError {
         /// What happened (connection refused, reset mid-stream, 503, ...).
         message: String,
     },
+    /// The engine could not be reached at all (its connection was refused): the request was
+    /// never sent, so moving it to another worker costs nothing and is always sound. Callers
+    /// see [`crate::RequestError::EngineUnreachable`].
+    #[error("engine unreachable: {message}")]
+    Unreachable {
+        /// What happened (connection refused, no route, ...).
+        message: String,
+    },
+    /// The engine sent nothing within its first-byte limit (queueing plus prefill took too
+    /// long): the request was abandoned before any output. Callers see
+    /// [`crate::RequestError::EngineTimeout`] and may move it to another worker.
+    #[error("engine timed out: {message}")]
+    Timeout {
+        /// What timed out, naming the limit.
+        message: String,
+    },
 }
 
 /// The id and cancellation state of one request, shared by the caller's side of the transport

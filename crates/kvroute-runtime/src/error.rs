@@ -15,6 +15,24 @@ pub enum RequestError {
         /// What happened (connection refused, reset, closed, ...).
         reason: String,
     },
+    /// The worker is alive but its engine could not be reached (connection refused): the
+    /// request was never sent to an engine, so another worker may take it at no cost.
+    #[error("the engine behind worker at {addr} is unreachable: {reason}")]
+    EngineUnreachable {
+        /// The worker's address.
+        addr: String,
+        /// What happened.
+        reason: String,
+    },
+    /// The worker's engine sent nothing within its first-byte limit (the worker's
+    /// `first_byte_timeout`); the request was abandoned there before any output.
+    #[error("the engine behind worker at {addr} timed out: {reason}")]
+    EngineTimeout {
+        /// The worker's address.
+        addr: String,
+        /// What timed out, naming the limit.
+        reason: String,
+    },
     /// Connecting (TCP plus handshake) took longer than the configured connect timeout.
     #[error("connecting to worker at {addr} took longer than {after:?}")]
     ConnectTimeout {
@@ -93,10 +111,33 @@ pub enum RequestError {
 impl RequestError {
     /// Whether the request never reached a live engine or lost its worker, so that sending it to
     /// another worker is sound (connection refused, timed out, or dropped).
+    ///
+    /// Timeouts before any output count: the worker-side first-byte limit
+    /// ([`RequestError::EngineTimeout`]) and this side's ([`RequestError::FirstResponseTimeout`],
+    /// which killed the stream on the worker).
     pub fn is_worker_unavailable(&self) -> bool {
         matches!(
             self,
-            RequestError::WorkerUnavailable { .. } | RequestError::ConnectTimeout { .. }
+            RequestError::WorkerUnavailable { .. }
+                | RequestError::ConnectTimeout { .. }
+                | RequestError::EngineUnreachable { .. }
+                | RequestError::EngineTimeout { .. }
+                | RequestError::FirstResponseTimeout { .. }
+        )
+    }
+
+    /// Whether nothing was sent to any engine because the worker's engine could not be reached
+    /// (its connection was refused): moving the request elsewhere is free.
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, RequestError::EngineUnreachable { .. })
+    }
+
+    /// Whether the request timed out before any output (the worker's first-byte limit, or
+    /// this side's first-response limit).
+    pub fn is_timeout(&self) -> bool {
+        matches!(
+            self,
+            RequestError::EngineTimeout { .. } | RequestError::FirstResponseTimeout { .. }
         )
     }
 }

@@ -136,6 +136,10 @@ pub(crate) enum WireErrorCode {
     /// The engine behind the worker cannot serve (down, restarting, overloaded); the caller may
     /// migrate the request.
     EngineUnavailable,
+    /// The engine behind the worker could not be reached: the request was never sent.
+    EngineUnreachable,
+    /// The engine sent nothing within its first-byte limit; the request was abandoned.
+    EngineTimeout,
 }
 
 /// An error frame's body.

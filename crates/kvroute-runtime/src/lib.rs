@@ -78,7 +78,7 @@ mod zmq_listener;
 pub use client::{Client, ClientConfig, ClientStream, EncodedRequest};
 pub use discovery::{
     Discovery, DiscoveryError, DiscoveryEvent, InProcessDiscovery, InstanceInfo, InstanceSet,
-    Lease, RegistryServer, RemoteDiscovery, RemoteDiscoveryConfig, StaticDiscovery,
+    Lease, RegistryChecks, RegistryServer, RemoteDiscovery, RemoteDiscoveryConfig, StaticDiscovery,
     StaticFleetError, WorkerRole, diff_instances, validate as validate_instance,
 };
 pub use engine::{Engine, EngineError, RequestContext, ResponseStream};
@@ -99,7 +99,10 @@ pub use load_reporter::{
     DEFAULT_REPORT_HEARTBEAT, LOAD_REPORT_SUBJECT, LOAD_REPORTS_METADATA, LoadReporter,
     encode_load_report,
 };
-pub use push_router::{PushRouter, PushRouterConfig, RouteError, RouteMode, RoutedStream};
+pub use push_router::{
+    DEFAULT_WORKER_FIRST_RESPONSE_TIMEOUT, PushRouter, PushRouterConfig, RouteError, RouteMode,
+    RoutedStream,
+};
 pub use server::{WorkerServer, WorkerServerConfig};
 pub use zmq_listener::{
     BlockHasher, BlockSalt, DEFAULT_MAX_TRACKED_BLOCKS, ZmqKvListener, ZmqKvListenerConfig,

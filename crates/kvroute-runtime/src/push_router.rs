@@ -55,10 +55,19 @@ pub struct PushRouterConfig {
     pub seed: u64,
 }
 
+/// How long a router waits for a worker's first response item by default: a backstop above
+/// every engine's own first-byte limit (kvroute-engines' `first_byte_timeout_ms`, 300 s by
+/// default), which fires first and tells the router why. Dead or frozen worker processes are
+/// caught much sooner by the connection's keepalive.
+pub const DEFAULT_WORKER_FIRST_RESPONSE_TIMEOUT: Duration = Duration::from_secs(900);
+
 impl Default for PushRouterConfig {
     fn default() -> Self {
         Self {
-            client: ClientConfig::default(),
+            client: ClientConfig {
+                first_response_timeout: Some(DEFAULT_WORKER_FIRST_RESPONSE_TIMEOUT),
+                ..ClientConfig::default()
+            },
             role: None,
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),

@@ -545,6 +545,8 @@ fn engine_error(e: EngineError) -> WireError {
     let code = match e {
         EngineError::Unsupported { .. } => WireErrorCode::Unsupported,
         EngineError::Unavailable { .. } => WireErrorCode::EngineUnavailable,
+        EngineError::Unreachable { .. } => WireErrorCode::EngineUnreachable,
+        EngineError::Timeout { .. } => WireErrorCode::EngineTimeout,
         _ => WireErrorCode::Engine,
     };
     WireError {

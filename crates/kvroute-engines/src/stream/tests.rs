@@ -30,7 +30,10 @@ fn check(kind: EngineKind, body: &str, end: &str, expect: &[&str]) {
 fn show(action: &Action) -> String {
     match action {
         Action::End => "end".to_owned(),
-        Action::Fail(m) => format!("fail {m}"),
+        Action::Fail(kvroute_runtime::EngineError::Unavailable { message }) => {
+            format!("fail {message}")
+        }
+        Action::Fail(other) => format!("fail {other}"),
         Action::Emit(item) => show_item(item),
     }
 }

@@ -24,15 +24,15 @@ fn vllm_token(id: u32) -> String {
 }
 
 #[tokio::test]
-async fn connection_refused_is_unavailable() {
+async fn connection_refused_is_unreachable_so_the_router_moves_it_for_free() {
     for kind in EngineKind::ALL {
         let url = refused_url().await;
         let engine = HttpEngine::new(HttpEngineConfig::new(kind, &url)).unwrap();
         let outcome = run(&engine, request()).await;
         assert!(outcome.items.is_empty(), "{kind}: {:?}", outcome.items);
-        let message = outcome.unavailable();
+        let message = outcome.unreachable();
         assert!(
-            message.contains(&url) && message.contains("is unavailable"),
+            message.contains(&url) && message.contains("cannot be reached"),
             "{kind}: {message}"
         );
     }
@@ -154,7 +154,7 @@ async fn an_answer_that_is_not_an_event_stream_is_an_error_item() {
 }
 
 #[tokio::test]
-async fn no_answer_within_the_first_byte_timeout_is_unavailable() {
+async fn no_answer_within_the_first_byte_timeout_is_a_timeout() {
     let mock = MockEngine::start(vec![Reply::Stall]).await;
     let mut config = HttpEngineConfig::new(EngineKind::Vllm, &mock.base_url);
     config.first_byte_timeout = Some(Duration::from_millis(50));
@@ -162,10 +162,31 @@ async fn no_answer_within_the_first_byte_timeout_is_unavailable() {
     let outcome = run(&engine, request()).await;
     assert!(outcome.items.is_empty());
     assert!(
-        outcome.unavailable().contains("no response within 50ms"),
+        outcome.timed_out().contains("first-byte limit of 50ms"),
         "{}",
-        outcome.unavailable()
+        outcome.timed_out()
     );
+}
+
+#[tokio::test]
+async fn an_engine_4xx_carries_its_status_and_a_context_overflow_its_code() {
+    // llama.cpp's answer to a prompt over its context.
+    let body = json!({"error": {"code": 400, "message": "the request exceeds the available context size, try increasing it", "type": "exceed_context_size_error", "n_prompt_tokens": 700, "n_ctx": 512}});
+    let mock = MockEngine::start(vec![Reply::json(400, &body)]).await;
+    let outcome = run(&engine(EngineKind::Llamacpp, &mock), request()).await;
+    let message = outcome.error_message();
+    assert!(message.contains("HTTP 400"), "{message}");
+    assert_eq!(outcome.items[0].error_status(), Some(400));
+    assert_eq!(
+        outcome.items[0].error_code(),
+        Some("context_length_exceeded")
+    );
+    // Another 4xx keeps its status, without a code.
+    let body = json!({"error": {"code": 404, "message": "model not found"}});
+    let mock = MockEngine::start(vec![Reply::json(404, &body)]).await;
+    let outcome = run(&engine(EngineKind::Vllm, &mock), request()).await;
+    assert_eq!(outcome.items[0].error_status(), Some(404));
+    assert_eq!(outcome.items[0].error_code(), None);
 }
 
 #[tokio::test]

@@ -303,6 +303,30 @@ impl Outcome {
         self.items[0].error_message().expect("an error item")
     }
 
+    /// The context's failure, which must be `Unreachable` (nothing reached the engine); its
+    /// message.
+    pub(crate) fn unreachable(&self) -> &str {
+        match &self.failure {
+            Some(EngineError::Unreachable { message }) => message,
+            other => panic!(
+                "expected an Unreachable failure, got {other:?} ({:?})",
+                self.items
+            ),
+        }
+    }
+
+    /// The context's failure, which must be `Timeout` (nothing within the first-byte limit);
+    /// its message.
+    pub(crate) fn timed_out(&self) -> &str {
+        match &self.failure {
+            Some(EngineError::Timeout { message }) => message,
+            other => panic!(
+                "expected a Timeout failure, got {other:?} ({:?})",
+                self.items
+            ),
+        }
+    }
+
     /// The context's failure, which must be `Unavailable`; its message.
     pub(crate) fn unavailable(&self) -> &str {
         match &self.failure {

@@ -109,6 +109,20 @@ impl RegistryServer {
         Self::bind_checked(addr, discovery, Some(kv_block_size)).await
     }
 
+    /// Like [`RegistryServer::bind`], refusing registrations as `checks` says.
+    pub async fn bind_with_checks(
+        addr: impl tokio::net::ToSocketAddrs,
+        discovery: InProcessDiscovery,
+        checks: RegistryChecks,
+    ) -> std::io::Result<Self> {
+        let engine = Arc::new(RegistryEngine {
+            discovery: discovery.clone(),
+            checks,
+        });
+        let server = WorkerServer::bind(addr, engine, WorkerServerConfig::new(0)).await?;
+        Ok(Self { server, discovery })
+    }
+
     async fn bind_checked(
         addr: impl tokio::net::ToSocketAddrs,
         discovery: InProcessDiscovery,
@@ -116,7 +130,10 @@ impl RegistryServer {
     ) -> std::io::Result<Self> {
         let engine = Arc::new(RegistryEngine {
             discovery: discovery.clone(),
-            kv_block_size,
+            checks: RegistryChecks {
+                kv_block_size,
+                ..RegistryChecks::default()
+            },
         });
         let server = WorkerServer::bind(addr, engine, WorkerServerConfig::new(0)).await?;
         Ok(Self { server, discovery })
@@ -133,10 +150,35 @@ impl RegistryServer {
     }
 }
 
+/// What a [`RegistryServer`] refuses, with the reason the worker is told.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RegistryChecks {
+    /// The router's block size, when registrations must match it.
+    pub kv_block_size: Option<u32>,
+    /// When set, workers fronting a real engine (metadata `engine` other than `mocker`, the
+    /// simulated engine) are refused with this reason (the router cannot tokenize for them,
+    /// say).
+    pub refuse_engines: Option<String>,
+}
+
+impl RegistryChecks {
+    /// Refuses registrations whose `kv_block_size` is not `kv_block_size`.
+    pub fn with_block_size(mut self, kv_block_size: u32) -> Self {
+        self.kv_block_size = Some(kv_block_size);
+        self
+    }
+
+    /// Refuses workers fronting a real engine, telling them `reason`.
+    pub fn refusing_engines(mut self, reason: impl Into<String>) -> Self {
+        self.refuse_engines = Some(reason.into());
+        self
+    }
+}
+
 struct RegistryEngine {
     discovery: InProcessDiscovery,
-    /// The router's block size, when registrations must match it.
-    kv_block_size: Option<u32>,
+    checks: RegistryChecks,
 }
 
 /// Revokes a registration when its stream is dropped (the worker's connection closed).
@@ -170,7 +212,22 @@ impl Engine for RegistryEngine {
             RegistryRequest::Register(info) => {
                 let id = info.id;
                 let address = info.address.clone();
-                if let Some(router) = self.kv_block_size
+                if let Some(reason) = &self.checks.refuse_engines
+                    && let Some(engine) = info.metadata.get("engine")
+                    && engine != "mocker"
+                {
+                    tracing::warn!(
+                        worker = id,
+                        %address,
+                        %engine,
+                        "registration refused: {reason}"
+                    );
+                    return Ok(once(RegistryReply::Refused(Refusal::Invalid {
+                        id,
+                        reason: reason.clone(),
+                    })));
+                }
+                if let Some(router) = self.checks.kv_block_size
                     && info.kv_block_size != router
                 {
                     tracing::warn!(

@@ -265,3 +265,42 @@ async fn a_registry_with_a_block_size_refuses_other_sizes_by_name() {
         vec![5]
     );
 }
+
+#[tokio::test]
+async fn a_registry_refusing_engines_tells_an_engine_worker_why_and_lets_mock_workers_in() {
+    let registry = kvroute_runtime::RegistryServer::bind_with_checks(
+        "127.0.0.1:0",
+        InProcessDiscovery::new(Duration::from_secs(5)),
+        kvroute_runtime::RegistryChecks::default()
+            .with_block_size(16)
+            .refusing_engines("no tokenizer: pass --model NAME,tokenizer=PATH"),
+    )
+    .await
+    .unwrap();
+    let remote = RemoteDiscovery::new(
+        registry.local_addr().to_string(),
+        RemoteDiscoveryConfig::default(),
+    );
+    let mut engine = InstanceInfo::new(4, "127.0.0.1:1", 16);
+    engine
+        .metadata
+        .insert("engine".to_owned(), "llamacpp".to_owned());
+    match remote.register(engine).await.map(|_| ()) {
+        Err(kvroute_runtime::DiscoveryError::InvalidInstance { id: 4, reason }) => {
+            assert!(reason.contains("--model NAME,tokenizer="), "{reason}");
+        }
+        other => panic!("expected the engine worker refused, got {other:?}"),
+    }
+    assert!(registry.discovery().watch().borrow().is_empty());
+    let _lease = remote
+        .register(InstanceInfo::new(5, "127.0.0.1:2", 16))
+        .await
+        .expect("a worker without an engine is accepted");
+    let mut mock = InstanceInfo::new(6, "127.0.0.1:3", 16);
+    mock.metadata
+        .insert("engine".to_owned(), "mocker".to_owned());
+    let _mock = remote
+        .register(mock)
+        .await
+        .expect("a simulated engine needs no tokenizer");
+}
