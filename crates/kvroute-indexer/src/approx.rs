@@ -117,6 +117,30 @@ impl ApproxIndex {
         self.queue.retain(|(_, w, _)| w.worker_id != worker_id);
     }
 
+    /// Forgets every prediction for `worker` except the blocks whose sequence hashes are in
+    /// `keep` (an engine evidently lost what was predicted: it restarted or evicted it, and
+    /// holds only the prompt it just served). Returns how many predictions were dropped.
+    pub fn retain_worker(&mut self, worker: WorkerWithDpRank, keep: &[u64]) -> usize {
+        let drop: Vec<u64> = self
+            .deadlines
+            .keys()
+            .filter(|(w, seq)| *w == worker && !keep.contains(seq))
+            .map(|&(_, seq)| seq)
+            .collect();
+        for &seq in &drop {
+            self.deadlines.remove(&(worker, seq));
+            self.remove_scratch.block_hashes.clear();
+            self.remove_scratch
+                .block_hashes
+                .push(ExternalSequenceBlockHash(seq));
+            let _ = self
+                .index
+                .remove(worker, StorageTier::Device, &self.remove_scratch);
+        }
+        // Their queue entries are stale now and are skipped when popped.
+        drop.len()
+    }
+
     /// Overlap of `local` with the predictions (see [`KvIndex::find_matches`]).
     pub fn find_matches(&self, local: &[LocalBlockHash]) -> OverlapScores {
         self.index.find_matches(local)

@@ -505,6 +505,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
         let mut select = SelectRequest::new(isl_tokens, &self.scratch.seq, &self.scratch.overlaps);
         select.lower_tiers = &self.scratch.lower;
         select.request_id = Some(req.id);
+        select.avoided_worker_ids = req.avoided;
         if let Some(h) = req.hints {
             select = select.with_hints(h, req.phase);
         }
@@ -657,6 +658,29 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// The request generated `tokens` more output tokens (implies its prefill completed).
     pub fn on_output_tokens(&mut self, id: RequestId, tokens: u64) -> Result<(), LoadError> {
         self.scheduler.add_output_tokens(id, tokens)
+    }
+
+    /// The engine serving request `id` reported `reported` of its prompt's tokens found in its
+    /// cache, where the router predicted `predicted`. For a worker in approximate mode, a report
+    /// far below the prediction (under half of it, and two blocks or more short) means the
+    /// engine no longer holds what the router believed (it restarted, or evicted it): every
+    /// prediction for that worker is dropped but this request's prompt, which the engine holds
+    /// now. Returns how many predicted blocks were dropped (0 when nothing was wrong, or the
+    /// worker publishes events, or the request is unknown).
+    pub fn on_cache_report(&mut self, id: RequestId, predicted: u64, reported: u64) -> usize {
+        let Some(load) = self.scheduler.request_load(id) else {
+            return 0;
+        };
+        if self.modes.get(&load.worker.worker_id) != Some(&KvMode::Approximate) {
+            return 0;
+        }
+        let short = predicted.saturating_sub(reported);
+        if short < 2 * u64::from(self.config.block_size())
+            || reported.saturating_mul(2) >= predicted
+        {
+            return 0;
+        }
+        self.approx.retain_worker(load.worker, &load.block_hashes)
     }
 
     /// The request's response ended normally: frees its load and returns the deferred session

@@ -69,10 +69,32 @@ impl RequestGuard {
     /// The engine reported `reported` of the prompt's tokens served from its cache, where the
     /// router predicted `predicted` (its index's overlap on this worker, in tokens): recorded
     /// per worker, so an operator sees whether KV routing works on their fleet.
+    ///
+    /// For a worker in approximate mode, a report far below the prediction drops the worker's
+    /// stale predictions (see [`crate::KvRouterCore::on_cache_report`]).
     fn on_cache_report(&self, isl_tokens: u64, predicted: u64, reported: u64) {
         self.inner
             .metrics
             .on_cache_report(self.worker, isl_tokens, predicted, reported);
+        let dropped = self
+            .inner
+            .state
+            .lock()
+            .core
+            .on_cache_report(self.id, predicted, reported);
+        if dropped > 0 {
+            self.inner
+                .metrics
+                .on_prediction_reset(self.worker.worker_id);
+            tracing::info!(
+                worker = %self.worker,
+                predicted,
+                reported,
+                dropped,
+                "the engine reported far fewer cached tokens than predicted (it restarted or \
+                 evicted them): dropped the worker's other predicted blocks"
+            );
+        }
     }
 
     /// Records `tokens` new output tokens (the first call, even with zero tokens, marks the
@@ -115,6 +137,12 @@ impl RequestGuard {
         self.end(Outcome::Error);
     }
 
+    /// The engine refused the request (an error item): frees it and undoes its session
+    /// binding, counted as `rejected`, not as a failure of the worker or the transport.
+    pub fn reject(mut self) {
+        self.end(Outcome::Rejected);
+    }
+
     fn end(&mut self, outcome: Outcome) {
         if self.done {
             return;
@@ -124,7 +152,9 @@ impl RequestGuard {
             let mut state = self.inner.state.lock();
             match outcome {
                 Outcome::Ok => state.core.on_finished(self.id),
-                Outcome::Error | Outcome::Cancelled => state.core.on_failed(self.id),
+                Outcome::Error | Outcome::Rejected | Outcome::Cancelled => {
+                    state.core.on_failed(self.id)
+                }
             }
         };
         if let Some(sync) = &self.inner.load_sync {
@@ -150,7 +180,8 @@ impl Drop for RequestGuard {
 pub struct KvRoutedStream {
     inner: LlmRoutedStream,
     guard: Option<RequestGuard>,
-    failed: bool,
+    /// How the request failed, once it has (`Error` or `Rejected`).
+    failed: Option<Outcome>,
     /// Whether the engine's cached-token report has been compared with the prediction (only the
     /// first report of a stream counts).
     cache_reported: bool,
@@ -162,7 +193,7 @@ impl KvRoutedStream {
         Self {
             inner,
             guard: Some(guard),
-            failed: false,
+            failed: None,
             cache_reported: false,
             decision,
         }
@@ -211,10 +242,13 @@ impl KvRoutedStream {
 
     fn settle(&mut self) {
         if let Some(guard) = self.guard.take() {
-            if self.failed {
-                guard.fail();
-            } else {
-                guard.finish();
+            match self.failed {
+                Some(Outcome::Rejected) => guard.reject(),
+                Some(_) => guard.fail(),
+                None => {
+                    guard.inner.on_worker_success(guard.worker.worker_id);
+                    guard.finish();
+                }
             }
         }
     }
@@ -228,8 +262,15 @@ impl Stream for KvRoutedStream {
         match &polled {
             Poll::Ready(Some(Ok(item))) => {
                 if let Some(data) = &item.data {
-                    let tokens = data.token_ids.len() as u64;
+                    let mut tokens = data.token_ids.len() as u64;
                     if let Some(guard) = self.guard.as_mut() {
+                        // An engine that streams text without ids (`openai`) is counted by its
+                        // own usage report, once, when no id was counted.
+                        if tokens == 0 && guard.output_tokens() == 0 {
+                            tokens = data
+                                .completion_usage
+                                .map_or(0, |u| u64::from(u.completion_tokens));
+                        }
                         guard.on_tokens(tokens);
                     }
                     self.check_cache_report(data);
@@ -240,18 +281,23 @@ impl Stream for KvRoutedStream {
                         Some(kvroute_protocols::FinishReason::Error(_))
                     )
                 });
-                if engine_failed
-                    || item.error.is_some()
-                    || item.event.as_deref() == Some(ERROR_EVENT)
-                {
-                    self.failed = true;
+                let refused = item.error.is_some() || item.event.as_deref() == Some(ERROR_EVENT);
+                if engine_failed || refused {
+                    self.failed = Some(if refused {
+                        Outcome::Rejected
+                    } else {
+                        Outcome::Error
+                    });
                     // Settled now: a consumer stops at a failure and drops the stream, which
                     // must not count as the client cancelling.
                     self.settle();
                 }
             }
-            Poll::Ready(Some(Err(_))) => {
-                self.failed = true;
+            Poll::Ready(Some(Err(error))) => {
+                if let Some(guard) = &self.guard {
+                    guard.inner.on_worker_failure(guard.worker.worker_id, error);
+                }
+                self.failed = Some(Outcome::Error);
                 self.settle();
             }
             Poll::Ready(None) => self.settle(),

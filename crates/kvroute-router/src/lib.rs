@@ -53,6 +53,7 @@ mod config;
 mod core;
 mod error;
 mod guard;
+pub mod health;
 pub mod http;
 mod load_sync;
 pub mod metrics;

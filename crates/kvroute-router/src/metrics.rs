@@ -8,7 +8,11 @@
 //! | `requests_total` | counter | | requests routed to a worker |
 //! | `queries_total` | counter | | query-only requests answered (no routing) |
 //! | `route_errors_total` | counter | | requests that could not be routed or sent |
-//! | `requests_finished_total` | counter | `outcome` = ok, error (engine or transport failure), cancelled (client left) | requests ended |
+//! | `requests_finished_total` | counter | `outcome` = ok, error (transport failure: a lost worker, an engine that timed out or could not be reached), rejected (the engine refused the request, e.g. a 4xx for a prompt over its context), cancelled (client left) | requests ended |
+//! | `worker_failures_total` | counter | `worker`, `reason` = unreachable, timeout, lost | requests that failed on a worker at the transport (what passive health counts) |
+//! | `worker_ejections_total` | counter | `worker`, `reason` | times passive health ejected a worker |
+//! | `prediction_resets_total` | counter | `worker` | times an approximate-mode worker's predictions were dropped because its engine reported far fewer cached tokens than predicted (a restart, or evictions) |
+//! | `worker_ejected` | gauge | `worker` | 1 while passive health routes around the worker (workers never ejected have no sample) |
 //! | `input_tokens_total` | counter | | prompt tokens of routed requests |
 //! | `output_tokens_total` | counter | | tokens streamed back |
 //! | `predicted_cached_tokens_total` | counter | | prompt tokens the index predicted cached |
@@ -77,11 +81,14 @@ fn outcome_labels(outcome: &str) -> Labels {
 pub enum Outcome {
     /// The stream ended without an error.
     Ok,
-    /// The worker or the transport failed it: an error item from the engine (an engine refusal,
-    /// an error finish reason) or a transport error (a lost worker, pinned or not), counted when
+    /// The worker or the transport failed it: a transport error (a lost worker, pinned or not,
+    /// an engine that timed out or could not be reached) or an error finish reason, counted when
     /// the failure is seen, whatever drops the stream afterwards. A request migrated off a lost
     /// worker counts one `error` for that attempt and its continuation's own outcome.
     Error,
+    /// The engine refused the request (an error item: a 4xx for a bad prompt, a 500): the
+    /// request's fault or the engine's answer, not a routing or transport failure.
+    Rejected,
     /// The caller dropped it before the end and before any failure: the client went away.
     Cancelled,
 }
@@ -91,6 +98,7 @@ impl Outcome {
         match self {
             Outcome::Ok => "ok",
             Outcome::Error => "error",
+            Outcome::Rejected => "rejected",
             Outcome::Cancelled => "cancelled",
         }
     }
@@ -123,6 +131,12 @@ pub struct RouterMetrics {
     report_prompt: Family<Labels, Counter>,
     report_predicted: Family<Labels, Counter>,
     report_reported: Family<Labels, Counter>,
+    worker_failures: Family<Labels, Counter>,
+    worker_ejections: Family<Labels, Counter>,
+    worker_ejected: Family<Labels, Gauge>,
+    prediction_resets: Family<Labels, Counter>,
+    /// Every worker ever ejected: those let back in read 0 on `worker_ejected`.
+    ever_ejected: parking_lot::Mutex<std::collections::BTreeSet<kvroute_protocols::WorkerId>>,
 }
 
 impl Default for RouterMetrics {
@@ -176,6 +190,11 @@ impl RouterMetrics {
             report_prompt: Family::default(),
             report_predicted: Family::default(),
             report_reported: Family::default(),
+            worker_failures: Family::default(),
+            worker_ejections: Family::default(),
+            worker_ejected: Family::default(),
+            prediction_resets: Family::default(),
+            ever_ejected: parking_lot::Mutex::default(),
             registry: Registry::default(),
         };
         m.register_all(&mut registry);
@@ -184,6 +203,26 @@ impl RouterMetrics {
 
     /// Registers every metric (clones sharing their values) in `registry`.
     fn register_all(&self, registry: &mut Registry) {
+        registry.register(
+            "worker_failures",
+            "Requests that failed on a worker at the transport, by reason",
+            self.worker_failures.clone(),
+        );
+        registry.register(
+            "worker_ejections",
+            "Times passive health ejected a worker, by the failure that did it",
+            self.worker_ejections.clone(),
+        );
+        registry.register(
+            "prediction_resets",
+            "Times an approximate-mode worker's predictions were dropped after its engine reported far fewer cached tokens",
+            self.prediction_resets.clone(),
+        );
+        registry.register(
+            "worker_ejected",
+            "1 while passive health routes around the worker",
+            self.worker_ejected.clone(),
+        );
         registry.register(
             "requests",
             "Requests routed to a worker",
@@ -369,6 +408,46 @@ impl RouterMetrics {
         self.finished
             .get_or_create(&outcome_labels(outcome.label()))
             .inc();
+    }
+
+    /// A request failed on `worker` at the transport for `reason` (see
+    /// [`crate::health::HealthFailure::label`]).
+    pub fn on_worker_failure(&self, worker: kvroute_protocols::WorkerId, reason: &str) {
+        self.worker_failures
+            .get_or_create(&vec![
+                ("worker", worker.to_string()),
+                ("reason", reason.to_owned()),
+            ])
+            .inc();
+    }
+
+    /// An approximate-mode worker's predictions were dropped (see `prediction_resets_total`).
+    pub fn on_prediction_reset(&self, worker: kvroute_protocols::WorkerId) {
+        self.prediction_resets
+            .get_or_create(&vec![("worker", worker.to_string())])
+            .inc();
+    }
+
+    /// Passive health ejected `worker` after a failure for `reason`.
+    pub fn on_worker_ejected(&self, worker: kvroute_protocols::WorkerId, reason: &str) {
+        self.worker_ejections
+            .get_or_create(&vec![
+                ("worker", worker.to_string()),
+                ("reason", reason.to_owned()),
+            ])
+            .inc();
+    }
+
+    /// Sets `worker_ejected` for every worker passive health has ever ejected: 1 for those in
+    /// `ejected`, 0 for the others that have a sample.
+    pub fn set_ejected(&self, ejected: &[kvroute_protocols::WorkerId]) {
+        let mut ever = self.ever_ejected.lock();
+        ever.extend(ejected.iter().copied());
+        for &worker in ever.iter() {
+            self.worker_ejected
+                .get_or_create(&vec![("worker", worker.to_string())])
+                .set(i64::from(ejected.contains(&worker)));
+        }
     }
 
     /// Replaces the per-worker gauges with these loads (workers not listed disappear).

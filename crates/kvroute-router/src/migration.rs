@@ -505,6 +505,27 @@ impl Budget {
         self.failed.push(worker_id);
     }
 
+    /// Excludes `worker_id`, whose engine could not be reached, at no cost: nothing was sent
+    /// there, and each worker is excluded once, so such moves are bounded by the fleet's size.
+    fn unreachable(&mut self, worker_id: WorkerId) {
+        self.failed.push(worker_id);
+    }
+
+    /// Whether `request` may move off `worker_id`, whose engine could not be reached: always,
+    /// unless the request pins that worker.
+    fn may_skip(
+        &self,
+        request: &PreprocessedRequest,
+        phase: RequestPhase,
+        worker_id: WorkerId,
+    ) -> bool {
+        let pinned = request
+            .routing
+            .as_ref()
+            .and_then(|r| r.pinned_worker(phase));
+        pinned != Some(worker_id) && !self.failed.contains(&worker_id)
+    }
+
     /// For a request whose `worker_id` was lost in `phase` before it streamed: whether to route
     /// it again, spending a migration on the loss if so (see [`Self::may_move`]).
     fn retry_unstarted(
@@ -574,6 +595,8 @@ struct Migration<R: Reroute> {
     prefill_details: Option<PromptTokensDetails>,
     /// The caller asked the worker to stop: a lost worker ends the stream rather than moving it.
     stopping: bool,
+    /// Output arrived as text without token ids: it cannot be continued elsewhere.
+    text_only: bool,
 }
 
 impl<R: Reroute> Migration<R> {
@@ -591,6 +614,7 @@ impl<R: Reroute> Migration<R> {
             error: None,
             prefill_details: None,
             stopping: false,
+            text_only: false,
         }
     }
 
@@ -620,17 +644,22 @@ impl<R: Reroute> Migration<R> {
     /// state drops the old stream, which frees the dead request's load.
     fn start_migration(&mut self, worker_id: WorkerId) {
         self.budget.lost(worker_id);
-        let request = continuation(
-            &self.request,
-            &self.generated,
-            self.router.live_workers(),
-            &self.budget.failed,
-        );
         tracing::warn!(
             worker_id,
             generated = self.generated.len(),
             remaining = self.budget.remaining,
             "worker lost mid-stream; migrating the request"
+        );
+        self.reroute();
+    }
+
+    /// Routes the continuation (after the budget recorded the failed worker).
+    fn reroute(&mut self) {
+        let request = continuation(
+            &self.request,
+            &self.generated,
+            self.router.live_workers(),
+            &self.budget.failed,
         );
         self.state = State::Rerouting(self.router.route(request));
     }
@@ -652,12 +681,60 @@ impl<R: Reroute> Migration<R> {
                     Poll::Ready(Some(Ok(item))) => {
                         if let Some(data) = &item.data {
                             self.generated.extend_from_slice(&data.token_ids);
+                            if data.token_ids.is_empty()
+                                && data.text.as_deref().is_some_and(|t| !t.is_empty())
+                            {
+                                self.text_only = true;
+                            }
                         }
                         return Poll::Ready(Some(Ok(item)));
                     }
                     Poll::Ready(Some(Err(error))) => {
                         self.keep_prefill_details();
                         let (worker, phase) = R::output(&self.placement);
+                        if error.is_unreachable()
+                            && self.generated.is_empty()
+                            && !self.stopping
+                            && self.budget.may_skip(&self.request, phase, worker.worker_id)
+                        {
+                            tracing::warn!(
+                                worker_id = worker.worker_id,
+                                %error,
+                                "the worker's engine cannot be reached; sending the request to \
+                                 another worker (no migration spent)"
+                            );
+                            self.error = Some(error);
+                            self.budget.unreachable(worker.worker_id);
+                            self.reroute();
+                            continue;
+                        }
+                        if error.is_timeout() && self.generated.is_empty() {
+                            tracing::warn!(
+                                worker_id = worker.worker_id,
+                                %error,
+                                "no first token within the limit; moving the request"
+                            );
+                        }
+                        if self.text_only && error.is_worker_unavailable() {
+                            // The engine streamed text without token ids (the `openai`
+                            // dialect): a continuation cannot be built from what the client
+                            // already has, and starting over would repeat it.
+                            tracing::warn!(
+                                worker_id = worker.worker_id,
+                                %error,
+                                "worker lost after streaming text without token ids; ending the \
+                                 stream instead of migrating it"
+                            );
+                            self.state = State::Done;
+                            return Poll::Ready(Some(Err(RequestError::Engine {
+                                message: format!(
+                                    "worker {} was lost mid-stream and its engine streams text \
+                                     without token ids, so the answer cannot be continued on \
+                                     another worker: {error}",
+                                    worker.worker_id
+                                ),
+                            })));
+                        }
                         if error.is_worker_unavailable()
                             && !self.stopping
                             && self.budget.may_move(&self.request, phase, worker.worker_id)

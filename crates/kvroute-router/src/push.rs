@@ -33,6 +33,7 @@ use crate::config::{KvMode, RouterConfig};
 use crate::core::{IndexSnapshot, KvRouterCore};
 use crate::error::RouteError;
 use crate::guard::{KvRoutedStream, RequestGuard};
+use crate::health::{HealthConfig, HealthFailure, PassiveHealth, Verdict};
 use crate::load_sync::{self, LOAD_SUBJECT_PREFIX, LoadSync, LoadSyncConfig, Local};
 use crate::metrics::RouterMetrics;
 use crate::request::{RoutePreparer, RouteRequest, Routed};
@@ -68,6 +69,8 @@ pub struct KvPushRouterConfig {
     /// [`KvPushRouter::start_shared`]); a replica skips its turn while another's snapshot is
     /// younger than 80% of this.
     pub snapshot_interval: Duration,
+    /// When a worker whose requests keep failing is routed around (see [`crate::health`]).
+    pub health: HealthConfig,
 }
 
 impl KvPushRouterConfig {
@@ -81,6 +84,7 @@ impl KvPushRouterConfig {
             expire_interval: Duration::from_secs(1),
             load_sync: None,
             snapshot_interval: Duration::from_secs(30),
+            health: HealthConfig::default(),
         }
     }
 }
@@ -206,6 +210,8 @@ pub(crate) struct Inner {
     recovering: AtomicUsize,
     /// The event-plane position of the last KV event applied (0: none with a position).
     applied_sequence: AtomicU64,
+    /// Workers whose requests keep failing, routed around for a while.
+    health: Mutex<PassiveHealth>,
 }
 
 pub(crate) struct State {
@@ -303,6 +309,7 @@ impl KvPushRouter {
             metrics: RouterMetrics::new(),
             epoch: Instant::now(),
             next_id: AtomicU64::new(1),
+            health: Mutex::new(PassiveHealth::new(config.health)),
             load_sync: config.load_sync.map(LoadSync::new),
             config,
             history,
@@ -372,7 +379,10 @@ impl KvPushRouter {
         let inner = &self.inner;
         let id = RequestId(inner.next_id.fetch_add(1, Ordering::Relaxed));
         let now = inner.now();
-        let route_req = RouteRequest::from_preprocessed(id, &request).with_phase(phase);
+        let avoided = inner.health.lock().ejected(now);
+        let route_req = RouteRequest::from_preprocessed(id, &request)
+            .with_phase(phase)
+            .with_avoided(&avoided);
         // Hashing the prompt and matching it against the index take no lock: the state lock
         // covers the decision only.
         let prepared = inner.preparer.prepare(&route_req);
@@ -430,6 +440,9 @@ impl KvPushRouter {
             .await
             .map_err(|source| {
                 inner.metrics.on_route_error();
+                if let kvroute_runtime::RouteError::Request { source, .. } = &source {
+                    inner.on_worker_failure(worker.worker_id, source);
+                }
                 KvRouterError::Send { worker, source }
             })?;
         let mut stream = KvRoutedStream::new(stream, guard, routed);
@@ -584,6 +597,49 @@ impl Inner {
         self.epoch.elapsed()
     }
 
+    /// A request failed on `worker` with `error`: counted, and passive health may eject the
+    /// worker. Errors that say nothing of the worker's health (an engine refusal) are ignored.
+    pub(crate) fn on_worker_failure(
+        &self,
+        worker: WorkerId,
+        error: &kvroute_runtime::RequestError,
+    ) {
+        let failure = if error.is_unreachable() {
+            HealthFailure::Unreachable
+        } else if error.is_timeout() {
+            HealthFailure::Timeout
+        } else if error.is_worker_unavailable() {
+            HealthFailure::Lost
+        } else {
+            return;
+        };
+        self.metrics.on_worker_failure(worker, failure.label());
+        let verdict = self.health.lock().on_failure(worker, failure, self.now());
+        match verdict {
+            Verdict::Ejected { after, .. } => {
+                tracing::warn!(
+                    worker,
+                    reason = %failure,
+                    ?after,
+                    %error,
+                    "worker ejected: new requests go to other workers until it is probed again"
+                );
+                self.metrics.on_worker_ejected(worker, failure.label());
+            }
+            Verdict::Counted { in_a_row } => {
+                tracing::debug!(worker, reason = %failure, in_a_row, "worker failure counted");
+            }
+            Verdict::AlreadyEjected => {}
+        }
+    }
+
+    /// A request on `worker` ran to its end: passive health clears the worker's record.
+    pub(crate) fn on_worker_success(&self, worker: WorkerId) {
+        if self.health.lock().on_success(worker) {
+            tracing::info!(worker, "worker back in: its probe request succeeded");
+        }
+    }
+
     fn refresh_worker_gauges(&self) {
         let (loads, reports, reconciled, stats): (Vec<_>, Vec<_>, _, _) = {
             let state = self.state.lock();
@@ -605,6 +661,8 @@ impl Inner {
         self.metrics
             .set_worker_reports(reports.iter().map(|(w, r)| (*w, r)));
         self.metrics.set_requests_reconciled(reconciled);
+        let ejected = self.health.lock().ejected(self.now());
+        self.metrics.set_ejected(&ejected);
     }
 
     /// Runs one session command on its worker; says whether it succeeded.
@@ -666,6 +724,7 @@ impl Inner {
         match event {
             DiscoveryEvent::Removed(id) => {
                 let dropped = self.state.lock().core.remove_worker(id);
+                self.health.lock().remove(id);
                 tracing::info!(worker = id, dropped = dropped.len(), "worker left");
             }
             DiscoveryEvent::Added(info) => {

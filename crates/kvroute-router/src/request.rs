@@ -30,6 +30,9 @@ pub struct RouteRequest<'a> {
     pub salt: HashSalt,
     /// Expected output length, which makes the request's blocks decay as it generates.
     pub expected_output_tokens: Option<u32>,
+    /// Workers to route around while another can serve (ejected by passive health; see
+    /// `kvroute_scheduler::SelectRequest::avoided_worker_ids`).
+    pub avoided: &'a [kvroute_protocols::WorkerId],
 }
 
 impl<'a> RouteRequest<'a> {
@@ -43,6 +46,7 @@ impl<'a> RouteRequest<'a> {
             overrides: None,
             salt: HashSalt::default(),
             expected_output_tokens: None,
+            avoided: &[],
         }
     }
 
@@ -59,7 +63,14 @@ impl<'a> RouteRequest<'a> {
             overrides: req.router_config_override.as_ref(),
             salt: HashSalt::new(hints.and_then(|h| h.lora_name.as_deref()), req.cache_salt()),
             expected_output_tokens: hints.and_then(|h| h.expected_output_tokens),
+            avoided: &[],
         }
+    }
+
+    /// The same request, routed around `avoided` workers while another can serve.
+    pub fn with_avoided(mut self, avoided: &'a [kvroute_protocols::WorkerId]) -> Self {
+        self.avoided = avoided;
+        self
     }
 
     /// The same request for `phase`.

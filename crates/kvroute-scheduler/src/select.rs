@@ -52,6 +52,9 @@ pub struct SelectRequest<'a> {
     pub lower_tiers: &'a [TierOverlap],
     /// When set, only these workers are considered.
     pub allowed_worker_ids: Option<&'a [WorkerId]>,
+    /// Workers to route around (the router's passive health ejects failing workers): skipped
+    /// while any other eligible worker remains, chosen when none does. A pin overrides it.
+    pub avoided_worker_ids: &'a [WorkerId],
     /// Exact pin to one worker.
     pub pinned_worker: Option<WorkerId>,
     /// Pin to one dp rank (of the pinned worker, or of any worker).
@@ -273,6 +276,8 @@ pub enum SelectError {
 #[derive(Debug, Default)]
 pub(crate) struct Scratch {
     eligible: Vec<u32>,
+    /// Eligible slots of avoided workers, used only when no other slot is eligible.
+    avoided: Vec<u32>,
     candidates: Vec<CandidateCost>,
     /// Per slot: this request's overlap and already-active blocks, valid when stamped with the
     /// current generation (so nothing has to be cleared between selections).
@@ -394,6 +399,12 @@ impl Scheduler {
         };
 
         let required = required_mask(req.constraints, &workers.taints);
+        let avoided = match req.pinned_worker {
+            Some(_) => &[][..],
+            None => req.avoided_worker_ids,
+        };
+        let mut fallback = std::mem::take(&mut self.scratch.avoided);
+        fallback.clear();
         let (mut passed_allowed, mut passed_rank, mut passed_taints) = (0usize, 0usize, 0usize);
         for &idx in source {
             let Some(slot) = workers.slot(idx) else {
@@ -415,8 +426,17 @@ impl Scheduler {
             if above(slot, &self.config.busy) {
                 continue;
             }
+            if avoided.contains(&slot.key.worker_id) {
+                fallback.push(idx);
+                continue;
+            }
             out.push(idx);
         }
+        if out.is_empty() {
+            // Every worker left is one to avoid: a failing worker beats no worker.
+            std::mem::swap(&mut out, &mut fallback);
+        }
+        self.scratch.avoided = fallback;
         let empty = out.is_empty();
         self.scratch.eligible = out;
         if !empty {

@@ -807,3 +807,51 @@ fn prepared_requests_route_as_route_does() {
     assert_idle(&plain);
     assert_idle(&prepared);
 }
+
+#[test]
+fn an_approximate_worker_whose_engine_reports_far_fewer_cached_tokens_loses_its_stale_predictions()
+{
+    let mut core = core(Policy::Kv, &[(1, KvMode::Approximate)]);
+    // Two conversations served on worker 1: both predicted held there.
+    let a: Vec<u32> = (0..32).collect();
+    let b: Vec<u32> = (100..132).collect();
+    for (id, p) in [(1, &a), (2, &b)] {
+        core.route(&RouteRequest::new(RequestId(id), p), T0, &mut rng())
+            .unwrap();
+        core.on_finished(RequestId(id));
+    }
+    let predicted = |core: &mut KvRouterCore, p: &[u32], id: u64| {
+        core.query(&RouteRequest::new(RequestId(id), p), T0, &mut rng())
+            .unwrap()
+            .overlap_blocks
+    };
+    assert_eq!(predicted(&mut core, &a, 90), 8);
+    assert_eq!(predicted(&mut core, &b, 91), 8);
+
+    // Conversation `a` again: predicted 32 tokens cached, and the engine (restarted) says 0.
+    let routed = core
+        .route(&RouteRequest::new(RequestId(3), &a), T0, &mut rng())
+        .unwrap();
+    assert_eq!(routed.overlap_blocks, 8);
+    // A near miss (a block or so short) changes nothing.
+    assert_eq!(core.on_cache_report(RequestId(3), 32, 28), 0);
+    assert_eq!(
+        core.on_cache_report(RequestId(3), 32, 0),
+        8,
+        "b's 8 blocks dropped"
+    );
+    core.on_finished(RequestId(3));
+    assert_eq!(
+        predicted(&mut core, &b, 92),
+        0,
+        "b is no longer believed held"
+    );
+    assert_eq!(
+        predicted(&mut core, &a, 93),
+        8,
+        "the prompt just served is held now"
+    );
+    // Workers with events are never touched, and unknown requests are ignored.
+    assert_eq!(core.on_cache_report(RequestId(77), 32, 0), 0);
+    assert_idle(&core);
+}

@@ -81,6 +81,26 @@ impl ApiError {
         }
     }
 
+    /// 404: no such endpoint.
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self {
+            code: Some("not_found"),
+            ..Self::new(StatusCode::NOT_FOUND, "invalid_request_error", message)
+        }
+    }
+
+    /// 405: the endpoint does not take this method.
+    pub fn method_not_allowed(message: impl Into<String>) -> Self {
+        Self {
+            code: Some("method_not_allowed"),
+            ..Self::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                message,
+            )
+        }
+    }
+
     /// 413: the body or the prompt is too large.
     pub fn too_large(message: impl Into<String>, code: &'static str) -> Self {
         Self {
@@ -125,6 +145,28 @@ impl ApiError {
         Self {
             code: Some("upstream_error"),
             ..Self::new(StatusCode::BAD_GATEWAY, "upstream_error", message)
+        }
+    }
+
+    /// An engine's own refusal of the request with a 4xx `status` (a prompt over its context:
+    /// `code` `context_length_exceeded`), passed to the client with that status.
+    pub fn engine_refused(status: u16, message: impl Into<String>, code: Option<String>) -> Self {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
+        let code: Option<&'static str> = match code.as_deref() {
+            Some("context_length_exceeded") => Some("context_length_exceeded"),
+            _ => None,
+        };
+        Self {
+            code,
+            ..Self::new(status, "invalid_request_error", message)
+        }
+    }
+
+    /// 504: no worker sent a first token within its limit.
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self {
+            code: Some("timeout"),
+            ..Self::new(StatusCode::GATEWAY_TIMEOUT, "timeout_error", message)
         }
     }
 
@@ -226,10 +268,26 @@ impl ApiError {
         self
     }
 
+    /// This error with `param` naming where the request's worker pin came from (the
+    /// `x-worker-instance-id` header or `nvext.backend_instance_id`), when it is about that pin.
+    pub fn with_worker_param(mut self, param: &str) -> Self {
+        if self.param.as_deref() == Some("nvext.backend_instance_id") {
+            self.param = Some(param.to_owned());
+        }
+        self
+    }
+
     /// A failure of the response stream before anything was sent to the client.
+    ///
+    /// A timeout before the first token (on every worker tried) is a 504 `timeout`; a lost or
+    /// unreachable worker a retryable 503; an engine's failure a 502.
     pub fn from_stream(error: &RequestError, retry_after: Duration) -> Self {
-        if error.is_worker_unavailable() {
+        if error.is_timeout() {
+            Self::timeout(error.to_string())
+        } else if error.is_worker_unavailable() {
             Self::unavailable(error.to_string(), retry_after)
+        } else if matches!(error, RequestError::Engine { .. }) {
+            Self::bad_gateway(error.to_string())
         } else {
             Self::internal(error.to_string())
         }

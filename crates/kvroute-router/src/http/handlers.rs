@@ -12,7 +12,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use kvroute_prefill::DisaggMode;
-use kvroute_protocols::headers::HEADER_DP_RANK;
+use kvroute_protocols::headers::{HEADER_DP_RANK, HEADER_WORKER_INSTANCE_ID};
 use kvroute_protocols::{
     FinishReason, HeaderOverrides, LLMEngineOutput, NvExt, NvExtResponse, PreprocessedRequest,
     TimingInfo, WorkerIdInfo, WorkerWithDpRank, from_json,
@@ -49,6 +49,9 @@ struct Prepared {
     received_unix_ms: u64,
     /// Where the pinned dp rank came from: the `x-dp-rank` header, else `nvext.dp_rank`.
     dp_rank_param: &'static str,
+    /// Where the pinned worker came from: the `x-worker-instance-id` header, else
+    /// `nvext.backend_instance_id`.
+    worker_param: &'static str,
 }
 
 pub(crate) async fn chat_completions(
@@ -84,6 +87,7 @@ pub(crate) async fn chat_completions(
     match prepared {
         Ok(mut p) => {
             p.dp_rank_param = dp_rank_param(&headers);
+            p.worker_param = worker_param(&headers);
             run(state, p).await
         }
         Err(e) => e.into_response(),
@@ -120,6 +124,7 @@ pub(crate) async fn completions(
     match prepared {
         Ok(mut p) => {
             p.dp_rank_param = dp_rank_param(&headers);
+            p.worker_param = worker_param(&headers);
             run(state, p).await
         }
         Err(e) => e.into_response(),
@@ -132,6 +137,42 @@ fn dp_rank_param(headers: &HeaderMap) -> &'static str {
         HEADER_DP_RANK
     } else {
         "nvext.dp_rank"
+    }
+}
+
+/// 404 for a path the frontend does not serve, in OpenAI's error shape.
+pub(crate) async fn not_found(uri: axum::http::Uri) -> Response {
+    ApiError::not_found(format!(
+        "no such endpoint: {}; this router serves /v1/chat/completions, /v1/completions, \
+         /v1/models, /health, /live and /metrics",
+        uri.path()
+    ))
+    .into_response()
+}
+
+/// 405 for a method a served path does not take, in OpenAI's error shape.
+pub(crate) async fn method_not_allowed(
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+) -> Response {
+    let expected = if uri.path().starts_with("/v1/") && uri.path().contains("completions") {
+        "POST"
+    } else {
+        "GET"
+    };
+    ApiError::method_not_allowed(format!(
+        "{method} is not allowed on {}; expected {expected}",
+        uri.path()
+    ))
+    .into_response()
+}
+
+/// The param naming a worker pin: the header when the request set it, else the nvext field.
+fn worker_param(headers: &HeaderMap) -> &'static str {
+    if headers.contains_key(HEADER_WORKER_INSTANCE_ID) {
+        HEADER_WORKER_INSTANCE_ID
+    } else {
+        "nvext.backend_instance_id"
     }
 }
 
@@ -577,6 +618,10 @@ fn check_max_tokens(state: &AppState, name: &str, value: Option<u32>) -> Result<
 fn check_params(state: &AppState, params: &Params) -> Result<(), ApiError> {
     check_max_tokens(state, "max_tokens", params.max_tokens)?;
     let check = |name: &str, value: Option<f32>, ok: fn(f32) -> bool, range: &str| match value {
+        Some(v) if !v.is_finite() => Err(ApiError::invalid(
+            format!("{name} must be {range}, got a number too large to read"),
+            Some(name.to_owned()),
+        )),
         Some(v) if !ok(v) => Err(ApiError::invalid(
             format!("{name} must be {range}, got {v}"),
             Some(name.to_owned()),
@@ -771,6 +816,11 @@ fn prepare(
     sampling.repetition_penalty = params.repetition_penalty;
     sampling.include_stop_str_in_output = params.include_stop_str_in_output;
     if let Some(ext) = nvext {
+        if ext.greed_sampling == Some(true) {
+            // Greedy decoding in every dialect: temperature 0 and the single most likely token.
+            req.sampling_options.temperature = Some(0.0);
+            req.sampling_options.top_k = Some(1);
+        }
         req.stop_conditions.max_thinking_tokens = ext.max_thinking_tokens;
         req.annotations = ext.annotations.unwrap_or_default();
         req.request_timestamp_ms = ext.request_timestamp_ms;
@@ -813,6 +863,7 @@ fn prepare(
         received,
         received_unix_ms: u64::try_from(now.as_millis()).unwrap_or(u64::MAX),
         dp_rank_param: "nvext.dp_rank",
+        worker_param: "nvext.backend_instance_id",
     })
 }
 
@@ -848,6 +899,7 @@ async fn run(state: AppState, p: Prepared) -> Response {
             Err(e) => {
                 return ApiError::from_router(&e, retry)
                     .with_dp_rank_param(p.dp_rank_param)
+                    .with_worker_param(p.worker_param)
                     .into_response();
             }
         },
@@ -862,7 +914,21 @@ async fn run(state: AppState, p: Prepared) -> Response {
     };
     let track = Tracker::new(&p, hit_rate, prompt_len);
     if p.stream {
-        sse_response(&state, p, stream, track, permit)
+        // The status line waits for the first item (engines send nothing before their first
+        // token either), so that a request failed before any output gets its real status (an
+        // engine's 4xx, a 503, a 504) instead of a 200 whose stream carries the error.
+        let mut stream = stream;
+        let first = stream.next().await;
+        match &first {
+            Some(Err(e)) => return ApiError::from_stream(e, retry).into_response(),
+            Some(Ok(item)) => {
+                if let Some(failure) = EngineFailure::of(item) {
+                    return failure.api_error().into_response();
+                }
+            }
+            None => {}
+        }
+        sse_response(&state, p, (first, stream), track, permit)
     } else {
         whole_response(&state, p, stream, track).await
     }
@@ -972,6 +1038,11 @@ struct Tracker {
     max_tokens: Option<u32>,
     /// The request's stop strings, applied to the text sent.
     stop: StopMatcher,
+    /// Text that came without token ids (an `openai`-dialect engine), for counting its tokens
+    /// when the engine reports no usage.
+    untokenized: String,
+    /// The output tokens the engine last reported in its usage.
+    reported_completion_tokens: Option<u32>,
 }
 
 /// What one engine item became.
@@ -979,7 +1050,49 @@ enum Step {
     /// Text to send (possibly empty).
     Text(String),
     /// The engine failed the request.
-    Failed(String),
+    Failed(EngineFailure),
+}
+
+/// An engine's failure of a request, as an error item said it.
+struct EngineFailure {
+    message: String,
+    /// The HTTP status the engine answered with, when it refused the request over HTTP.
+    status: Option<u16>,
+    /// The OpenAI error code it implies (`context_length_exceeded`).
+    code: Option<String>,
+}
+
+impl EngineFailure {
+    /// The failure `item` reports: an error item, or an output finished with an error.
+    fn of(item: &LlmResponse) -> Option<Self> {
+        if item.is_error() {
+            return Some(Self {
+                message: item.error_message().unwrap_or("engine error").to_owned(),
+                status: item.error_status(),
+                code: item.error_code().map(str::to_owned),
+            });
+        }
+        match item.data.as_ref().and_then(|d| d.finish_reason.as_ref()) {
+            Some(FinishReason::Error(message)) => Some(Self {
+                message: message.clone(),
+                status: None,
+                code: None,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The client's answer: an engine's 4xx keeps its status (the request is at fault, and
+    /// clients must not retry it); anything else the engine failed is a 502.
+    fn api_error(&self) -> ApiError {
+        let message = format!("the engine failed the request: {}", self.message);
+        match self.status {
+            Some(status) if (400..500).contains(&status) && status != 429 => {
+                ApiError::engine_refused(status, message, self.code.clone())
+            }
+            _ => ApiError::bad_gateway(message),
+        }
+    }
 }
 
 impl Tracker {
@@ -989,6 +1102,8 @@ impl Tracker {
             detok: IncrementalDetokenizer::new(),
             prompt_tokens,
             completion_tokens: 0,
+            untokenized: String::new(),
+            reported_completion_tokens: None,
             cached_tokens: None,
             finish: None,
             received: p.received,
@@ -1023,15 +1138,12 @@ impl Tracker {
     }
 
     fn on_item(&mut self, item: &kvroute_runtime::LlmResponse) -> Step {
-        if item.is_error() {
-            return Step::Failed(item.error_message().unwrap_or("engine error").to_owned());
+        if let Some(failure) = EngineFailure::of(item) {
+            return Step::Failed(failure);
         }
         let Some(data) = &item.data else {
             return Step::Text(String::new());
         };
-        if let Some(FinishReason::Error(message)) = &data.finish_reason {
-            return Step::Failed(message.clone());
-        }
         Step::Text(self.on_output(data))
     }
 
@@ -1039,11 +1151,16 @@ impl Tracker {
         // After a stop string, the engine's further output is neither sent nor counted, and the
         // request has finished with `stop` whatever the engine says.
         let stopped = self.stop.matched();
-        if !data.token_ids.is_empty() && !stopped {
+        let text_only =
+            data.token_ids.is_empty() && data.text.as_deref().is_some_and(|t| !t.is_empty());
+        if (!data.token_ids.is_empty() || text_only) && !stopped {
             let now = Instant::now();
             self.first.get_or_insert(now);
             self.last = Some(now);
             self.completion_tokens += data.token_ids.len();
+        }
+        if let Some(usage) = data.completion_usage {
+            self.reported_completion_tokens = Some(usage.completion_tokens);
         }
         if data.finish_reason.is_some() && !stopped {
             self.finish = data.finish_reason.clone();
@@ -1068,7 +1185,12 @@ impl Tracker {
             return String::new();
         }
         let text = match &data.text {
-            Some(text) => text.clone(),
+            Some(text) => {
+                if data.token_ids.is_empty() {
+                    self.untokenized.push_str(text);
+                }
+                text.clone()
+            }
             None => self
                 .detok
                 .push(self.model.tokenizer.as_ref(), &data.token_ids)
@@ -1081,12 +1203,29 @@ impl Tracker {
         text
     }
 
+    /// The output tokens: those relayed as ids, plus, for text that came without ids, the
+    /// engine's own count (its usage), else the text tokenized with the model's tokenizer.
+    fn output_tokens(&self) -> usize {
+        if self.untokenized.is_empty() {
+            return self.completion_tokens;
+        }
+        let text_tokens = match self.reported_completion_tokens {
+            Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+            None => self
+                .model
+                .tokenizer
+                .encode(&self.untokenized)
+                .map_or(0, |ids| ids.len()),
+        };
+        self.completion_tokens.max(text_tokens)
+    }
+
     fn finish_reason(&self) -> &'static str {
         match &self.finish {
             Some(reason) => finish_reason_str(reason),
             None if self
                 .max_tokens
-                .is_some_and(|m| self.completion_tokens >= m as usize) =>
+                .is_some_and(|m| self.output_tokens() >= m as usize) =>
             {
                 "length"
             }
@@ -1105,7 +1244,7 @@ impl Tracker {
                 .unwrap_or(usize::MAX)
                 .min(self.prompt_tokens)
         });
-        usage(self.prompt_tokens, self.completion_tokens, cached)
+        usage(self.prompt_tokens, self.output_tokens(), cached)
     }
 
     fn timing(&self) -> TimingInfo {
@@ -1117,7 +1256,7 @@ impl Tracker {
             prefill_time_ms: self.first.map(|f| ms(f - self.sent)),
             ttft_ms: self.first.map(|f| ms(f - self.received)),
             total_time_ms: Some(ms(end - self.received)),
-            avg_itl_ms: match (self.first, self.completion_tokens) {
+            avg_itl_ms: match (self.first, self.output_tokens()) {
                 (Some(first), n) if n > 1 => Some(ms(end - first) / (n - 1) as f64),
                 _ => None,
             },
@@ -1158,10 +1297,7 @@ async fn whole_response(
                         stream.stop_generating();
                     }
                 }
-                Step::Failed(message) => {
-                    return ApiError::internal(format!("the engine failed the request: {message}"))
-                        .into_response();
-                }
+                Step::Failed(failure) => return failure.api_error().into_response(),
             },
             Err(e) => return ApiError::from_stream(&e, retry).into_response(),
         }
@@ -1202,10 +1338,11 @@ fn data(value: &Value) -> Result<Event, Infallible> {
     Ok(Event::default().data(value.to_string()))
 }
 
+/// Streams the response; `first` is the item already taken from `stream` (or its end).
 fn sse_response(
     state: &AppState,
     p: Prepared,
-    mut stream: Output,
+    (first, mut stream): (Option<Result<LlmResponse, RequestError>>, Output),
     mut track: Tracker,
     permit: Permit,
 ) -> Response {
@@ -1226,7 +1363,13 @@ fn sse_response(
             yield data(&opening);
         }
         let mut stop_deadline = None;
-        while let Some(item) = next_within(&mut stream, stop_deadline).await {
+        let mut first = Some(first);
+        loop {
+            let item = match first.take() {
+                Some(item) => item,
+                None => next_within(&mut stream, stop_deadline).await,
+            };
+            let Some(item) = item else { break };
             let failure = match item {
                 Ok(item) => match track.on_item(&item) {
                     Step::Text(t) => {
@@ -1239,9 +1382,7 @@ fn sse_response(
                         }
                         continue;
                     }
-                    Step::Failed(message) => ApiError::internal(format!(
-                        "the engine failed the request: {message}"
-                    )),
+                    Step::Failed(failure) => failure.api_error(),
                 },
                 Err(e) => ApiError::from_stream(&e, std::time::Duration::ZERO),
             };

@@ -282,6 +282,8 @@ pub fn app(state: AppState) -> Router {
         .route("/health", get(handlers::health))
         .route("/live", get(handlers::live))
         .route("/metrics", get(handlers::metrics))
+        .fallback(handlers::not_found)
+        .method_not_allowed_fallback(handlers::method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
 }

@@ -13,6 +13,7 @@ use crate::support::{Fleet, eventually, idle, run};
 
 mod conformance;
 mod engines;
+mod faults;
 mod limits;
 mod metrics;
 mod robust;

@@ -41,7 +41,20 @@ pub(crate) enum Behaviour {
     Stall,
     /// Stream `max_tokens` (default 5) tokens, one every [`SLOW_TOKEN_INTERVAL`].
     Slow,
+    /// Refuse at once as an engine answering HTTP 400 for a prompt over its context.
+    RefuseTooLong,
+    /// Fail at once as a worker whose engine refuses connections (nothing was sent).
+    Unreachable,
+    /// Fail at once as a worker whose engine sent nothing within its first-byte limit.
+    FirstByteTimeout,
+    /// Stream text without token ids (as the `openai` dialect does), with the engine's usage.
+    TextOnly,
+    /// Stream text without token ids, then lose the engine mid-stream.
+    TextThenLost,
 }
+
+/// The words [`Behaviour::TextOnly`] streams, one per item.
+pub(crate) const TEXT_ONLY_WORDS: [&str; 3] = ["alpha ", "beta ", "gamma"];
 
 /// The pause between tokens of [`Behaviour::Slow`].
 pub(crate) const SLOW_TOKEN_INTERVAL: Duration = Duration::from_millis(20);
@@ -55,6 +68,11 @@ impl Behaviour {
             Behaviour::Error => "EXPLODE",
             Behaviour::Stall => "STALL",
             Behaviour::Slow => "SLOWLY",
+            Behaviour::RefuseTooLong => "TOOLONG",
+            Behaviour::Unreachable => "UNREACHABLE",
+            Behaviour::FirstByteTimeout => "NOFIRSTBYTE",
+            Behaviour::TextOnly => "TEXTONLY",
+            Behaviour::TextThenLost => "TEXTLOST",
         }
     }
 
@@ -67,13 +85,22 @@ impl Behaviour {
         {
             return b;
         }
-        [Behaviour::Error, Behaviour::Stall, Behaviour::Slow]
-            .into_iter()
-            .find(|b| {
-                let id = MockTokenizer::word_id(b.magic_word());
-                request.token_ids.contains(&id)
-            })
-            .unwrap_or_default()
+        [
+            Behaviour::Error,
+            Behaviour::Stall,
+            Behaviour::Slow,
+            Behaviour::RefuseTooLong,
+            Behaviour::Unreachable,
+            Behaviour::FirstByteTimeout,
+            Behaviour::TextOnly,
+            Behaviour::TextThenLost,
+        ]
+        .into_iter()
+        .find(|b| {
+            let id = MockTokenizer::word_id(b.magic_word());
+            request.token_ids.contains(&id)
+        })
+        .unwrap_or_default()
     }
 }
 
@@ -106,6 +133,9 @@ pub(crate) struct FakeEngine {
     pub(crate) requests: Mutex<Vec<PreprocessedRequest>>,
     held: Mutex<Vec<KvCacheEvent>>,
     next_block: AtomicUsize,
+    /// When set, every request gets this behaviour, whatever it asks for (an engine that is
+    /// down, or slow, for every request).
+    pub(crate) forced: Mutex<Option<Behaviour>>,
 }
 
 impl FakeEngine {
@@ -147,12 +177,73 @@ impl Engine for FakeEngine {
     fn generate(
         &self,
         request: PreprocessedRequest,
-        _context: RequestContext,
+        context: RequestContext,
     ) -> Result<ResponseStream<LlmResponse>, EngineError> {
         self.started.fetch_add(1, Ordering::SeqCst);
-        self.store(&request.token_ids);
         self.requests.lock().push(request.clone());
-        let behaviour = Behaviour::of(&request);
+        let behaviour = self
+            .forced
+            .lock()
+            .unwrap_or_else(|| Behaviour::of(&request));
+        let fail = |error: EngineError| -> ResponseStream<LlmResponse> {
+            context.fail(error);
+            Box::pin(futures::stream::empty())
+        };
+        match behaviour {
+            Behaviour::Unreachable => {
+                return Ok(fail(EngineError::Unreachable {
+                    message: "connection refused".to_owned(),
+                }));
+            }
+            Behaviour::FirstByteTimeout => {
+                return Ok(fail(EngineError::Timeout {
+                    message: "nothing within 10ms".to_owned(),
+                }));
+            }
+            Behaviour::RefuseTooLong => {
+                return Ok(Box::pin(futures::stream::iter([
+                    Annotated::from_engine_error(
+                        "the request exceeds the available context size",
+                        400,
+                        Some("context_length_exceeded"),
+                    ),
+                ])));
+            }
+            Behaviour::TextOnly | Behaviour::TextThenLost => {
+                let text = |t: &str| {
+                    Annotated::from_data(LLMEngineOutput {
+                        text: Some(t.to_owned()),
+                        ..LLMEngineOutput::default()
+                    })
+                };
+                let mut items: Vec<LlmResponse> = TEXT_ONLY_WORDS.iter().map(|t| text(t)).collect();
+                if behaviour == Behaviour::TextThenLost {
+                    items.truncate(1);
+                    let ctx = context.clone();
+                    let lost = futures::stream::iter(items).chain(
+                        futures::stream::once(async move {
+                            ctx.fail(EngineError::Unavailable {
+                                message: "connection reset".to_owned(),
+                            });
+                        })
+                        .filter_map(|()| async { None }),
+                    );
+                    return Ok(Box::pin(lost));
+                }
+                items.push(Annotated::from_data(LLMEngineOutput {
+                    completion_usage: Some(CompletionUsage {
+                        prompt_tokens: request.token_ids.len() as u32,
+                        completion_tokens: 7,
+                        total_tokens: request.token_ids.len() as u32 + 7,
+                        prompt_tokens_details: None,
+                    }),
+                    ..LLMEngineOutput::stop()
+                }));
+                return Ok(Box::pin(futures::stream::iter(items)));
+            }
+            _ => {}
+        }
+        self.store(&request.token_ids);
         let n = request.stop_conditions.max_tokens.unwrap_or(5);
         let params = self.prefill.then(|| serde_json::json!({"from": self.id}));
         let token = move |i: u32| {
@@ -201,6 +292,11 @@ impl Engine for FakeEngine {
             Behaviour::Stall => {
                 Box::pin(futures::stream::iter(vec![token(0)]).chain(futures::stream::pending()))
             }
+            Behaviour::RefuseTooLong
+            | Behaviour::Unreachable
+            | Behaviour::FirstByteTimeout
+            | Behaviour::TextOnly
+            | Behaviour::TextThenLost => unreachable!("answered above"),
         })
     }
 
@@ -277,6 +373,7 @@ impl Fleet {
             requests: Mutex::new(Vec::new()),
             held: Mutex::new(Vec::new()),
             next_block: AtomicUsize::new(0),
+            forced: Mutex::new(None),
         });
         let config = WorkerServerConfig::new(id).with_kv_events(publisher);
         let server = WorkerServer::bind("127.0.0.1:0", engine.clone(), config)

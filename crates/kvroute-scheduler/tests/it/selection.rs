@@ -723,3 +723,39 @@ fn credit_decays_with_prefill_backlog_above_the_fleets_least_when_asked() {
     });
     assert!(s.select(&req, &mut rng()).is_err());
 }
+
+#[test]
+fn avoided_workers_are_skipped_while_another_can_serve_and_chosen_when_none_can() {
+    let mut s = scheduler(3);
+    let prompt = blocks(300, 4);
+    // Worker 1 holds the whole prompt: it would win on overlap alone.
+    let overlaps = [(w(1), 4)];
+    let req = SelectRequest {
+        avoided_worker_ids: &[1],
+        ..SelectRequest::new(64, &prompt, &overlaps)
+    };
+    for _ in 0..20 {
+        let chosen = s.select(&req, &mut rng()).expect("selected").chosen.worker;
+        assert_ne!(chosen, w(1), "an avoided worker is routed around");
+    }
+    // Only the avoided worker is allowed: it serves rather than nobody.
+    let req = SelectRequest {
+        avoided_worker_ids: &[1],
+        allowed_worker_ids: Some(&[1]),
+        ..SelectRequest::new(64, &prompt, &overlaps)
+    };
+    assert_eq!(
+        s.select(&req, &mut rng()).expect("selected").chosen.worker,
+        w(1)
+    );
+    // A pin overrides the avoidance.
+    let req = SelectRequest {
+        avoided_worker_ids: &[1],
+        pinned_worker: Some(1),
+        ..SelectRequest::new(64, &prompt, &overlaps)
+    };
+    assert_eq!(
+        s.select(&req, &mut rng()).expect("selected").chosen.worker,
+        w(1)
+    );
+}

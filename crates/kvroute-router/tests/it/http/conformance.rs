@@ -234,15 +234,17 @@ fn unsupported_parameters_are_refused_but_their_client_defaults_pass() {
 }
 
 #[test]
-fn an_engine_refusal_counts_as_outcome_error_and_a_client_leaving_as_cancelled() {
+fn an_engine_failure_counts_as_outcome_rejected_and_a_client_leaving_as_cancelled() {
     run(async {
         let fleet = Fleet::start(1).await;
         let router = fleet.router(Policy::Kv).await;
         let server = Server::start(router.clone(), test_config()).await;
         let explode = chat(Behaviour::Error.magic_word());
-        // Whole: the engine's error item ends the request.
+        // Whole: the engine's error item ends the request; an engine failing without an HTTP
+        // status of its own is the upstream's failure, a 502.
         let (status, resp) = server.json(CHAT, &explode).await;
-        assert_eq!(status, 500, "{resp}");
+        assert_eq!(status, 502, "{resp}");
+        assert_eq!(resp["error"]["code"], "upstream_error", "{resp}");
         // Streaming: the error arrives in the stream, which the handler then ends.
         let mut body = explode.clone();
         body["stream"] = json!(true);
@@ -254,7 +256,8 @@ fn an_engine_refusal_counts_as_outcome_error_and_a_client_leaving_as_cancelled()
         );
         eventually("the failed requests free their load", || idle(&router)).await;
         let (_, metrics) = server.get("/metrics").await;
-        assert_eq!(finished(&metrics, "error"), 2, "{metrics}");
+        assert_eq!(finished(&metrics, "rejected"), 2, "{metrics}");
+        assert_eq!(finished(&metrics, "error"), 0, "{metrics}");
         assert_eq!(finished(&metrics, "cancelled"), 0, "{metrics}");
         // A client that disconnects mid-stream cancels its request.
         let mut body = chat(Behaviour::Stall.magic_word());
@@ -270,7 +273,7 @@ fn an_engine_refusal_counts_as_outcome_error_and_a_client_leaving_as_cancelled()
         .await;
         let (_, metrics) = server.get("/metrics").await;
         assert_eq!(finished(&metrics, "cancelled"), 1, "{metrics}");
-        assert_eq!(finished(&metrics, "error"), 2, "{metrics}");
+        assert_eq!(finished(&metrics, "rejected"), 2, "{metrics}");
         assert_eq!(finished(&metrics, "ok"), 0, "{metrics}");
     });
 }
