@@ -33,26 +33,64 @@ use kvroute_runtime::{
 };
 
 use crate::load::{LoadSampler, spawn_load_sampler};
-use serde::Deserialize;
 
 /// Where an engine is and what it publishes: the flags of `kvroute worker --engine` and the
 /// engine keys of a fleet file's `[[workers]]`.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Clone, PartialEq, Eq)]
 pub(crate) struct EngineSpec {
     /// The engine's HTTP dialect.
     pub(crate) engine: EngineKind,
     /// The engine's HTTP address, `http://host:port`.
     pub(crate) engine_url: String,
     /// The engine's ZMQ KV event publisher, `tcp://host:port`; none: approximate mode.
-    #[serde(default)]
     pub(crate) kv_events: Option<String>,
     /// The engine's ZMQ replay socket, `tcp://host:port` (fills gaps in the event feed).
-    #[serde(default)]
     pub(crate) kv_events_replay: Option<String>,
     /// The `model` sent to the engine instead of the request's (default: the request's, which
     /// keeps LoRA adapters selectable by name).
-    #[serde(default)]
     pub(crate) served_model_name: Option<String>,
+    /// How long a request may wait for the engine's first byte (queueing plus prefill) before
+    /// it goes back to the router, which moves it to another worker; `None` keeps the default
+    /// (kvroute-engines' 300 s).
+    pub(crate) first_byte_timeout: Option<Duration>,
+    /// The longest silence between two pieces of a started response before the engine is
+    /// given up on and the request migrates; `None` keeps the default (60 s).
+    pub(crate) idle_timeout: Option<Duration>,
+    /// Sent as `Authorization: Bearer <key>` to the engine (read from a file or the
+    /// environment, never from the command line; never logged).
+    pub(crate) api_key: Option<String>,
+}
+
+// Hand-written so that the API key never reaches a log.
+impl std::fmt::Debug for EngineSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineSpec")
+            .field("engine", &self.engine)
+            .field("engine_url", &self.engine_url)
+            .field("kv_events", &self.kv_events)
+            .field("kv_events_replay", &self.kv_events_replay)
+            .field("served_model_name", &self.served_model_name)
+            .field("first_byte_timeout", &self.first_byte_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+/// Reads an engine API key from `path`: the first non-empty line, trimmed.
+pub(crate) fn read_api_key(path: &std::path::Path) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the engine API key file {}", path.display()))?;
+    text.lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .map(str::to_owned)
+        .with_context(|| {
+            format!(
+                "the engine API key file {} is empty; expected the key on its first line",
+                path.display()
+            )
+        })
 }
 
 /// A running adapter: the engine client, the event publisher and, with events, the listener;
@@ -84,11 +122,26 @@ impl Adapter {
         }
         let mut config = HttpEngineConfig::new(spec.engine, spec.engine_url.clone());
         config.served_model_name = spec.served_model_name.clone();
+        config.api_key = spec.api_key.clone();
+        if let Some(limit) = spec.first_byte_timeout {
+            config.first_byte_timeout = Some(limit);
+        }
+        if let Some(limit) = spec.idle_timeout {
+            config.idle_timeout = Some(limit);
+        }
         let engine = Arc::new(
             HttpEngine::new(config)
                 .with_context(|| format!("engine {} at {}", spec.engine, spec.engine_url))?,
         );
         wait_healthy(&engine, &spec.engine_url, wait).await?;
+        let identity = engine.identify().await?;
+        tracing::info!(
+            url = %spec.engine_url,
+            engine = %spec.engine,
+            found = ?identity.found,
+            context_length = ?identity.context_length,
+            "engine identified"
+        );
         // Numbered from this process's start time, so a restart never reuses an event id.
         let publisher = KvEventPublisher::tracking_blocks(id, DEFAULT_RING_CAPACITY).starting_at(
             kvroute_runtime::incarnation_event_base(std::time::SystemTime::now()),
@@ -185,7 +238,8 @@ fn block_hasher() -> BlockHasher {
     })
 }
 
-/// Polls the engine's health endpoint until it answers, backing off up to 2 s between tries.
+/// Polls the engine's health endpoint until it answers, backing off up to 2 s between tries,
+/// for `wait` in all: the last try is at the deadline, not a backoff step before it.
 async fn wait_healthy(engine: &HttpEngine, url: &str, wait: Duration) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + wait;
     let mut delay = Duration::from_millis(100);
@@ -193,19 +247,23 @@ async fn wait_healthy(engine: &HttpEngine, url: &str, wait: Duration) -> anyhow:
     loop {
         match engine.health().await {
             Ok(()) => return Ok(()),
-            Err(error) if tokio::time::Instant::now() + delay < deadline => {
+            Err(error) => {
+                let now = tokio::time::Instant::now();
+                if now >= deadline {
+                    return Err(anyhow::Error::new(error).context(format!(
+                        "the engine at {url} did not become healthy within {wait:?}"
+                    )));
+                }
                 if !logged {
                     tracing::info!(%url, %error, "waiting for the engine to become healthy");
                     logged = true;
                 }
-                tokio::time::sleep(delay).await;
+                tokio::time::sleep(delay.min(deadline - now)).await;
                 delay = (delay * 2).min(Duration::from_secs(2));
-            }
-            Err(error) => {
-                return Err(anyhow::Error::new(error).context(format!(
-                    "the engine at {url} did not become healthy within {wait:?}"
-                )));
             }
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -25,7 +25,7 @@ use kvroute_router::{
 };
 use kvroute_runtime::{
     Discovery as _, EventPlane, InProcessDiscovery, InProcessEventPlane, KvEventBridge,
-    KvEventBridgeConfig, RegistryServer, SnapshotStore, WorkerRole,
+    KvEventBridgeConfig, RegistryChecks, RegistryServer, SnapshotStore, WorkerRole,
 };
 
 use config::{Discovery, FleetSource, ServeConfig};
@@ -63,6 +63,28 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         .block_on(serve(config))
 }
 
+/// What the worker registry refuses: another block size than the router's, and, while any
+/// served model has only the built-in mock tokenizer, workers fronting real engines (the engine
+/// would get token ids of a vocabulary it does not have).
+fn registry_checks(config: &ServeConfig) -> RegistryChecks {
+    let checks = RegistryChecks::default().with_block_size(config.router.core.block_size());
+    let mock: Vec<String> = config
+        .models
+        .iter()
+        .filter(|m| m.tokenizer.is_none())
+        .map(|m| format!("`{}`", m.name))
+        .collect();
+    if mock.is_empty() {
+        return checks;
+    }
+    checks.refusing_engines(format!(
+        "the router serves model(s) {} with the built-in mock tokenizer, which would send this \
+         engine token ids of a vocabulary it does not have; start kvroute serve with the model's \
+         tokenizer: --model NAME,tokenizer=/path/to/tokenizer.json[,chat_template=PATH]",
+        mock.join(", ")
+    ))
+}
+
 async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     let models = ModelRegistry::load(&config.models).context("loading the served models")?;
     // The registry (kept alive for the whole run) or the static fleet; both give a watch.
@@ -83,10 +105,10 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             let registry = match registry_listen {
                 None => None,
                 Some(listen) => {
-                    let registry = RegistryServer::bind_with_block_size(
+                    let registry = RegistryServer::bind_with_checks(
                         listen,
                         InProcessDiscovery::new(*lease_ttl),
-                        config.router.core.block_size(),
+                        registry_checks(&config),
                     )
                     .await
                     .with_context(|| format!("binding the worker registry on {listen}"))?;
@@ -109,16 +131,17 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
                 FleetSource::File(path) => fleet::read_file(path)?,
                 FleetSource::Inline(workers) => workers.clone(),
             };
+            fleet::check_against_router(&workers, config.router.core.block_size(), &config.models)?;
             let fleet = fleet::Fleet::start(workers).await?;
             let watch = fleet.discovery.watch();
             static_fleet = Some(fleet);
             (watch, None)
         }
         Discovery::Registration { listen, lease_ttl } => {
-            let registry = RegistryServer::bind_with_block_size(
+            let registry = RegistryServer::bind_with_checks(
                 listen,
                 InProcessDiscovery::new(*lease_ttl),
-                config.router.core.block_size(),
+                registry_checks(&config),
             )
             .await
             .with_context(|| format!("binding the worker registry on {listen}"))?;

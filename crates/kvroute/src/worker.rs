@@ -75,6 +75,32 @@ pub(crate) struct WorkerArgs {
     /// The `model` sent to the engine instead of each request's own.
     #[arg(long, value_name = "NAME", requires = "engine")]
     served_model_name: Option<String>,
+    /// How long a request may wait for the engine's first byte (its queue wait plus prefill:
+    /// engines send nothing before the first token). When it passes, the request goes back to
+    /// the router, which moves it to another worker (or answers 504 `timeout` when none can
+    /// take it), and the router's passive health counts it against this worker.
+    #[arg(
+        long,
+        default_value = "300s",
+        value_name = "DURATION",
+        requires = "engine"
+    )]
+    first_byte_timeout: HumanDuration,
+    /// The longest silence between two pieces of a started response (a frozen engine, a
+    /// connection cut without a reset): when it passes, the request migrates with the tokens
+    /// generated so far.
+    #[arg(
+        long,
+        default_value = "60s",
+        value_name = "DURATION",
+        requires = "engine"
+    )]
+    idle_timeout: HumanDuration,
+    /// A file whose first line is the engine's API key, sent as `Authorization: Bearer`
+    /// (`vllm serve --api-key`, an OpenAI server). Also read from the environment variable
+    /// KVROUTE_ENGINE_API_KEY. Never logged.
+    #[arg(long, value_name = "FILE", requires = "engine")]
+    engine_api_key_file: Option<PathBuf>,
     /// How long to wait at start for the engine to answer its health check (250ms, 5s, 2m, ...).
     #[arg(long, default_value = "120s", value_name = "DURATION")]
     engine_wait: HumanDuration,
@@ -256,6 +282,9 @@ async fn serve_engine(args: WorkerArgs) -> anyhow::Result<()> {
         kv_events: args.kv_events.clone(),
         kv_events_replay: args.kv_events_replay.clone(),
         served_model_name: args.served_model_name.clone(),
+        first_byte_timeout: Some(args.first_byte_timeout.0),
+        idle_timeout: Some(args.idle_timeout.0),
+        api_key: engine_api_key(args.engine_api_key_file.as_deref())?,
     };
     let block_size = args.kv_block_size.unwrap_or(DEFAULT_ENGINE_BLOCK_SIZE);
     let adapter = Adapter::start(
@@ -278,6 +307,20 @@ async fn serve_engine(args: WorkerArgs) -> anyhow::Result<()> {
         _sampler: None,
     };
     run_worker(&args, worker, engine).await
+}
+
+/// The environment variable an engine API key may come from.
+pub(crate) const ENGINE_API_KEY_ENV: &str = "KVROUTE_ENGINE_API_KEY";
+
+/// The engine API key: from `--engine-api-key-file`, else from [`ENGINE_API_KEY_ENV`].
+fn engine_api_key(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    if let Some(path) = file {
+        return crate::adapter::read_api_key(path).map(Some);
+    }
+    Ok(std::env::var(ENGINE_API_KEY_ENV)
+        .ok()
+        .map(|k| k.trim().to_owned())
+        .filter(|k| !k.is_empty()))
 }
 
 /// The block size an `--engine` worker assumes without `--kv-block-size` (vLLM's default).

@@ -55,6 +55,17 @@ pub(crate) struct FleetWorker {
     /// The `model` sent to the engine instead of the request's.
     #[serde(default)]
     pub(crate) served_model_name: Option<String>,
+    /// How long a request may wait for the engine's first byte before it goes back to the
+    /// router (default 300000: 300 s).
+    #[serde(default)]
+    pub(crate) first_byte_timeout_ms: Option<u64>,
+    /// The longest silence between two pieces of a started response before the request
+    /// migrates (default 60000: 60 s).
+    #[serde(default)]
+    pub(crate) idle_timeout_ms: Option<u64>,
+    /// A file whose first line is the engine's API key (never logged).
+    #[serde(default)]
+    pub(crate) engine_api_key_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -76,6 +87,52 @@ pub(crate) fn read_file(path: &Path) -> anyhow::Result<Vec<FleetWorker>> {
     Ok(file.workers)
 }
 
+/// Refuses, before anything starts, a fleet the router could not serve: an entry whose
+/// `kv_block_size` is not the router's (its blocks could never match a request, so the router
+/// would leave it out and answer 503), and engines fronted with only the built-in mock
+/// tokenizer (the engine would get token ids of a vocabulary it does not have).
+pub(crate) fn check_against_router(
+    workers: &[FleetWorker],
+    block_size: u32,
+    models: &[kvroute_router::ModelConfig],
+) -> anyhow::Result<()> {
+    for worker in workers {
+        if worker.kv_block_size != block_size {
+            bail!(
+                "workers[id={}]: kv_block_size = {} differs from the router's block size {block_size}; \
+                 set the entry's kv_block_size to the engine's block (page) size and the router's \
+                 [router] block_size (--block-size) to the same value",
+                worker.id,
+                worker.kv_block_size
+            );
+        }
+    }
+    let engines: Vec<String> = workers
+        .iter()
+        .filter_map(|w| w.engine.map(|e| format!("{} (id {})", e, w.id)))
+        .collect();
+    let mock: Vec<&str> = models
+        .iter()
+        .filter(|m| m.tokenizer.is_none())
+        .map(|m| m.name.as_str())
+        .collect();
+    if !engines.is_empty() && !mock.is_empty() {
+        bail!(
+            "the fleet fronts real engines ({}) but model(s) {} have no tokenizer, so the \
+             built-in mock tokenizer would turn prompts into ids the engine does not know; \
+             pass the model's tokenizer: --model NAME,tokenizer=/path/to/tokenizer.json\
+             [,chat_template=/path/to/template.jinja] or [[models]] name/tokenizer/chat_template \
+             in serve.toml",
+            engines.join(", "),
+            mock.iter()
+                .map(|m| format!("`{m}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// What an entry is, checked.
 enum Entry {
     Process(InstanceInfo),
@@ -91,7 +148,10 @@ fn check(worker: FleetWorker) -> anyhow::Result<Entry> {
     let engine_keys = worker.engine_url.is_some()
         || worker.kv_events.is_some()
         || worker.kv_events_replay.is_some()
-        || worker.served_model_name.is_some();
+        || worker.served_model_name.is_some()
+        || worker.first_byte_timeout_ms.is_some()
+        || worker.idle_timeout_ms.is_some()
+        || worker.engine_api_key_file.is_some();
     match (worker.address, worker.engine, worker.engine_url) {
         (Some(address), None, None) if !engine_keys => {
             info.address = address;
@@ -103,6 +163,17 @@ fn check(worker: FleetWorker) -> anyhow::Result<Entry> {
                     "workers[id={id}]: an engine fronted by kvroute serve is aggregated; role must be \"aggregated\""
                 );
             }
+            if worker.first_byte_timeout_ms == Some(0) || worker.idle_timeout_ms == Some(0) {
+                bail!(
+                    "workers[id={id}]: first_byte_timeout_ms and idle_timeout_ms must be greater than 0 (milliseconds; the defaults are 300000 and 60000)"
+                );
+            }
+            let api_key = worker
+                .engine_api_key_file
+                .as_deref()
+                .map(crate::adapter::read_api_key)
+                .transpose()
+                .with_context(|| format!("workers[id={id}]"))?;
             Ok(Entry::Engine(
                 info,
                 EngineSpec {
@@ -111,6 +182,11 @@ fn check(worker: FleetWorker) -> anyhow::Result<Entry> {
                     kv_events: worker.kv_events,
                     kv_events_replay: worker.kv_events_replay,
                     served_model_name: worker.served_model_name,
+                    first_byte_timeout: worker
+                        .first_byte_timeout_ms
+                        .map(std::time::Duration::from_millis),
+                    idle_timeout: worker.idle_timeout_ms.map(std::time::Duration::from_millis),
+                    api_key,
                 },
             ))
         }

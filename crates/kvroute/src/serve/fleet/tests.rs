@@ -115,3 +115,58 @@ fn the_example_fleet_file_is_valid() {
         .collect();
     assert_eq!(kinds, ["vllm", "llamacpp", "process"]);
 }
+
+/// What `check_against_router` says of `toml_text` for a router with block size 16 serving
+/// `models`: "ok" or its error.
+fn against_router(toml_text: &str, models: &[kvroute_router::ModelConfig]) -> String {
+    match check_against_router(&workers(toml_text), 16, models) {
+        Ok(()) => "ok".to_owned(),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn real_model() -> kvroute_router::ModelConfig {
+    kvroute_router::ModelConfig {
+        tokenizer: Some("tokenizer.json".into()),
+        ..kvroute_router::ModelConfig::mock("tiny")
+    }
+}
+
+#[test]
+fn an_entry_with_another_block_size_is_refused_at_start_not_served_without() {
+    let got = against_router(
+        "[[workers]]\nid = 1\naddress = \"h:1\"\nkv_block_size = 32\n",
+        &[real_model()],
+    );
+    assert!(
+        got.starts_with(
+            "workers[id=1]: kv_block_size = 32 differs from the router's block size 16"
+        ),
+        "{got}"
+    );
+    assert_eq!(
+        against_router(
+            "[[workers]]\nid = 1\naddress = \"h:1\"\nkv_block_size = 16\n",
+            &[real_model()]
+        ),
+        "ok"
+    );
+}
+
+#[test]
+fn real_engines_behind_the_mock_tokenizer_are_refused_with_what_to_pass() {
+    let engine = "[[workers]]\nid = 2\nengine = \"llamacpp\"\nengine_url = \"http://h:2\"\nkv_block_size = 16\n";
+    let got = against_router(engine, &[kvroute_router::ModelConfig::mock("mock")]);
+    assert!(got.contains("llamacpp (id 2)"), "{got}");
+    assert!(got.contains("`mock`"), "{got}");
+    assert!(got.contains("--model NAME,tokenizer="), "{got}");
+    assert_eq!(against_router(engine, &[real_model()]), "ok");
+    // Mock workers need no tokenizer.
+    assert_eq!(
+        against_router(
+            "[[workers]]\nid = 1\naddress = \"h:1\"\nkv_block_size = 16\n",
+            &[kvroute_router::ModelConfig::mock("mock")]
+        ),
+        "ok"
+    );
+}
