@@ -2,7 +2,7 @@
 """Runs N real llama.cpp HTTP servers on loopback, CPU only, through the `xllamacpp` wheel.
 
 Usage: python3 servers.py MODEL_GGUF [-n N] [--slots S] [--ctx-per-slot C] [--threads T]
-                          [--cache-ram-mib M] [--alias NAME] [--log-dir DIR]
+                          [--cache-ram-mib M] [--alias NAME] [--log-dir DIR] [--ports P,P,...]
 
 `xllamacpp.Server(CommonParams)` runs llama.cpp's own server (tools/server, the code behind
 `llama-server`) on a background thread of the calling process, so each server here is a child
@@ -18,7 +18,8 @@ also exits when its standard input (a pipe from this process) closes, so none ou
 parent. Every wait is bounded. Starting takes well under a second per server.
 
 Other scripts import `start_servers` (returning `LlamaServer`s with `url`, `proc`, `kill()`) and
-`stop_servers` from here.
+`stop_servers` from here. `ports` (`--ports`) gives each server a fixed port instead of a free one,
+e.g. to restart a killed server where its clients expect it.
 """
 
 import argparse
@@ -68,8 +69,11 @@ class LlamaServer:
 
 
 def start_servers(model, n=1, slots=4, ctx_per_slot=4096, threads=1, cache_ram_mib=None,
-                  alias="tiny", log_dir=None, kv_unified=False, slot_similarity=None):
-    """Starts `n` servers in parallel and returns them once every one is listening."""
+                  alias="tiny", log_dir=None, kv_unified=False, slot_similarity=None, ports=None):
+    """Starts `n` servers in parallel and returns them once every one is listening; server `i`
+    listens on `ports[i]` when `ports` is given (0: a free port), else on a free port."""
+    if ports is not None and len(ports) != n:
+        raise ValueError(f"{len(ports)} ports for {n} servers")
     log_dir = log_dir or os.environ.get("KVROUTE_E2E_LOGS", "/tmp")
     os.makedirs(log_dir, exist_ok=True)
     servers, readers = [], []
@@ -83,6 +87,8 @@ def start_servers(model, n=1, slots=4, ctx_per_slot=4096, threads=1, cache_ram_m
             args.append("--kv-unified")
         if slot_similarity is not None:
             args += ["--slot-similarity", str(slot_similarity)]
+        if ports is not None:
+            args += ["--port", str(ports[i])]
         proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=open(log_path, "w"), text=True)
         line = {}
@@ -127,7 +133,7 @@ def child(args):
     params.model.path = args.model
     params.model_alias = {args.alias}  # a set of names in this llama.cpp
     params.hostnames = ["127.0.0.1"]
-    params.port = 0
+    params.port = args.port
     params.n_parallel = args.slots
     params.n_ctx = args.slots * args.ctx_per_slot
     params.cache_prompt = True
@@ -174,14 +180,18 @@ def main():
                              "(llama.cpp default 0.1; 0 always takes the least recently used slot)")
     parser.add_argument("--alias", default="tiny", help="the model name the servers report")
     parser.add_argument("--log-dir", default=None, help="server logs (default $KVROUTE_E2E_LOGS or /tmp)")
+    parser.add_argument("--ports", default=None,
+                        help="comma-separated fixed ports, one per server (default: free ports)")
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)  # a child's own
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
         return
+    ports = None if args.ports is None else [int(p) for p in args.ports.split(",")]
     servers = start_servers(args.model, args.n, args.slots, args.ctx_per_slot, args.threads,
                             args.cache_ram_mib, args.alias, args.log_dir, args.kv_unified,
-                            args.slot_similarity)
+                            args.slot_similarity, ports)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
