@@ -4,6 +4,7 @@
 //! simulated prefill and decode workers in-process (over TCP on loopback).
 
 mod demo;
+mod dialect_migration;
 mod disagg_replay;
 mod e2e;
 mod errors;
