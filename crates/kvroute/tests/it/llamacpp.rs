@@ -11,6 +11,11 @@
 //!   cached-token reports, that KV routing beats round-robin; that streams, cancellation and a
 //!   killed engine behave; that the router's load returns to zero and its prediction error is
 //!   small.
+//! - `tests/python/llamacpp/faults.py` freezes, kills and restarts servers under the router and
+//!   misconfigures it: first-byte and idle timeouts (requests move, the worker is ejected and let
+//!   back in), a dead engine in a static fleet, an engine's 400 for a prompt over its context,
+//!   the wrong engine dialect, a fleet without a tokenizer; the client's answers, the router's
+//!   failure and ejection metrics, and zero load after each.
 //!
 //! The Python environment is required, never skipped: `cargo xtask ci` creates it; see [`SETUP`]
 //! for doing it by hand.
@@ -37,6 +42,8 @@ const SETUP: &str = "set KVROUTE_PYTHON to a python with tests/python/requiremen
 /// A bound on each step (model, server start); the whole e2e script has [`E2E_TIMEOUT`].
 const BOUND: Duration = Duration::from_secs(60);
 const E2E_TIMEOUT: Duration = Duration::from_secs(240);
+/// The bound on the whole fault suite (`faults.py`; about a minute on two busy cores).
+const FAULTS_TIMEOUT: Duration = Duration::from_secs(240);
 
 fn scripts() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/python/llamacpp")
@@ -334,4 +341,56 @@ fn kvroute_serves_real_llamacpp_engines() {
             "e2e.py ran over {E2E_TIMEOUT:?}; logs in {dir:?}\nstdout:\n{out}\nstderr:\n{err}"
         ),
     }
+}
+
+/// Runs `tests/python/llamacpp/SCRIPT KVROUTE_BINARY` with its logs in `dir`, for at most
+/// `timeout`; fails the test with the script's output (and where its logs are) unless it
+/// succeeds.
+fn run_script(script: &str, dir: &Path, timeout: Duration) {
+    let out_path = dir.join(format!("{script}.out"));
+    let err_path = dir.join(format!("{script}.err"));
+    let mut child = Command::new(python())
+        .arg(scripts().join(script))
+        .arg(env!("CARGO_BIN_EXE_kvroute"))
+        .env("KVROUTE_E2E_LOGS", dir)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).expect("create the script's stdout file"))
+        .stderr(std::fs::File::create(&err_path).expect("create the script's stderr file"))
+        .spawn()
+        .unwrap_or_else(|e| panic!("run {script}: {e}"));
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            // SIGTERM first: the script then stops its servers and kvroute processes itself.
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let grace = Instant::now() + Duration::from_secs(15);
+            while Instant::now() < grace && matches!(child.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let out = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let err = std::fs::read_to_string(&err_path).unwrap_or_default();
+    match status {
+        Some(s) if s.success() => eprintln!("{out}"),
+        Some(s) => panic!("{script} failed ({s}); logs in {dir:?}\nstdout:\n{out}\nstderr:\n{err}"),
+        None => {
+            panic!("{script} ran over {timeout:?}; logs in {dir:?}\nstdout:\n{out}\nstderr:\n{err}")
+        }
+    }
+}
+
+#[test]
+fn llamacpp_faults() {
+    let dir = scratch("llamacpp-faults");
+    run_script("faults.py", &dir, FAULTS_TIMEOUT);
 }
