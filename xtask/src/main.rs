@@ -12,6 +12,7 @@ mod fuzz;
 mod package;
 mod python;
 mod replay_vs_reference;
+mod soak;
 mod table;
 mod tidy;
 
@@ -53,24 +54,38 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Soak a real `kvroute serve` with three mock workers for N minutes: mixed streaming
+    /// Soak kvroute for N minutes, then check that every request is accounted for and the
+    /// routers hold no load.
+    ///
+    /// `mock` (the default): a real `kvroute serve` with three mock workers, mixed streaming
     /// traffic, sessions, client errors, cancellations, and a worker SIGKILLed and restarted every
     /// few seconds; at the end it checks that every request is accounted for (ok, client error,
     /// retryable, cancelled), the router holds no load, no worker holds a session and the
-    /// router's RSS stayed flat, and prints a one-line summary.
+    /// router's RSS stayed flat, and prints a one-line summary. Runs `cargo test --release -p
+    /// kvroute --test it soak -- --nocapture` with `KVROUTE_SOAK_SECONDS` = N * 60, e.g. `cargo
+    /// xtask soak --minutes 30`. CI runs the same test for 15 s in a debug build as part of the
+    /// ordinary tests.
     ///
-    /// Runs `cargo test --release -p kvroute --test it soak -- --nocapture` with
-    /// `KVROUTE_SOAK_SECONDS` = N * 60, e.g. `cargo xtask soak --minutes 30`. CI runs the same
-    /// test for 15 s in a debug build as part of the ordinary tests.
+    /// `chaos`: `cargo xtask soak chaos [--minutes N (default 5)] [--seed S]` builds kvroute in
+    /// release mode and runs `tests/python/llamacpp/chaos.py`: two routers over NATS in front
+    /// of real llama.cpp engines (CPU) and mock workers under multi-turn chat load, while a
+    /// seeded schedule kills, freezes and restarts engines, routers, workers and nats-server.
+    /// It fails on any lost request, under 99% completed, or load left on a router; it reports
+    /// the engines' hit rate before and after each fault and the routers' RSS. Needs
+    /// `nats-server` on PATH; not part of `cargo xtask ci`.
     Soak {
-        /// How long the traffic runs, in minutes (1 to 240).
+        /// Which soak: `mock` (default) or `chaos`.
+        #[arg(value_enum, default_value_t = soak::SoakKind::Mock)]
+        kind: soak::SoakKind,
+        /// How long the traffic runs, in minutes (1 to 240; required for `mock`, default 5 for
+        /// `chaos`).
         #[arg(long)]
-        minutes: u64,
+        minutes: Option<u64>,
+        /// Seed of the chaos soak's load and fault schedule (default 0; `chaos` only).
+        #[arg(long)]
+        seed: Option<u64>,
     },
 }
-
-/// The longest soak `cargo xtask soak` runs (4 hours).
-const MAX_SOAK_MINUTES: u64 = 240;
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
@@ -80,7 +95,11 @@ fn main() -> Result<()> {
         Command::Tidy => tidy::run_all(&root),
         Command::Fuzz(args) => fuzz::run(&root, &args),
         Command::Bench { which, args } => bench(&root, &which, &args),
-        Command::Soak { minutes } => soak(&root, minutes),
+        Command::Soak {
+            kind,
+            minutes,
+            seed,
+        } => soak::run(&root, kind, minutes, seed),
     }
 }
 
@@ -153,25 +172,41 @@ fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
 }
 
-/// Runs the soak test in release mode for `minutes` minutes (bounded by [`MAX_SOAK_MINUTES`]).
-fn soak(root: &Path, minutes: u64) -> Result<()> {
-    anyhow::ensure!(
-        (1..=MAX_SOAK_MINUTES).contains(&minutes),
-        "--minutes {minutes}: a soak runs 1 to {MAX_SOAK_MINUTES} minutes"
-    );
-    let mut cmd = std::process::Command::new(cargo());
-    cmd.current_dir(root)
-        .env("KVROUTE_SOAK_SECONDS", (minutes * 60).to_string())
-        .args([
-            "test",
-            "--release",
-            "-p",
-            "kvroute",
-            "--test",
-            "it",
-            "soak",
-            "--",
-            "--nocapture",
-        ]);
-    ci::run_command(&mut cmd)
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::{Cli, Command};
+    use crate::soak::SoakKind;
+
+    fn soak(args: &[&str]) -> (SoakKind, Option<u64>, Option<u64>) {
+        let cli = Cli::try_parse_from(["cargo xtask", "soak"].iter().chain(args)).unwrap();
+        match cli.command {
+            Command::Soak {
+                kind,
+                minutes,
+                seed,
+            } => (kind, minutes, seed),
+            _ => panic!("not the soak command"),
+        }
+    }
+
+    #[test]
+    fn soak_without_a_kind_is_the_mock_soak_as_before() {
+        assert_eq!(soak(&["--minutes", "30"]), (SoakKind::Mock, Some(30), None));
+        assert_eq!(
+            soak(&["mock", "--minutes", "2"]),
+            (SoakKind::Mock, Some(2), None)
+        );
+    }
+
+    #[test]
+    fn soak_chaos_takes_optional_minutes_and_seed() {
+        assert_eq!(soak(&["chaos"]), (SoakKind::Chaos, None, None));
+        assert_eq!(
+            soak(&["chaos", "--minutes", "3", "--seed", "7"]),
+            (SoakKind::Chaos, Some(3), Some(7))
+        );
+        assert!(Cli::try_parse_from(["cargo xtask", "soak", "storm"]).is_err());
+    }
 }
