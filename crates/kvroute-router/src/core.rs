@@ -60,6 +60,9 @@ pub struct KvRouterCore<S: AffinityStore = InMemoryAffinityStore> {
     rr_next: u64,
     stats: CoreStats,
     scratch: Scratch,
+    /// The request the last [`Self::route`] recorded a prediction for (its blocks are still in
+    /// `scratch.local` until the next decision), for [`Self::predicted_blocks`].
+    last_prediction: Option<RequestId>,
 }
 
 /// Counters of the core's event handling.
@@ -149,6 +152,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
             active: FastMap::default(),
             reports: FastMap::default(),
             rr_next: 0,
+            last_prediction: None,
             stats: CoreStats::default(),
             scratch: Scratch::default(),
             config,
@@ -408,6 +412,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
         }
         if self.modes.get(&routed.worker.worker_id) == Some(&KvMode::Approximate) {
             self.approx.record(routed.worker, &self.scratch.local, now);
+            self.last_prediction = Some(req.id);
         }
         if round_robin {
             self.rr_next = self.rr_next.wrapping_add(1);
@@ -464,6 +469,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
         rng: &mut R,
         query: bool,
     ) -> Result<Decided, RouteError> {
+        self.last_prediction = None;
         let mut timings = PhaseTimings::default();
         let prepared = prepared.filter(|p| p.fits(req));
         let exact = match prepared {
@@ -815,6 +821,33 @@ impl<S: AffinityStore> KvRouterCore<S> {
             0,
             now,
         )
+    }
+
+    /// The prompt blocks (local hashes, in order) the last [`Self::route`] predicted cached on
+    /// its worker from now on, when that route was request `id`'s and its worker is in
+    /// approximate mode; `None` otherwise (another decision came since, or the worker publishes
+    /// events). A live router sends them to its replicas, which record the same prediction with
+    /// [`Self::record_remote_prediction`], so that N routers predict as one.
+    pub fn predicted_blocks(&self, id: RequestId) -> Option<&[LocalBlockHash]> {
+        (self.last_prediction == Some(id)).then_some(self.scratch.local.as_slice())
+    }
+
+    /// Records a prediction another router replica made (see [`Self::predicted_blocks`]): the
+    /// prompt `blocks` are now expected cached on `worker`, for this core's prediction TTL from
+    /// `now`. Ignored (returns false) unless `worker` is registered here in approximate mode.
+    pub fn record_remote_prediction(
+        &mut self,
+        worker: WorkerWithDpRank,
+        blocks: &[LocalBlockHash],
+        now: Duration,
+    ) -> bool {
+        if self.modes.get(&worker.worker_id) != Some(&KvMode::Approximate)
+            || self.scheduler.worker_load(worker).is_none()
+        {
+            return false;
+        }
+        self.approx.record(worker, blocks, now);
+        true
     }
 
     /// What a request in flight adds to its worker's load, to share with other replicas.

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::StreamExt;
 use kvroute_protocols::WorkerWithDpRank;
+use kvroute_protocols::kv_events::LocalBlockHash;
 use kvroute_runtime::{EventPlane, Subscription};
 use kvroute_scheduler::{RequestId, RequestLoad};
 use parking_lot::Mutex;
@@ -73,6 +74,11 @@ enum Kind {
         prefill_tokens: u64,
         block_hashes: Vec<u64>,
         expected_output_tokens: Option<u32>,
+        /// For a worker in approximate mode, the prompt's local block hashes the sender now
+        /// predicts cached there; the receiver records the same prediction. Absent from
+        /// messages of workers that publish events (and of older routers).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        predicted_blocks: Option<Vec<u64>>,
     },
     PrefillDone {
         request: u64,
@@ -88,7 +94,8 @@ enum Kind {
 /// A change of this replica's own load, to publish.
 #[derive(Debug)]
 pub(crate) enum Local {
-    Added(RequestId, RequestLoad),
+    /// A request routed here: its load, and (approximate mode) the blocks predicted cached.
+    Added(RequestId, RequestLoad, Option<Vec<u64>>),
     PrefillDone(RequestId),
     Freed(RequestId),
 }
@@ -102,6 +109,7 @@ pub(crate) struct LoadSync {
     remote: Mutex<HashMap<u64, RemoteRouter>>,
     remote_freed: AtomicU64,
     undecodable: AtomicU64,
+    remote_predictions: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -121,6 +129,7 @@ impl LoadSync {
             remote: Mutex::new(HashMap::new()),
             remote_freed: AtomicU64::new(0),
             undecodable: AtomicU64::new(0),
+            remote_predictions: AtomicU64::new(0),
         }
     }
 
@@ -137,6 +146,11 @@ impl LoadSync {
     /// Remote requests held now.
     pub(crate) fn remote_requests(&self) -> usize {
         self.remote.lock().values().map(|r| r.requests.len()).sum()
+    }
+
+    /// Other replicas' approximate-mode predictions recorded here.
+    pub(crate) fn remote_predictions(&self) -> u64 {
+        self.remote_predictions.load(Ordering::Relaxed)
     }
 
     /// Load messages that could not be decoded (counted and dropped).
@@ -210,6 +224,7 @@ impl LoadSync {
                 prefill_tokens,
                 block_hashes,
                 expected_output_tokens,
+                predicted_blocks,
             } => {
                 let id = remote_id(router, request);
                 entry.requests.insert(request, id);
@@ -221,8 +236,19 @@ impl LoadSync {
                     expected_output_tokens,
                 };
                 let now = inner.now();
+                let mut state = inner.state.lock();
                 // A worker this replica does not know (yet) carries no load here.
-                let _ = inner.state.lock().core.add_remote_request(id, &load, now);
+                let _ = state.core.add_remote_request(id, &load, now);
+                if let Some(blocks) = predicted_blocks {
+                    let blocks: Vec<LocalBlockHash> =
+                        blocks.into_iter().map(LocalBlockHash).collect();
+                    if state
+                        .core
+                        .record_remote_prediction(load.worker, &blocks, now)
+                    {
+                        self.remote_predictions.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
             }
             Kind::PrefillDone { request } => {
                 let id = entry.requests.get(&request).copied();
@@ -286,7 +312,7 @@ pub(crate) async fn publish_loop(inner: Arc<Inner>, plane: Arc<dyn EventPlane>) 
         let kind = tokio::select! {
             change = rx.recv() => match change {
                 None => return,
-                Some(Local::Added(id, load)) => {
+                Some(Local::Added(id, load, predicted_blocks)) => {
                     active.insert(id.0);
                     Kind::Added {
                         request: id.0,
@@ -295,6 +321,7 @@ pub(crate) async fn publish_loop(inner: Arc<Inner>, plane: Arc<dyn EventPlane>) 
                         prefill_tokens: load.prefill_tokens,
                         block_hashes: load.block_hashes,
                         expected_output_tokens: load.expected_output_tokens,
+                        predicted_blocks,
                     }
                 }
                 Some(Local::PrefillDone(id)) => Kind::PrefillDone { request: id.0 },
@@ -354,6 +381,7 @@ mod tests {
                 prefill_tokens: 640,
                 block_hashes: vec![11, 12],
                 expected_output_tokens: Some(32),
+                predicted_blocks: Some(vec![5, 6]),
             },
         };
         let json = serde_json::to_string(&message).unwrap();
@@ -362,5 +390,30 @@ mod tests {
         let alive: LoadMessage =
             serde_json::from_str(r#"{"router":9,"kind":"alive","active":[1,2]}"#).unwrap();
         assert_eq!(alive.kind, Kind::Alive { active: vec![1, 2] });
+        // A router without shared predictions sends (and expects) no `predicted_blocks`.
+        let old: LoadMessage = serde_json::from_str(
+            r#"{"router":9,"kind":"added","request":4,"worker_id":2,"dp_rank":0,"prefill_tokens":640,"block_hashes":[11,12],"expected_output_tokens":null}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            old.kind,
+            Kind::Added {
+                predicted_blocks: None,
+                ..
+            }
+        ));
+        let exact = LoadMessage {
+            router: 9,
+            kind: Kind::Added {
+                request: 4,
+                worker_id: 2,
+                dp_rank: 0,
+                prefill_tokens: 640,
+                block_hashes: vec![11],
+                expected_output_tokens: None,
+                predicted_blocks: None,
+            },
+        };
+        assert!(!serde_json::to_string(&exact).unwrap().contains("predicted"));
     }
 }

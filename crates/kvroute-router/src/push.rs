@@ -128,6 +128,8 @@ pub struct LoadSyncStats {
     pub remote_freed: u64,
     /// Load messages dropped as undecodable.
     pub undecodable: u64,
+    /// Other replicas' approximate-mode predictions recorded here.
+    pub remote_predictions: u64,
 }
 
 /// See [`KvPushRouter::snapshot_stats`].
@@ -404,15 +406,22 @@ impl KvPushRouter {
             let mut state = inner.state.lock();
             let State { core, rng } = &mut *state;
             let routed = core.route_prepared(&route_req, prepared, now, rng);
+            // Other replicas count this request's load and, for a worker in approximate
+            // mode, record the same prediction.
             let shared_load = match (&routed, &inner.load_sync) {
-                (Ok(_), Some(_)) => core.request_load(id),
+                (Ok(_), Some(_)) => core.request_load(id).map(|load| {
+                    let predicted = core
+                        .predicted_blocks(id)
+                        .map(|blocks| blocks.iter().map(|b| b.0).collect());
+                    (load, predicted)
+                }),
                 _ => None,
             };
             (routed, shared_load)
         };
         let routed = routed.inspect_err(|_| inner.metrics.on_route_error())?;
-        if let (Some(sync), Some(load)) = (&inner.load_sync, shared_load) {
-            sync.local(Local::Added(id, load));
+        if let (Some(sync), Some((load, predicted))) = (&inner.load_sync, shared_load) {
+            sync.local(Local::Added(id, load, predicted));
         }
         inner.metrics.on_routed(
             routed.isl_tokens,
@@ -434,17 +443,23 @@ impl KvPushRouter {
             request.routing_mut().dp_rank = Some(worker.dp_rank);
         }
         let request_id = format!("kvr-{}", id.0);
-        let stream = inner
+        let stream = match inner
             .push
             .generate(&request_id, &request, RouteMode::Direct(worker.worker_id))
             .await
-            .map_err(|source| {
+        {
+            Ok(stream) => stream,
+            Err(source) => {
                 inner.metrics.on_route_error();
                 if let kvroute_runtime::RouteError::Request { source, .. } = &source {
                     inner.on_worker_failure(worker.worker_id, source);
                 }
-                KvRouterError::Send { worker, source }
-            })?;
+                // The worker failed the request (not the client, who is still waiting):
+                // `outcome="error"`, not the `cancelled` a dropped guard would count.
+                guard.fail();
+                return Err(KvRouterError::Send { worker, source });
+            }
+        };
         let mut stream = KvRoutedStream::new(stream, guard, routed);
         if phase == RequestPhase::Decode {
             // Decode routing predicts no reuse by design (the prompt's cache is the prefill
@@ -486,6 +501,7 @@ impl KvPushRouter {
             remote_requests: s.remote_requests(),
             remote_freed: s.remote_freed(),
             undecodable: s.undecodable(),
+            remote_predictions: s.remote_predictions(),
         })
     }
 
@@ -547,6 +563,12 @@ impl KvPushRouter {
                 "counter",
                 "Load messages from other replicas dropped as undecodable.",
                 s.undecodable,
+            );
+            family(
+                &format!("{p}_replica_remote_predictions"),
+                "counter",
+                "Other replicas' approximate-mode cache predictions recorded in this router's index.",
+                s.remote_predictions,
             );
         }
         if let Some(s) = self.snapshot_stats() {

@@ -227,6 +227,13 @@ fn a_request_pinned_to_an_unreachable_worker_fails_typed_without_a_retry() {
             "{err}"
         );
         assert_eq!(started_on_worker_2(&fleet), 1, "never retried on worker 2");
+        // The worker failed it, the client did not go away: an error, not a cancellation.
+        let metrics = router.metrics_text();
+        assert!(
+            metrics.contains("kvroute_router_requests_finished_total{outcome=\"error\"} 1"),
+            "{metrics}"
+        );
+        assert!(!metrics.contains("outcome=\"cancelled\"} 1"), "{metrics}");
         drop(stalled);
         eventually("all load is freed", || idle(&router)).await;
     });

@@ -222,3 +222,69 @@ fn a_workers_report_frees_other_replicas_requests_it_no_longer_holds_but_never_a
         }
     });
 }
+
+/// Issue 29, item 4: in approximate mode (engines without KV events) each replica used to
+/// predict only from its own decisions, so a conversation whose turns alternate between two
+/// replicas bounced between workers. Replicas now share their predictions with their load.
+#[test]
+fn replicas_in_approximate_mode_share_their_predictions_so_alternating_turns_stay_on_one_worker() {
+    run(async {
+        let fleet = Fleet::start(4).await;
+        let approximate = |router_id| {
+            let mut config = KvPushRouterConfig::new(BLOCK);
+            config.core.policy = Policy::Kv;
+            config.default_kv_mode = KvMode::Approximate;
+            config.expire_interval = Duration::from_millis(50);
+            config.load_sync = Some(LoadSyncConfig {
+                router_id,
+                heartbeat: Duration::from_millis(50),
+                silence: Duration::from_secs(5),
+            });
+            let watch = fleet.discovery.watch();
+            let plane = fleet.plane.clone();
+            async move { KvPushRouter::start(config, watch, plane).await.unwrap() }
+        };
+        let a = approximate(1).await;
+        let b = approximate(2).await;
+        let replicas = [&a, &b];
+        let conversations = 8u32;
+        let turns = 4u32;
+        let mut turn_workers: Vec<Vec<u64>> = vec![Vec::new(); conversations as usize];
+        for turn in 0..turns {
+            for (c, workers) in turn_workers.iter_mut().enumerate() {
+                // Each turn repeats the conversation so far and adds 8 blocks to it.
+                let base = 100_000 * (c as u32 + 1);
+                let tokens: Vec<u32> = (base..base + (turn + 1) * 8 * BLOCK).collect();
+                // Turns alternate between the replicas, starting with a different one per
+                // conversation.
+                let router = replicas[(turn as usize + c) % 2];
+                let other = replicas[(turn as usize + c + 1) % 2];
+                let before = other.load_sync_stats().unwrap().remote_predictions;
+                let mut stream = send(router, tokens, Behaviour::Complete).await;
+                workers.push(stream.worker().worker_id);
+                while stream.next().await.is_some() {}
+                eventually("the other replica records the prediction", || {
+                    other.load_sync_stats().unwrap().remote_predictions > before
+                })
+                .await;
+                // And has seen the request end, so that only the prediction, not load, tells
+                // the workers apart.
+                eventually("the other replica frees the request", || idle(other)).await;
+            }
+        }
+        for (c, workers) in turn_workers.iter().enumerate() {
+            assert!(
+                workers.iter().all(|w| *w == workers[0]),
+                "conversation {c} moved between workers across replicas: {workers:?}"
+            );
+        }
+        let text = a.replica_metrics_text();
+        assert!(
+            text.contains("kvroute_router_replica_remote_predictions_total 16"),
+            "{text}"
+        );
+        for replica in [&a, &b] {
+            eventually("every replica's load drains to zero", || idle(replica)).await;
+        }
+    });
+}
