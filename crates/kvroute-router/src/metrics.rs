@@ -12,6 +12,7 @@
 //! | `worker_failures_total` | counter | `worker`, `reason` = unreachable, timeout, lost | requests that failed on a worker at the transport (what passive health counts) |
 //! | `worker_ejections_total` | counter | `worker`, `reason` | times passive health ejected a worker |
 //! | `prediction_resets_total` | counter | `worker` | times an approximate-mode worker's predictions were dropped because its engine reported far fewer cached tokens than predicted (a restart, or evictions) |
+//! | `http_auth_total` | counter | `outcome` = ok, missing (no `Authorization: Bearer`), invalid (a key not configured) | `/v1/*` requests judged by client authentication (only with API keys configured) |
 //! | `worker_ejected` | gauge | `worker` | 1 while passive health routes around the worker (workers never ejected have no sample) |
 //! | `input_tokens_total` | counter | | prompt tokens of routed requests |
 //! | `output_tokens_total` | counter | | tokens streamed back |
@@ -135,6 +136,7 @@ pub struct RouterMetrics {
     worker_ejections: Family<Labels, Counter>,
     worker_ejected: Family<Labels, Gauge>,
     prediction_resets: Family<Labels, Counter>,
+    auth: Family<Labels, Counter>,
     /// Every worker ever ejected: those let back in read 0 on `worker_ejected`.
     ever_ejected: parking_lot::Mutex<std::collections::BTreeSet<kvroute_protocols::WorkerId>>,
 }
@@ -194,6 +196,7 @@ impl RouterMetrics {
             worker_ejections: Family::default(),
             worker_ejected: Family::default(),
             prediction_resets: Family::default(),
+            auth: Family::default(),
             ever_ejected: parking_lot::Mutex::default(),
             registry: Registry::default(),
         };
@@ -217,6 +220,11 @@ impl RouterMetrics {
             "prediction_resets",
             "Times an approximate-mode worker's predictions were dropped after its engine reported far fewer cached tokens",
             self.prediction_resets.clone(),
+        );
+        registry.register(
+            "http_auth",
+            "Requests judged by client authentication, by outcome (ok, missing, invalid)",
+            self.auth.clone(),
         );
         registry.register(
             "worker_ejected",
@@ -426,6 +434,11 @@ impl RouterMetrics {
         self.prediction_resets
             .get_or_create(&vec![("worker", worker.to_string())])
             .inc();
+    }
+
+    /// Client authentication judged a request (`outcome` = ok, missing, invalid).
+    pub fn on_auth(&self, outcome: &str) {
+        self.auth.get_or_create(&outcome_labels(outcome)).inc();
     }
 
     /// Passive health ejected `worker` after a failure for `reason`.

@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use kvroute_router::http::{self, AppState, Disagg};
+use kvroute_router::http::{self, ApiKeys, AppState, Disagg};
 use kvroute_router::{
     InMemoryAffinityStore, KvPhaseRouter, KvPushRouter, LoadSyncConfig, ModelRegistry,
     PrefillRouterConfig, SharedAffinityStore, role_filtered,
@@ -260,6 +260,23 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
         }
         None => state,
     };
+    let state = match &config.api_key_file {
+        Some(path) => {
+            let keys =
+                ApiKeys::load(path).context("loading the client API keys (--api-key-file)")?;
+            tracing::info!(path = %path.display(), keys = keys.len(), "clients must send an API key on /v1/*");
+            tokio::spawn(reload_keys_on_sighup(keys.clone()));
+            state.with_api_keys(keys)
+        }
+        None => {
+            tracing::warn!(
+                listen = %config.listen,
+                "serving unauthenticated requests: anyone who reaches this address is served \
+                 (pass --api-key-file to require a key)"
+            );
+            state
+        }
+    };
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding the HTTP frontend on {}", config.listen))?;
@@ -318,4 +335,30 @@ impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
     }
+}
+
+/// Re-reads the client API keys on every SIGHUP; a file that fails to load keeps the keys in use.
+async fn reload_keys_on_sighup(keys: ApiKeys) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut hangup = match signal(SignalKind::hangup()) {
+            Ok(hangup) => hangup,
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen for SIGHUP; API keys are not reloaded");
+                return;
+            }
+        };
+        while hangup.recv().await.is_some() {
+            match keys.reload() {
+                Ok(n) => tracing::info!(keys = n, "SIGHUP: reloaded the client API keys"),
+                Err(error) => tracing::error!(
+                    error = %error,
+                    "SIGHUP: the client API keys were not reloaded; the old ones stay in use"
+                ),
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = keys;
 }

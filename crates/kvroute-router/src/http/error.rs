@@ -101,6 +101,14 @@ impl ApiError {
         }
     }
 
+    /// 401: no API key, or one not configured (`code: invalid_api_key`, as OpenAI answers).
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self {
+            code: Some("invalid_api_key"),
+            ..Self::new(StatusCode::UNAUTHORIZED, "invalid_request_error", message)
+        }
+    }
+
     /// 413: the body or the prompt is too large.
     pub fn too_large(message: impl Into<String>, code: &'static str) -> Self {
         Self {

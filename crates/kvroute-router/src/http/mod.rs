@@ -27,6 +27,7 @@
 //! sent to a worker.
 
 mod admission;
+mod auth;
 mod error;
 mod handlers;
 pub mod openai;
@@ -50,6 +51,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 pub use admission::AdmissionConfig;
+pub use auth::{ApiKeyError, ApiKeys};
 pub use error::ApiError;
 
 use crate::migration::{DEFAULT_MAX_MIGRATIONS, Migrator};
@@ -120,6 +122,7 @@ pub struct AppState {
     inner: Arc<Shared>,
     disagg: Option<Disagg>,
     extra_metrics: Option<ExtraMetrics>,
+    api_keys: Option<ApiKeys>,
 }
 
 /// Produces OpenMetrics families (no `# EOF`) that `/metrics` appends to the router's own: the
@@ -211,7 +214,20 @@ impl AppState {
             }),
             disagg: None,
             extra_metrics: None,
+            api_keys: None,
         }
+    }
+
+    /// This state, answering `/v1/*` only to clients that send one of `keys` as
+    /// `Authorization: Bearer KEY` (401 otherwise); `/health`, `/live` and `/metrics` stay open.
+    pub fn with_api_keys(mut self, keys: ApiKeys) -> Self {
+        self.api_keys = Some(keys);
+        self
+    }
+
+    /// The client keys, when authentication is on.
+    pub fn api_keys(&self) -> Option<&ApiKeys> {
+        self.api_keys.as_ref()
     }
 
     /// This state, with `metrics` appended to `/metrics` (OpenMetrics families whose names do
@@ -274,11 +290,18 @@ impl AppState {
 /// The frontend's routes over `state`.
 pub fn app(state: AppState) -> Router {
     let body_limit = state.inner.config.max_body_bytes;
-    Router::new()
+    // The API: behind client authentication when keys are configured.
+    let api = Router::new()
         .route("/v1/chat/completions", post(handlers::chat_completions))
         .route("/v1/completions", post(handlers::completions))
         .route("/v1/models", get(handlers::models))
         .route("/v1/models/{id}", get(handlers::model))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_key,
+        ));
+    Router::new()
+        .merge(api)
         .route("/health", get(handlers::health))
         .route("/live", get(handlers::live))
         .route("/metrics", get(handlers::metrics))

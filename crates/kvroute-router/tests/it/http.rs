@@ -11,6 +11,7 @@ use tokio::sync::oneshot;
 
 use crate::support::{Fleet, eventually, idle, run};
 
+mod auth;
 mod conformance;
 mod engines;
 mod faults;

@@ -86,6 +86,11 @@ pub(crate) struct HttpOptions {
     /// On SIGINT/SIGTERM, how long in-flight requests may take to finish (default 30s).
     #[arg(long, value_name = "DURATION")]
     pub(crate) drain_timeout: Option<HumanDuration>,
+    /// Serve /v1/* only to clients sending one of the keys in FILE as `Authorization: Bearer
+    /// KEY` (one key per line, # comments; re-read on SIGHUP); /health, /live and /metrics stay
+    /// open. Without it, anyone who reaches --listen is served.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) api_key_file: Option<PathBuf>,
 }
 
 /// `[router]`: routing policy and the cost model.
@@ -319,6 +324,8 @@ pub(crate) struct ServeConfig {
     pub(crate) http: HttpConfig,
     /// How long shutdown waits for in-flight requests.
     pub(crate) drain_timeout: Duration,
+    /// Client API keys (`None`: unauthenticated).
+    pub(crate) api_key_file: Option<PathBuf>,
     /// The KV router (of each phase, when serving disaggregated).
     pub(crate) router: KvPushRouterConfig,
     /// Disaggregated serving, or `None` (off: aggregated workers only).
@@ -363,6 +370,7 @@ impl ServeOptions {
                 max_prompt_tokens: pick(h.max_prompt_tokens, f.max_prompt_tokens),
                 keep_alive: pick(h.keep_alive, f.keep_alive),
                 drain_timeout: pick(h.drain_timeout, f.drain_timeout),
+                api_key_file: pick(h.api_key_file, f.api_key_file),
             },
             router: RouterOptions {
                 block_size: pick(r.block_size, fr.block_size),
@@ -744,6 +752,7 @@ impl ServeOptions {
             listen,
             http,
             drain_timeout: h.drain_timeout.map_or(Duration::from_secs(30), |d| d.0),
+            api_key_file: h.api_key_file,
             router,
             disagg,
             discovery,

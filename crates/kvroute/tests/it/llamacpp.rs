@@ -50,7 +50,7 @@ fn scripts() -> PathBuf {
 }
 
 /// `$KVROUTE_PYTHON`, checked once to import the engine; fails the test otherwise.
-fn python() -> String {
+pub(crate) fn python() -> String {
     static CHECKED: std::sync::OnceLock<Result<String, String>> = std::sync::OnceLock::new();
     CHECKED
         .get_or_init(|| {

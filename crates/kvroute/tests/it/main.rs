@@ -12,5 +12,6 @@ mod llamacpp;
 mod nats;
 mod prefill;
 mod replay;
+mod security;
 mod soak;
 mod support;

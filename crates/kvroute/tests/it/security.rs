@@ -1,0 +1,105 @@
+//! Client authentication end to end: `kvroute serve --api-key-file` in front of mock workers,
+//! called with the stock `openai` client (which always sends a key): with a wrong one, the SDK raises its
+//! `AuthenticationError` (401, not retried); with the key, completions and chat stream; a SIGHUP
+//! reloads the file; no key appears in the router's log.
+
+use std::process::Command;
+use std::time::Duration;
+
+use crate::e2e::Fleet;
+use crate::llamacpp::python;
+use crate::support::scratch;
+
+const KEY: &str = "sk-e2e-secret-7f3a9c";
+const ROTATED: &str = "sk-e2e-rotated-1b2d4e";
+
+/// The client side, with the stock SDK: prints one line per check.
+const CLIENT: &str = r#"
+import sys, openai
+base, key, other = sys.argv[1], sys.argv[2], sys.argv[3]
+def client(k):
+    return openai.OpenAI(base_url=base + "/v1", api_key=k, max_retries=0, timeout=30)
+for name, k in [("garbage", "not-a-key"), ("wrong", other)]:
+    try:
+        client(k).completions.create(model="mock", prompt="hello", max_tokens=2)
+        print(name, "served")
+    except openai.AuthenticationError as e:
+        print(name, "401", e.status_code, e.body.get("code") if isinstance(e.body, dict) else e.body)
+c = client(key)
+r = c.completions.create(model="mock", prompt="hello there", max_tokens=3)
+print("key completion", r.choices[0].finish_reason, r.usage.completion_tokens)
+text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+    model="mock", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True)
+    if ch.choices)
+print("key stream", len(text) > 0)
+"#;
+
+fn run_client(python: &str, base: &str, key: &str, other: &str) -> String {
+    let out = Command::new(python)
+        .args(["-c", CLIENT, base, key, other])
+        .output()
+        .expect("run the openai client");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "the client failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stock_client_needs_a_configured_key_and_a_sighup_rotates_it() {
+    let python = python();
+    let dir = scratch("security-api-keys");
+    let keys = dir.join("api-keys");
+    std::fs::write(&keys, format!("# clients\n{KEY}\n")).unwrap();
+    let keys_arg = keys.to_str().unwrap().to_owned();
+    let fleet = Fleet::start("security", &["--api-key-file", &keys_arg], "50").await;
+
+    let out = run_client(&python, &fleet.base, KEY, ROTATED);
+    for line in [
+        "garbage 401 401 invalid_api_key",
+        "wrong 401 401 invalid_api_key",
+        "key completion length 3",
+        "key stream True",
+    ] {
+        assert!(out.contains(line), "expected `{line}` in:\n{out}");
+    }
+
+    // Rotation without a restart: the new key works, the old one no longer does.
+    std::fs::write(&keys, format!("{ROTATED}\n")).unwrap();
+    let pid = fleet.serve.child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-HUP", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = run_client(&python, &fleet.base, ROTATED, KEY);
+        if out.contains("wrong 401") && out.contains("key completion length 3") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the rotated key was not accepted after SIGHUP:\n{out}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    let metrics = fleet.router_metrics().await;
+    assert!(
+        metrics.contains("kvroute_router_http_auth_total{outcome=\"invalid\"}"),
+        "{metrics}"
+    );
+    drop(fleet);
+    let log = std::fs::read_to_string(dir.parent().unwrap().join("e2e-security/serve.log"))
+        .unwrap_or_default();
+    assert!(log.contains("reloaded the client API keys"), "{log}");
+    for secret in [KEY, ROTATED] {
+        assert!(!log.contains(secret), "a key reached the router's log");
+    }
+}
