@@ -59,6 +59,14 @@ pub enum ConnectError {
         /// The namespace as given.
         namespace: String,
     },
+    /// The URL is not a NATS server address (retrying cannot help).
+    #[error("invalid NATS URL {url:?}: {message} (expected nats://HOST:PORT)")]
+    InvalidUrl {
+        /// The URL as given.
+        url: String,
+        /// What is wrong with it.
+        message: String,
+    },
     /// The server did not answer.
     #[error(
         "cannot connect to NATS at {url}: {message} (is `nats-server -js` running there? \
@@ -162,11 +170,18 @@ pub struct Nats {
 
 impl Nats {
     /// Connects to `config.url`; fails when the server does not answer within
-    /// `config.connect_timeout`.
+    /// `config.connect_timeout` ([`ConnectError::Unreachable`], worth retrying) or at once when
+    /// the URL is not a NATS address ([`ConnectError::InvalidUrl`]).
     pub async fn connect(config: &NatsConfig) -> Result<Self, ConnectError> {
         if !is_name_token(&config.namespace) {
             return Err(ConnectError::InvalidNamespace {
                 namespace: config.namespace.clone(),
+            });
+        }
+        if let Err(e) = config.url.parse::<async_nats::ServerAddr>() {
+            return Err(ConnectError::InvalidUrl {
+                url: config.url.clone(),
+                message: e.to_string(),
             });
         }
         let status = NatsStatus::default();
@@ -229,10 +244,20 @@ impl Nats {
             num_replicas: 1,
             ..Default::default()
         };
-        self.jetstream
-            .get_or_create_stream(config)
+        // Two processes started together may both find no stream and both create it; the one
+        // that loses (with another `max_age`, "already in use with a different configuration")
+        // finds it on a second look.
+        if self
+            .jetstream
+            .get_or_create_stream(config.clone())
             .await
-            .map_err(|e| e.to_string())?;
+            .is_err()
+        {
+            self.jetstream
+                .get_or_create_stream(config)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
         self.jetstream
             .get_key_value(bucket)
             .await

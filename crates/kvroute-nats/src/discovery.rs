@@ -2,6 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
@@ -10,7 +11,7 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 use kvroute_protocols::WorkerId;
 use kvroute_runtime::{
-    Discovery, DiscoveryError, InstanceInfo, InstanceSet, Lease, validate_instance,
+    Discovery, DiscoveryError, InstanceInfo, InstanceSet, Lease, WarnThrottle, validate_instance,
 };
 use parking_lot::Mutex;
 use tokio::sync::watch;
@@ -35,8 +36,11 @@ impl Default for NatsDiscoveryConfig {
 }
 
 /// Discovery on the KV bucket `<namespace>_instances`: one key per worker id holding its
-/// [`InstanceInfo`] as JSON. A registration creates the key (refused while another live worker
-/// holds the id) and renews it every third of the lease's time to live; revoking deletes it.
+/// [`InstanceInfo`] as JSON. A registration creates the key and renews it every third of the
+/// lease's time to live; revoking deletes it. A key that exists is taken over when its holder is
+/// dead (a crashed worker restarted with the same id: the same address, or one that no longer
+/// accepts connections) and refused while the holder answers. Renewals are compare-and-swap
+/// writes, so a process whose key was taken over stops renewing instead of fighting for it.
 /// Watchers list what the bucket holds and drop an entry nobody renewed within the time to live
 /// (the longer of theirs and the one the registration states under [`LEASE_TTL_METADATA`]),
 /// since a lapsed key vanishes from the bucket without telling watchers. While the connection to
@@ -107,6 +111,7 @@ impl NatsDiscovery {
 async fn follow(inner: std::sync::Weak<Inner>, loaded: tokio::sync::oneshot::Sender<()>) {
     let mut loaded = Some(loaded);
     let mut backoff = Duration::from_millis(100);
+    let watch_failures = WarnThrottle::default();
     loop {
         let Some(strong) = inner.upgrade() else {
             return;
@@ -128,7 +133,9 @@ async fn follow(inner: std::sync::Weak<Inner>, loaded: tokio::sync::oneshot::Sen
         let mut watch = match watch {
             Ok(watch) => watch,
             Err(error) => {
-                tracing::warn!(%error, "cannot watch the NATS discovery bucket; retrying");
+                if let Some(more) = watch_failures.check(std::time::Instant::now()) {
+                    tracing::warn!(%error, "cannot watch the NATS discovery bucket; retrying{more}");
+                }
                 reap(&inner);
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(2));
@@ -269,39 +276,25 @@ impl Discovery for NatsDiscovery {
             let key = info.id.to_string();
             let value = Bytes::from(serde_json::to_vec(&info).map_err(unavailable)?);
             let store = self.inner.store.clone();
-            match store.create(&key, value.clone()).await {
-                Ok(_) => {}
-                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
-                    let address = match store.get(&key).await {
-                        Ok(Some(bytes)) => serde_json::from_slice::<InstanceInfo>(&bytes)
-                            .map(|i| i.address)
-                            .unwrap_or_else(|_| "an unreadable registration".to_owned()),
-                        _ => "an unknown address".to_owned(),
-                    };
-                    return Err(DiscoveryError::DuplicateId {
-                        id: info.id,
-                        address,
-                    });
-                }
-                Err(e) => return Err(unavailable(e)),
-            }
-            let every = self.inner.ttl / 3;
-            let renew_store = store.clone();
-            let renew_key = key.clone();
-            let heartbeat = tokio::spawn(async move {
-                let mut tick = tokio::time::interval(every);
-                tick.tick().await;
-                loop {
-                    tick.tick().await;
-                    if let Err(error) = renew_store.put(&renew_key, value.clone()).await {
-                        tracing::warn!(key = %renew_key, %error, "renewing the NATS registration failed; retrying");
-                    }
-                }
-            });
+            let revision = claim(&store, &info, &value).await?;
+            let revision = Arc::new(AtomicU64::new(revision));
+            let heartbeat = tokio::spawn(renew(
+                store.clone(),
+                info.id,
+                value.clone(),
+                revision.clone(),
+                self.inner.ttl / 3,
+            ));
             let revoke = Box::new(move || {
                 if let Ok(handle) = tokio::runtime::Handle::try_current() {
                     handle.spawn(async move {
-                        if let Err(error) = store.delete(&key).await {
+                        // Only our own registration: one taken over by a restarted worker stays.
+                        let last = revision.load(Ordering::SeqCst);
+                        let Some(revision) = owned_revision(&store, &key, &value, last).await
+                        else {
+                            return;
+                        };
+                        if let Err(error) = store.delete_expect_revision(&key, Some(revision)).await {
                             tracing::warn!(%key, %error, "deregistering from NATS failed; the registration lapses after its TTL");
                         }
                     });
@@ -313,5 +306,165 @@ impl Discovery for NatsDiscovery {
 
     fn watch(&self) -> watch::Receiver<InstanceSet> {
         self.inner.tx.subscribe()
+    }
+}
+
+/// How long a registration's holder has to accept a TCP connection before it is taken for dead.
+const HOLDER_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Writes `value` under `info`'s key and returns its revision: creates the key, or takes it over
+/// from a previous process that held the id and died (its key lives until the lease lapses).
+/// The holder is dead when it registered the address this process now holds, or when its
+/// address no longer accepts connections; a holder that answers keeps the id.
+async fn claim(
+    store: &kv::Store,
+    info: &InstanceInfo,
+    value: &Bytes,
+) -> Result<u64, DiscoveryError> {
+    let key = info.id.to_string();
+    // A few rounds: the key may vanish or change between reading and writing it.
+    let mut holder = "an unknown address".to_owned();
+    for _ in 0..3 {
+        match store.create(&key, value.clone()).await {
+            Ok(revision) => return Ok(revision),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
+            Err(e) => return Err(unavailable(e)),
+        }
+        let entry = match store.entry(key.clone()).await.map_err(unavailable)? {
+            Some(entry) if entry.operation == kv::Operation::Put => entry,
+            // Deleted or lapsed meanwhile: create it again.
+            _ => continue,
+        };
+        let old = serde_json::from_slice::<InstanceInfo>(&entry.value).ok();
+        holder = old.as_ref().map_or_else(
+            || "an unreadable registration".to_owned(),
+            |old| old.address.clone(),
+        );
+        if let Some(old) = &old
+            && old.address != info.address
+            && answers(&old.address).await
+        {
+            return Err(DiscoveryError::DuplicateId {
+                id: info.id,
+                address: holder,
+            });
+        }
+        match store.update(&key, value.clone(), entry.revision).await {
+            Ok(revision) => {
+                tracing::info!(
+                    worker = info.id,
+                    previous = %holder,
+                    "took over the registration of worker {} left by a previous process at {holder}",
+                    info.id
+                );
+                return Ok(revision);
+            }
+            // Written meanwhile (the holder renewed after all, or another process took it): look again.
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
+            Err(e) => return Err(unavailable(e)),
+        }
+    }
+    Err(DiscoveryError::DuplicateId {
+        id: info.id,
+        address: holder,
+    })
+}
+
+/// Whether something accepts TCP connections at `address` within [`HOLDER_PROBE_TIMEOUT`].
+async fn answers(address: &str) -> bool {
+    matches!(
+        tokio::time::timeout(
+            HOLDER_PROBE_TIMEOUT,
+            tokio::net::TcpStream::connect(address)
+        )
+        .await,
+        Ok(Ok(_))
+    )
+}
+
+/// The revision under which the bucket holds our `value` at `key`: `last` when nothing wrote
+/// since, else the current one if it is still ours (a write whose acknowledgement was lost).
+/// `None` when the key is gone or holds another process's registration.
+async fn owned_revision(store: &kv::Store, key: &str, value: &Bytes, last: u64) -> Option<u64> {
+    match store.entry(key.to_owned()).await {
+        Ok(Some(entry)) if entry.operation == kv::Operation::Put && entry.value == *value => {
+            Some(entry.revision)
+        }
+        Ok(_) => None,
+        // Cannot tell: try with the last revision we wrote.
+        Err(_) => Some(last),
+    }
+}
+
+/// Renews the registration every `every` with a compare-and-swap on the last revision written,
+/// so it never overwrites a registration another process took over: then it stops, saying so.
+/// A key that lapsed (NATS was down longer than the lease) is created again.
+async fn renew(
+    store: kv::Store,
+    id: WorkerId,
+    value: Bytes,
+    revision: Arc<AtomicU64>,
+    every: Duration,
+) {
+    let key = id.to_string();
+    let failures = WarnThrottle::default();
+    let mut tick = tokio::time::interval(every);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let last = revision.load(Ordering::SeqCst);
+        let error = match store.update(&key, value.clone(), last).await {
+            Ok(new) => {
+                revision.store(new, Ordering::SeqCst);
+                if let Some(more) = failures.flush(std::time::Instant::now()) {
+                    tracing::warn!(%key, "renewing the NATS registration failed{more}; renewed again");
+                }
+                continue;
+            }
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                match store.entry(key.clone()).await {
+                    // Ours after all (a renewal whose acknowledgement was lost): go on from it.
+                    Ok(Some(entry))
+                        if entry.operation == kv::Operation::Put && entry.value == value =>
+                    {
+                        revision.store(entry.revision, Ordering::SeqCst);
+                        continue;
+                    }
+                    Ok(Some(entry)) if entry.operation == kv::Operation::Put => {
+                        let holder = serde_json::from_slice::<InstanceInfo>(&entry.value)
+                            .map_or_else(
+                                |_| "an unreadable registration".to_owned(),
+                                |i| i.address,
+                            );
+                        tracing::warn!(
+                            worker = id,
+                            %holder,
+                            "the registration of worker {id} was taken over by another process at {holder}; \
+                             no longer renewing it"
+                        );
+                        return;
+                    }
+                    // Lapsed or deleted: register again.
+                    Ok(_) => match store.create(&key, value.clone()).await {
+                        Ok(new) => {
+                            revision.store(new, Ordering::SeqCst);
+                            tracing::info!(
+                                worker = id,
+                                "the NATS registration had lapsed; registered again"
+                            );
+                            continue;
+                        }
+                        // Someone created it meanwhile: the next round looks at it.
+                        Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => continue,
+                        Err(e) => e.to_string(),
+                    },
+                    Err(e) => e.to_string(),
+                }
+            }
+            Err(e) => e.to_string(),
+        };
+        if let Some(more) = failures.check(std::time::Instant::now()) {
+            tracing::warn!(%key, %error, "renewing the NATS registration failed; retrying{more}");
+        }
     }
 }

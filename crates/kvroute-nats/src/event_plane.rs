@@ -9,8 +9,8 @@ use bytes::Bytes;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use kvroute_runtime::{
-    EventPlane, EventPlaneError, KV_EVENT_SUBJECT, Message, Subscription, check_subject,
-    decode_router_event,
+    EventPlane, EventPlaneError, KV_EVENT_SUBJECT, Message, Subscription, WarnThrottle,
+    check_subject, decode_router_event,
 };
 
 use crate::client::{ConnectError, Nats};
@@ -56,6 +56,8 @@ struct Counters {
     unacked: AtomicU64,
     publish_failures: AtomicU64,
     duplicates: AtomicU64,
+    /// While NATS is down every event's acknowledgement fails: one line per window says so.
+    unacked_warnings: WarnThrottle,
 }
 
 impl NatsEventPlane {
@@ -169,13 +171,21 @@ impl NatsEventPlane {
         let counters = self.counters.clone();
         tokio::spawn(async move {
             match ack.await {
-                Ok(ack) if ack.duplicate => {
-                    counters.duplicates.fetch_add(1, Ordering::Relaxed);
+                Ok(ack) => {
+                    if ack.duplicate {
+                        counters.duplicates.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if let Some(more) = counters.unacked_warnings.flush(std::time::Instant::now()) {
+                        tracing::warn!(
+                            "KV events were not acknowledged by JetStream; routers will repair the gaps{more}"
+                        );
+                    }
                 }
-                Ok(_) => {}
                 Err(error) => {
                     counters.publish_failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(%error, "a KV event was not acknowledged by JetStream; routers will repair the gap");
+                    if let Some(more) = counters.unacked_warnings.check(std::time::Instant::now()) {
+                        tracing::warn!(%error, "a KV event was not acknowledged by JetStream; routers will repair the gap{more}");
+                    }
                 }
             }
             counters.unacked.fetch_sub(1, Ordering::Relaxed);
@@ -271,6 +281,8 @@ impl NatsEventPlane {
             let mut messages = Some(first);
             let mut next: u64 = start;
             let mut backoff = Duration::from_millis(100);
+            // Retried every 2 s at most while NATS is down: one line per window says so.
+            let resume_failures = WarnThrottle::default();
             loop {
                 let mut current = match messages.take() {
                     Some(m) => m,
@@ -281,7 +293,9 @@ impl NatsEventPlane {
                             m
                         }
                         Err(error) => {
-                            tracing::warn!(%error, ?backoff, "cannot resume the KV event stream yet");
+                            if let Some(more) = resume_failures.check(std::time::Instant::now()) {
+                                tracing::warn!(%error, ?backoff, "cannot resume the KV event stream yet{more}");
+                            }
                             tokio::time::sleep(backoff).await;
                             backoff = (backoff * 2).min(Duration::from_secs(2));
                             continue;

@@ -201,14 +201,25 @@ async fn stream_once(
         other => other?,
     };
     let mut forwarded = false;
+    let throttle = crate::WarnThrottle::default();
     while let Some(event) = events.next().await {
         let event = event?;
         *next = Some(event.event.event_id + 1);
-        if let Err(error) = plane
+        let now = std::time::Instant::now();
+        match plane
             .publish(KV_EVENT_SUBJECT, encode_router_event(&event))
             .await
         {
-            tracing::warn!(worker = info.id, %error, "the event plane refused a KV event");
+            Ok(()) => {
+                if let Some(more) = throttle.flush(now) {
+                    tracing::warn!(worker = info.id, "the event plane refused KV events{more}");
+                }
+            }
+            Err(error) => {
+                if let Some(more) = throttle.check(now) {
+                    tracing::warn!(worker = info.id, %error, "the event plane refused a KV event{more}");
+                }
+            }
         }
         forwarded = true;
     }

@@ -185,10 +185,21 @@ impl KvEventPublisher {
             return false;
         }
         tokio::spawn(async move {
+            // While the broker is down every event fails: one line per window says so.
+            let throttle = crate::WarnThrottle::default();
             while let Some(event) = rx.recv().await {
                 let payload = encode_router_event(&event);
-                if let Err(error) = plane.publish(KV_EVENT_SUBJECT, payload).await {
-                    tracing::warn!(%error, "dropping a KV event the event plane refused");
+                match plane.publish(KV_EVENT_SUBJECT, payload).await {
+                    Ok(()) => {
+                        if let Some(more) = throttle.flush(std::time::Instant::now()) {
+                            tracing::warn!("dropped KV events the event plane refused{more}");
+                        }
+                    }
+                    Err(error) => {
+                        if let Some(more) = throttle.check(std::time::Instant::now()) {
+                            tracing::warn!(%error, "dropping a KV event the event plane refused{more}");
+                        }
+                    }
                 }
             }
         });

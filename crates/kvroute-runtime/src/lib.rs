@@ -10,7 +10,8 @@
 //! [`RegistryServer`] with [`RemoteDiscovery`]), [`EventPlane`] ([`InProcessEventPlane`]),
 //! [`KvEventPublisher`] (whose events a router in another process receives through
 //! [`KvEventBridge`], a `subscribe_kv_events` stream per worker), [`LoadReporter`] (the
-//! worker's own load, followed the same way), [`ZmqKvListener`].
+//! worker's own load, followed the same way), [`ZmqKvListener`], and [`WarnThrottle`] (one line per
+//! window for a warning that repeats, as every publish does while a broker is down).
 //!
 //! One machine needs no external service: workers register with the router's
 //! [`RegistryServer`] and the router subscribes to each worker's KV events over the request
@@ -73,6 +74,7 @@ mod llm;
 mod load_reporter;
 mod push_router;
 mod server;
+mod warn_throttle;
 mod zmq_listener;
 
 pub use client::{Client, ClientConfig, ClientStream, EncodedRequest};
@@ -104,6 +106,7 @@ pub use push_router::{
     RoutedStream,
 };
 pub use server::{WorkerServer, WorkerServerConfig};
+pub use warn_throttle::{DEFAULT_WARN_WINDOW, Suppressed, WarnThrottle};
 pub use zmq_listener::{
     BlockHasher, BlockSalt, DEFAULT_MAX_TRACKED_BLOCKS, ZmqKvListener, ZmqKvListenerConfig,
     ZmqListenerError, ZmqListenerStats,

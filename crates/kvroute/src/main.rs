@@ -12,6 +12,7 @@ mod adapter;
 mod demo;
 mod load;
 mod replay;
+mod retry;
 mod serve;
 mod signal;
 mod worker;

@@ -417,7 +417,7 @@ async fn run_worker<E: LlmEngine>(
         (_, Some(url)) => {
             let shared = nats.as_ref().context("the NATS connection is open")?;
             let discovery: Arc<dyn Discovery> = Arc::new(shared.discovery.clone());
-            let lease = register_with_retry(discovery.as_ref(), info.clone())
+            let lease = register_with_retry(discovery.as_ref(), info.clone(), "NATS")
                 .await
                 .with_context(|| format!("registering in NATS at {url}"))?;
             Some(Registration {
@@ -433,7 +433,7 @@ async fn run_worker<E: LlmEngine>(
                 .to_owned();
             let discovery =
                 RemoteDiscovery::new(registry.clone(), RemoteDiscoveryConfig::default());
-            let lease = register_with_retry(&discovery, info.clone())
+            let lease = register_with_retry(&discovery, info.clone(), "the router")
                 .await
                 .with_context(|| format!("registering with the router at {registry}"))?;
             Some(Registration {
@@ -585,44 +585,30 @@ fn role_name(role: WorkerRole) -> &'static str {
     }
 }
 
-/// Registers, retrying with backoff (200 ms doubling to 5 s, for at most a minute) while the
-/// router cannot be reached (workers and router are often started together). A refusal (the id is
+/// Registers, retrying with backoff ([`crate::retry::StartupRetry`]) while the router or NATS
+/// cannot be reached (workers and router are often started together). A refusal (the id is
 /// taken, the block size is not the router's) is final: retrying cannot change it.
 async fn register_with_retry(
     discovery: &dyn Discovery,
     info: InstanceInfo,
+    what: &str,
 ) -> anyhow::Result<kvroute_runtime::Lease> {
-    let deadline = tokio::time::Instant::now() + REGISTER_DEADLINE;
-    let mut delay = Duration::from_millis(200);
-    let mut attempts = 0u32;
+    let mut retry = crate::retry::StartupRetry::new(what);
     loop {
         match discovery.register(info.clone()).await {
             Ok(lease) => return Ok(lease),
-            Err(error @ kvroute_runtime::DiscoveryError::Unavailable { .. })
-                if tokio::time::Instant::now() + delay < deadline =>
-            {
-                attempts += 1;
-                // Say it once at INFO (the router may simply be starting), then at DEBUG.
-                if attempts == 1 {
-                    tracing::info!(%error, "router not reachable yet; retrying with backoff");
-                } else {
-                    tracing::debug!(%error, attempts, ?delay, "router still not reachable");
-                }
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(5));
-            }
             Err(error @ kvroute_runtime::DiscoveryError::Unavailable { .. }) => {
-                return Err(anyhow::Error::new(error).context(format!(
-                    "the router was not reachable within {REGISTER_DEADLINE:?}"
-                )));
+                if !retry.wait(&error).await {
+                    return Err(anyhow::Error::new(error).context(format!(
+                        "{what} was not reachable within {:?}",
+                        crate::retry::STARTUP_DEADLINE
+                    )));
+                }
             }
-            Err(error) => return Err(anyhow::Error::new(error).context("the router refused")),
+            Err(error) => return Err(anyhow::Error::new(error).context(format!("{what} refused"))),
         }
     }
 }
-
-/// How long a worker keeps trying to reach its router at start.
-const REGISTER_DEADLINE: Duration = Duration::from_secs(60);
 
 /// What the worker observed, for `/metrics`.
 #[derive(Debug)]

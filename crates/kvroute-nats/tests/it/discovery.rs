@@ -59,8 +59,11 @@ fn a_duplicate_id_is_refused_naming_the_holder_and_bad_instances_are_invalid() {
         let discovery = NatsDiscovery::start(&connect(&server.url(), "w").await, &config(3000))
             .await
             .unwrap();
+        // The holder answers at its address: a true duplicate.
+        let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let holder = holder.local_addr().unwrap().to_string();
         let _lease = discovery
-            .register(InstanceInfo::new(5, "127.0.0.1:9005", 16))
+            .register(InstanceInfo::new(5, holder.clone(), 16))
             .await
             .unwrap();
         let error = discovery
@@ -68,7 +71,7 @@ fn a_duplicate_id_is_refused_naming_the_holder_and_bad_instances_are_invalid() {
             .await
             .unwrap_err();
         assert!(
-            matches!(&error, DiscoveryError::DuplicateId { id: 5, address } if address == "127.0.0.1:9005"),
+            matches!(&error, DiscoveryError::DuplicateId { id: 5, address } if *address == holder),
             "{error}"
         );
         let invalid = discovery
@@ -111,6 +114,139 @@ fn a_killed_worker_disappears_within_the_lease_ttl() {
         assert!(
             took <= ttl * 3,
             "dropped {took:?} after the last renewal could have happened; TTL {ttl:?}"
+        );
+    });
+}
+
+/// An address on which nothing listens (bound, then released).
+fn dead_address() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
+#[test]
+fn a_crashed_worker_restarted_with_the_same_id_takes_over_its_dead_lease() {
+    let server = NatsServer::start();
+    run(async {
+        // A long TTL: waiting for the old lease to lapse would take 20 s.
+        let ttl = config(10_000);
+        let router = NatsDiscovery::start(&connect(&server.url(), "r").await, &ttl)
+            .await
+            .unwrap();
+        let watch = router.watch();
+        let crashed = NatsDiscovery::start(&connect(&server.url(), "old").await, &ttl)
+            .await
+            .unwrap();
+        let restarted = NatsDiscovery::start(&connect(&server.url(), "new").await, &ttl)
+            .await
+            .unwrap();
+        let same = dead_address();
+        let other = dead_address();
+        // Restarted on the same address (the new process holds it, so the old one is dead),
+        // then on another one where the old process no longer answers.
+        for (old, new) in [(&same, &same), (&same, &other)] {
+            crashed
+                .register(InstanceInfo::new(1, old.clone(), 16))
+                .await
+                .unwrap()
+                .abandon();
+            let started = tokio::time::Instant::now();
+            let lease = restarted
+                .register(InstanceInfo::new(1, new.clone(), 16))
+                .await
+                .unwrap_or_else(|e| panic!("restart at {new} after a crash at {old}: {e}"));
+            assert!(
+                started.elapsed() < Duration::from_secs(3),
+                "took over at once, not after the lease lapsed: {:?}",
+                started.elapsed()
+            );
+            eventually("the router lists the restarted worker", || {
+                watch.borrow().get(&1).map(|i| i.address.as_str()) == Some(new.as_str())
+            })
+            .await;
+            lease.abandon();
+        }
+    });
+}
+
+#[test]
+fn a_worker_whose_registration_was_taken_over_stops_renewing_it() {
+    let server = NatsServer::start();
+    run(async {
+        let ttl = config(900);
+        let router = NatsDiscovery::start(&connect(&server.url(), "r").await, &ttl)
+            .await
+            .unwrap();
+        let watch = router.watch();
+        let old = NatsDiscovery::start(&connect(&server.url(), "old").await, &ttl)
+            .await
+            .unwrap();
+        let new = NatsDiscovery::start(&connect(&server.url(), "new").await, &ttl)
+            .await
+            .unwrap();
+        // The old process still renews but does not answer at its address (hung, or cut off).
+        let (old_address, new_address) = (dead_address(), dead_address());
+        let _old_lease = old
+            .register(InstanceInfo::new(2, old_address, 16))
+            .await
+            .unwrap();
+        let _new_lease = new
+            .register(InstanceInfo::new(2, new_address.clone(), 16))
+            .await
+            .unwrap();
+        // Several renewal periods: a renewal that overwrote the new registration would show.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+        let mut seen = Vec::new();
+        while tokio::time::Instant::now() < deadline {
+            let address = watch.borrow().get(&2).map(|i| i.address.clone());
+            if seen.last() != Some(&address) {
+                seen.push(address);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            seen.last(),
+            Some(&Some(new_address.clone())),
+            "the registration stays the new process's: {seen:?}"
+        );
+        assert!(
+            seen.len() <= 2,
+            "the old process must not take the key back: {seen:?}"
+        );
+    });
+}
+
+#[test]
+fn revoking_a_lease_that_was_taken_over_leaves_the_new_registration() {
+    let server = NatsServer::start();
+    run(async {
+        let ttl = config(3000);
+        let discovery = NatsDiscovery::start(&connect(&server.url(), "w").await, &ttl)
+            .await
+            .unwrap();
+        let router = NatsDiscovery::start(&connect(&server.url(), "r").await, &ttl)
+            .await
+            .unwrap();
+        let watch = router.watch();
+        let old = discovery
+            .register(InstanceInfo::new(3, dead_address(), 16))
+            .await
+            .unwrap();
+        let address = dead_address();
+        let _new = discovery
+            .register(InstanceInfo::new(3, address.clone(), 16))
+            .await
+            .unwrap();
+        eventually("the new registration is listed", || {
+            watch.borrow().get(&3).map(|i| i.address.as_str()) == Some(address.as_str())
+        })
+        .await;
+        old.revoke();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(
+            watch.borrow().get(&3).map(|i| i.address.clone()),
+            Some(address),
+            "the old lease's revocation must not delete the new registration"
         );
     });
 }

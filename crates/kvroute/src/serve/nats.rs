@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use kvroute_nats::{
-    EventStreamConfig, Nats, NatsAffinityStore, NatsAffinityStoreConfig, NatsConfig, NatsDiscovery,
-    NatsDiscoveryConfig, NatsEventPlane, NatsSnapshotStore,
+    ConnectError, EventStreamConfig, Nats, NatsAffinityStore, NatsAffinityStoreConfig, NatsConfig,
+    NatsDiscovery, NatsDiscoveryConfig, NatsEventPlane, NatsSnapshotStore,
 };
 
 /// What a router or worker shares through NATS.
@@ -20,7 +20,8 @@ pub(crate) struct Shared {
     pub(crate) plane: NatsEventPlane,
 }
 
-/// Connects to `url` and opens the namespace's stream and bucket.
+/// Connects to `url` (retrying for a minute while NATS does not answer) and opens the
+/// namespace's stream and bucket.
 pub(crate) async fn connect(
     url: &str,
     namespace: &str,
@@ -29,7 +30,23 @@ pub(crate) async fn connect(
     let config = NatsConfig::new(url)
         .with_namespace(namespace)
         .with_client_name(format!("kvroute-{}", std::process::id()));
-    let nats = Nats::connect(&config).await?;
+    // Started together with NATS: wait for it as a worker waits for its router; a URL that is
+    // not a NATS address fails at once.
+    let mut retry = crate::retry::StartupRetry::new(format!("NATS at {url}"));
+    let nats = loop {
+        match Nats::connect(&config).await {
+            Ok(nats) => break nats,
+            Err(error @ ConnectError::Unreachable { .. }) => {
+                if !retry.wait(&error).await {
+                    return Err(anyhow::Error::new(error).context(format!(
+                        "NATS at {url} was not reachable within {:?}",
+                        crate::retry::STARTUP_DEADLINE
+                    )));
+                }
+            }
+            Err(error) => return Err(error.into()),
+        }
+    };
     let discovery = NatsDiscovery::start(&nats, &NatsDiscoveryConfig { lease_ttl })
         .await
         .context("opening NATS discovery")?;

@@ -458,3 +458,71 @@ async fn a_routers_own_registry_serves_its_workers_to_every_replica() {
     .await;
     drop(server);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_and_worker_started_before_nats_wait_for_it() {
+    let mut server = NatsServer::start();
+    let url = server.url();
+    // NATS is not up yet when the router and the worker start.
+    server.stop();
+    let dir = scratch("nats-started-late");
+    let router = {
+        let (url, dir) = (url.clone(), dir.clone());
+        std::thread::spawn(move || start_router(&url, &dir, "router"))
+    };
+    let worker = {
+        let (url, dir) = (url.clone(), dir.clone());
+        std::thread::spawn(move || {
+            Proc::start(
+                &[
+                    "worker",
+                    "--mock",
+                    "--id",
+                    "1",
+                    "--nats",
+                    &url,
+                    "--speedup",
+                    "100",
+                ],
+                &dir.join("worker.log"),
+            )
+        })
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    server.restart();
+    let router = router.join().expect("the router waited for NATS");
+    let _worker = worker.join().expect("the worker waited for NATS");
+    let http = reqwest::Client::builder().timeout(BOUND).build().unwrap();
+    eventually(&http, &router, "the worker is listed", |m| {
+        active_requests(m, 1).is_some()
+    })
+    .await;
+    let health = http
+        .get(format!("{}/health", router.base))
+        .send()
+        .await
+        .expect("GET /health");
+    assert!(health.status().is_success(), "{health:?}");
+    let log = std::fs::read_to_string(dir.join("worker.log")).unwrap_or_default();
+    assert!(
+        log.contains("not reachable yet") && log.contains("attempt"),
+        "each retry is logged: {log}"
+    );
+
+    // A URL that is not a NATS address fails at once.
+    for bad in ["http://127.0.0.1:4222", "nats://[::1"] {
+        let started = std::time::Instant::now();
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["worker", "--mock", "--nats", bad])
+            .output()
+            .expect("run kvroute");
+        assert!(!output.status.success());
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{bad}: took {:?}",
+            started.elapsed()
+        );
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains("invalid NATS URL"), "{bad}: {stderr}");
+    }
+}
