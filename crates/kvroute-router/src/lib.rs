@@ -72,7 +72,7 @@ pub use core::{
 };
 pub use error::RouteError;
 pub use guard::{KvRoutedStream, RequestGuard};
-pub use load_sync::{LOAD_SUBJECT_PREFIX, LoadSyncConfig};
+pub use load_sync::{DEFAULT_LOAD_SCOPE, LOAD_SUBJECT_PREFIX, LoadSyncConfig};
 pub use metrics::RouterMetrics;
 pub use migration::{
     DEFAULT_MAX_MIGRATIONS, MigratingDisaggStream, MigratingResponse, MigratingStream, Migrator,

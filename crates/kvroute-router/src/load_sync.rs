@@ -1,10 +1,12 @@
 //! Active load shared between router replicas over the event plane.
 //!
-//! Each replica publishes, on `load.<its router id>`, every request it routes (the load it puts
+//! Each replica publishes, on `load.<scope>.<its router id>`, every request it routes (the load it puts
 //! on its worker: prefill tokens, prompt block hashes), the end of each request's prefill, and
 //! each request's end; every second it also says which of its requests are still active. Every
 //! other replica adds those requests to its own scheduler as remote load, so two replicas see
-//! the same busy workers and do not both pick the same idle one.
+//! the same busy workers and do not both pick the same idle one. Replicas share load only
+//! within their scope ([`LoadSyncConfig::scope`]): the prefill and decode routers of one process
+//! serve different workers, so each talks only to the other processes' router of its phase.
 //!
 //! Consistency: eventual. A replica sees another's request one event-plane hop after it was
 //! routed (sub-millisecond on a local NATS), so requests routed in that window by two replicas
@@ -31,7 +33,7 @@ use tokio::sync::mpsc;
 
 use crate::push::Inner;
 
-/// The subject prefix of load messages (`load.<router id>`).
+/// The subject prefix of load messages (`load.<scope>.<router id>`).
 pub const LOAD_SUBJECT_PREFIX: &str = "load";
 
 /// How a replica shares its load.
@@ -43,16 +45,41 @@ pub struct LoadSyncConfig {
     pub heartbeat: Duration,
     /// A replica not heard from for this long has all its requests freed here.
     pub silence: Duration,
+    /// Which routers share load: only those with the same scope (one subject token: letters,
+    /// digits, `-` and `_`). A process serving disaggregated runs a prefill and a decode router,
+    /// each with its own scope; [`DEFAULT_LOAD_SCOPE`] otherwise.
+    pub scope: &'static str,
 }
 
+/// The scope of routers serving every request whole (see [`LoadSyncConfig::scope`]).
+pub const DEFAULT_LOAD_SCOPE: &str = "aggregated";
+
 impl LoadSyncConfig {
-    /// Defaults (heartbeat 1 s, silence 5 s) for the replica `router_id`.
+    /// Defaults (heartbeat 1 s, silence 5 s, [`DEFAULT_LOAD_SCOPE`]) for the replica
+    /// `router_id`.
     pub fn new(router_id: u64) -> Self {
         Self {
             router_id,
             heartbeat: Duration::from_secs(1),
             silence: Duration::from_secs(5),
+            scope: DEFAULT_LOAD_SCOPE,
         }
+    }
+
+    /// This configuration, sharing load only with replicas of `scope`.
+    #[must_use]
+    pub fn with_scope(self, scope: &'static str) -> Self {
+        Self { scope, ..self }
+    }
+
+    /// The subject this replica publishes on.
+    pub(crate) fn subject(&self) -> String {
+        format!("{LOAD_SUBJECT_PREFIX}.{}.{}", self.scope, self.router_id)
+    }
+
+    /// The subjects of every replica in this one's scope.
+    pub(crate) fn subscription(&self) -> String {
+        format!("{LOAD_SUBJECT_PREFIX}.{}.*", self.scope)
     }
 }
 
@@ -209,7 +236,11 @@ impl LoadSync {
         let now = Instant::now();
         let mut remote = self.remote.lock();
         let entry = remote.entry(router).or_insert_with(|| {
-            tracing::info!(router, "a router replica shares its load");
+            tracing::info!(
+                router,
+                scope = self.config.scope,
+                "a router replica shares its load"
+            );
             RemoteRouter {
                 last_seen: now,
                 requests: HashMap::new(),
@@ -304,7 +335,7 @@ pub(crate) async fn publish_loop(inner: Arc<Inner>, plane: Arc<dyn EventPlane>) 
         return;
     };
     let router = sync.config.router_id;
-    let subject = format!("{LOAD_SUBJECT_PREFIX}.{router}");
+    let subject = sync.config.subject();
     let mut active: HashSet<u64> = HashSet::new();
     let mut tick = tokio::time::interval(sync.config.heartbeat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

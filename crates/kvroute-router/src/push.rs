@@ -34,7 +34,7 @@ use crate::core::{IndexSnapshot, KvRouterCore};
 use crate::error::RouteError;
 use crate::guard::{KvRoutedStream, RequestGuard};
 use crate::health::{HealthConfig, HealthFailure, PassiveHealth, Verdict};
-use crate::load_sync::{self, LOAD_SUBJECT_PREFIX, LoadSync, LoadSyncConfig, Local};
+use crate::load_sync::{self, LoadSync, LoadSyncConfig, Local};
 use crate::metrics::RouterMetrics;
 use crate::request::{RoutePreparer, RouteRequest, Routed};
 
@@ -291,11 +291,7 @@ impl KvPushRouter {
         };
         let report_subscription = events.subscribe(LOAD_REPORT_SUBJECT).await?;
         let load_subscription = match &config.load_sync {
-            Some(_) => Some(
-                events
-                    .subscribe(&format!("{LOAD_SUBJECT_PREFIX}.*"))
-                    .await?,
-            ),
+            Some(sync) => Some(events.subscribe(&sync.subscription()).await?),
             None => None,
         };
         let preparer = core.preparer();

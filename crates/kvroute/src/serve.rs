@@ -20,8 +20,8 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use kvroute_router::http::{self, ApiKeys, AppState, Disagg};
 use kvroute_router::{
-    InMemoryAffinityStore, KvPhaseRouter, KvPushRouter, LoadSyncConfig, ModelRegistry,
-    PrefillRouterConfig, SharedAffinityStore, role_filtered,
+    DEFAULT_LOAD_SCOPE, InMemoryAffinityStore, KvPhaseRouter, KvPushRouter, LoadSyncConfig,
+    ModelRegistry, PrefillRouterConfig, SharedAffinityStore, role_filtered,
 };
 use kvroute_runtime::{
     Discovery as _, EventPlane, InProcessDiscovery, InProcessEventPlane, KvEventBridge,
@@ -164,11 +164,13 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     };
     // Router replicas on NATS share their active load and their sticky sessions; each router
     // gets its own replica id. Without NATS a router keeps both to itself.
-    let replica = |_: ()| {
+    // The prefill and decode routers of one process serve different workers: each shares load
+    // only with the other processes' router of its phase.
+    let replica = |scope: &'static str| {
         let id: u64 = rand::random();
         let mut router = config.router.clone();
         if nats.is_some() {
-            router.load_sync = Some(LoadSyncConfig::new(id));
+            router.load_sync = Some(LoadSyncConfig::new(id).with_scope(scope));
         }
         (id, router)
     };
@@ -198,7 +200,7 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     let mut replica_routers = Vec::new();
     let state = match config.disagg {
         None => {
-            let (id, router_config) = replica(());
+            let (id, router_config) = replica(DEFAULT_LOAD_SCOPE);
             let router = KvPushRouter::start_shared(
                 router_config,
                 instances,
@@ -213,7 +215,7 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
         }
         Some(mode) => {
             let start = |roles: &'static [WorkerRole], name: &'static str| {
-                let (id, router_config) = replica(());
+                let (id, router_config) = replica(name);
                 let instances = role_filtered(instances.clone(), roles);
                 let plane = plane.clone();
                 let store = sessions(id);

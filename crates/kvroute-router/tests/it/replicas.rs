@@ -23,6 +23,7 @@ async fn replica(fleet: &Fleet, router_id: u64) -> KvPushRouter {
         router_id,
         heartbeat: Duration::from_millis(50),
         silence: Duration::from_millis(400),
+        ..LoadSyncConfig::new(0)
     });
     KvPushRouter::start(config, fleet.discovery.watch(), fleet.plane.clone())
         .await
@@ -141,6 +142,7 @@ fn a_workers_report_frees_other_replicas_requests_it_no_longer_holds_but_never_a
                 heartbeat: Duration::from_millis(50),
                 // Long enough that only the report can free a's request here.
                 silence: Duration::from_secs(60),
+                ..LoadSyncConfig::new(0)
             });
             KvPushRouter::start(config, fleet.discovery.watch(), fleet.plane.clone())
                 .await
@@ -239,6 +241,7 @@ fn replicas_in_approximate_mode_share_their_predictions_so_alternating_turns_sta
                 router_id,
                 heartbeat: Duration::from_millis(50),
                 silence: Duration::from_secs(5),
+                ..LoadSyncConfig::new(0)
             });
             let watch = fleet.discovery.watch();
             let plane = fleet.plane.clone();
@@ -284,6 +287,48 @@ fn replicas_in_approximate_mode_share_their_predictions_so_alternating_turns_sta
             "{text}"
         );
         for replica in [&a, &b] {
+            eventually("every replica's load drains to zero", || idle(replica)).await;
+        }
+    });
+}
+
+/// The prefill and decode routers of one process serve different workers: each shares load only
+/// with the routers of its own scope (issue 29, item 13: a process's other-phase router was
+/// announced as a replica, twice per process).
+#[test]
+fn replicas_share_load_only_within_their_scope() {
+    run(async {
+        let fleet = Fleet::start(2).await;
+        let scoped = |router_id, scope| {
+            let mut config = KvPushRouterConfig::new(BLOCK);
+            config.core.policy = Policy::Kv;
+            config.expire_interval = Duration::from_millis(50);
+            config.load_sync = Some(
+                LoadSyncConfig {
+                    heartbeat: Duration::from_millis(50),
+                    ..LoadSyncConfig::new(router_id)
+                }
+                .with_scope(scope),
+            );
+            let watch = fleet.discovery.watch();
+            let plane = fleet.plane.clone();
+            async move { KvPushRouter::start(config, watch, plane).await.unwrap() }
+        };
+        let prefill_a = scoped(1, "prefill").await;
+        let decode_a = scoped(2, "decode").await;
+        let prefill_b = scoped(3, "prefill").await;
+        let stalled = send(&prefill_a, (0..32).collect(), Behaviour::Stall).await;
+        let worker = stalled.worker().worker_id;
+        eventually("the other prefill router counts the request", || {
+            active_on(&prefill_b, worker) == 1
+        })
+        .await;
+        // Give the decode router every chance to have seen it (several heartbeats).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(active_on(&decode_a, worker), 0, "another scope's load");
+        assert_eq!(decode_a.load_sync_stats().unwrap().remote_requests, 0);
+        drop(stalled);
+        for replica in [&prefill_a, &decode_a, &prefill_b] {
             eventually("every replica's load drains to zero", || idle(replica)).await;
         }
     });
