@@ -1,5 +1,6 @@
 //! The shared connection: [`Nats`], its configuration and its observable state.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -21,6 +22,12 @@ pub struct NatsConfig {
     pub connect_timeout: Duration,
     /// The connection name the server shows (`kvroute-serve`, `kvroute-worker-7`, ...).
     pub client_name: String,
+    /// A credentials file (a user JWT and its nkey seed, as `nsc` writes them).
+    pub creds_file: Option<PathBuf>,
+    /// A file holding an nkey user seed (`SU...`), for a server that lists the user's public key.
+    pub nkey_file: Option<PathBuf>,
+    /// A PEM file of the CA certificates to trust; TLS is then required.
+    pub tls_ca: Option<PathBuf>,
 }
 
 impl NatsConfig {
@@ -31,7 +38,15 @@ impl NatsConfig {
             namespace: DEFAULT_NAMESPACE.to_owned(),
             connect_timeout: Duration::from_secs(5),
             client_name: "kvroute".to_owned(),
+            creds_file: None,
+            nkey_file: None,
+            tls_ca: None,
         }
+    }
+
+    /// The URL with any password or token in it replaced by `***`: what logs and errors show.
+    pub fn display_url(&self) -> String {
+        redact_url(&self.url)
     }
 
     /// The same configuration with `namespace`.
@@ -65,6 +80,39 @@ pub enum ConnectError {
         /// The URL as given.
         url: String,
         /// What is wrong with it.
+        message: String,
+    },
+    /// The server refused the credentials (or sent none when it needs them); retrying cannot
+    /// help.
+    #[error(
+        "NATS at {url} refused the connection: {message} (check the user and password or token \
+         in the URL, --nats-creds or --nats-nkey)"
+    )]
+    Refused {
+        /// The URL tried (without its password).
+        url: String,
+        /// What the server or the client said.
+        message: String,
+    },
+    /// A credentials, nkey or CA file could not be used.
+    #[error("cannot use {what} {path}: {message}")]
+    Credentials {
+        /// Which file (`the NATS credentials file`, ...).
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        message: String,
+    },
+    /// TLS could not be set up with the server (its certificate is not trusted, or it does not
+    /// speak TLS).
+    #[error(
+        "TLS with NATS at {url} failed: {message} (check --nats-tls-ca and the server's certificate)"
+    )]
+    Tls {
+        /// The URL tried (without its password).
+        url: String,
+        /// What the client said.
         message: String,
     },
     /// The server did not answer.
@@ -180,28 +228,41 @@ impl Nats {
         }
         if let Err(e) = config.url.parse::<async_nats::ServerAddr>() {
             return Err(ConnectError::InvalidUrl {
-                url: config.url.clone(),
+                url: config.display_url(),
                 message: e.to_string(),
             });
         }
         let status = NatsStatus::default();
         let callback_status = status.clone();
+        let shown = config.display_url();
         let unreachable = |message: String| ConnectError::Unreachable {
-            url: config.url.clone(),
+            url: shown.clone(),
             message,
         };
-        let connect = async_nats::ConnectOptions::new()
+        let (server, options) = authenticate(config).await?;
+        let connect = options
             .name(&config.client_name)
             .connection_timeout(config.connect_timeout)
             .event_callback(move |event| {
                 let status = callback_status.clone();
                 async move { status.on_event(&event) }
             })
-            .connect(config.url.as_str());
+            .connect(server);
         let client = tokio::time::timeout(config.connect_timeout, connect)
             .await
             .map_err(|_| unreachable(format!("no answer within {:?}", config.connect_timeout)))?
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| match e.kind() {
+                async_nats::ConnectErrorKind::AuthorizationViolation
+                | async_nats::ConnectErrorKind::Authentication => ConnectError::Refused {
+                    url: shown.clone(),
+                    message: e.to_string(),
+                },
+                async_nats::ConnectErrorKind::Tls => ConnectError::Tls {
+                    url: shown.clone(),
+                    message: e.to_string(),
+                },
+                _ => unreachable(e.to_string()),
+            })?;
         status.inner.connected.store(true, Ordering::Relaxed);
         let jetstream = jetstream::new(client.clone());
         Ok(Self {
@@ -270,6 +331,101 @@ impl Nats {
     }
 }
 
+/// The server address without credentials, and the client options carrying them: a user and
+/// password (`nats://USER:PASS@HOST:PORT`) or a token (`nats://TOKEN@HOST:PORT`) from the URL
+/// (percent-decoded), a credentials file, an nkey seed file, and a CA to trust (TLS required).
+async fn authenticate(
+    config: &NatsConfig,
+) -> Result<(async_nats::ServerAddr, async_nats::ConnectOptions), ConnectError> {
+    let invalid = |message: String| ConnectError::InvalidUrl {
+        url: config.display_url(),
+        message,
+    };
+    let mut url = url::Url::parse(&with_scheme(&config.url)).map_err(|e| invalid(e.to_string()))?;
+    let decode = |s: &str| {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8_lossy()
+            .into_owned()
+    };
+    let user = (!url.username().is_empty()).then(|| decode(url.username()));
+    let pass = url.password().map(decode);
+    let mut options = async_nats::ConnectOptions::new();
+    match (user, pass) {
+        (Some(user), Some(pass)) => options = options.user_and_password(user, pass),
+        (Some(token), None) => options = options.token(token),
+        _ => {}
+    }
+    let _ = url.set_username("");
+    let _ = url.set_password(None);
+    let server = url
+        .as_str()
+        .parse::<async_nats::ServerAddr>()
+        .map_err(|e| invalid(e.to_string()))?;
+    let file_error = |what: &'static str, path: &Path| {
+        let path = path.to_owned();
+        move |e: std::io::Error| ConnectError::Credentials {
+            what,
+            path,
+            message: e.to_string(),
+        }
+    };
+    if let Some(path) = &config.creds_file {
+        options = options
+            .credentials_file(path)
+            .await
+            .map_err(file_error("the NATS credentials file", path))?;
+    }
+    if let Some(path) = &config.nkey_file {
+        let seed =
+            std::fs::read_to_string(path).map_err(file_error("the NATS nkey seed file", path))?;
+        let seed = seed
+            .lines()
+            .map(str::trim)
+            .find(|l| l.starts_with("SU"))
+            .ok_or_else(|| ConnectError::Credentials {
+                what: "the NATS nkey seed file",
+                path: path.clone(),
+                message: "no user seed in it (a line starting with SU)".to_owned(),
+            })?;
+        options = options.nkey(seed.to_owned());
+    }
+    if let Some(path) = &config.tls_ca {
+        if let Err(e) = std::fs::metadata(path) {
+            return Err(file_error("the NATS CA file", path)(e));
+        }
+        options = options
+            .add_root_certificates(path.clone())
+            .require_tls(true);
+    }
+    Ok((server, options))
+}
+
+/// `url` with `nats://` in front when it names no scheme (`HOST:PORT`).
+fn with_scheme(url: &str) -> String {
+    if url.contains("://") {
+        url.to_owned()
+    } else {
+        format!("nats://{url}")
+    }
+}
+
+/// `url` with its password (or its token, a user name without a password) replaced by `***`.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return match url.rsplit_once('@') {
+            Some((_, host)) => format!("***@{host}"),
+            None => url.to_owned(),
+        };
+    };
+    match rest.rsplit_once('@') {
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+            None => format!("{scheme}://***@{host}"),
+        },
+        None => url.to_owned(),
+    }
+}
+
 /// Whether `s` is a valid token of a NATS name (stream, bucket, subject token).
 pub(crate) fn is_name_token(s: &str) -> bool {
     !s.is_empty()
@@ -280,6 +436,19 @@ pub(crate) fn is_name_token(s: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn passwords_and_tokens_never_reach_a_displayed_url() {
+        assert_eq!(redact_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
+        assert_eq!(
+            redact_url("nats://alice:s3cr%40t@host:4222"),
+            "nats://alice:***@host:4222"
+        );
+        assert_eq!(redact_url("tls://tok3n@host:4222"), "tls://***@host:4222");
+        assert_eq!(redact_url("tok3n@host:4222"), "***@host:4222");
+        let config = NatsConfig::new("nats://a:b@h:1");
+        assert_eq!(config.display_url(), "nats://a:***@h:1");
+    }
 
     #[test]
     fn namespaces_are_single_name_tokens() {

@@ -35,7 +35,7 @@ mod event_plane;
 mod sessions;
 mod snapshots;
 
-pub use client::{ConnectError, DEFAULT_NAMESPACE, Nats, NatsConfig, NatsStatus};
+pub use client::{ConnectError, DEFAULT_NAMESPACE, Nats, NatsConfig, NatsStatus, redact_url};
 pub use discovery::{LEASE_TTL_METADATA, NatsDiscovery, NatsDiscoveryConfig};
 pub use event_plane::{EventStreamConfig, NatsEventPlane};
 /// The session types [`NatsAffinityStore`] speaks, from kvroute-sessions.

@@ -17,6 +17,8 @@ pub struct NatsServer {
     child: Option<Child>,
     port: u16,
     store: PathBuf,
+    /// Extra arguments (authentication, a config file).
+    args: Vec<String>,
 }
 
 impl NatsServer {
@@ -26,6 +28,12 @@ impl NatsServer {
     /// When `nats-server` is not on `PATH` (with [`INSTALL_HINT`]) or does not come up: a test
     /// that needs NATS fails loudly, it never skips.
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// [`Self::start`] with extra `nats-server` arguments, e.g. `["--user", "a", "--pass", "b"]`,
+    /// `["--auth", "TOKEN"]` or `["-c", "server.conf"]`.
+    pub fn start_with(args: &[&str]) -> Self {
         let port = free_port();
         let store =
             std::env::temp_dir().join(format!("kvroute-nats-test-{}-{port}", std::process::id()));
@@ -33,6 +41,7 @@ impl NatsServer {
             child: None,
             port,
             store,
+            args: args.iter().map(|a| (*a).to_owned()).collect(),
         };
         server.spawn();
         server
@@ -63,6 +72,7 @@ impl NatsServer {
             .arg(self.port.to_string())
             .arg("-sd")
             .arg(&self.store)
+            .args(&self.args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

@@ -99,8 +99,9 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             namespace,
             lease_ttl,
             registry_listen,
+            auth,
         } => {
-            let shared = nats::connect(url, namespace, *lease_ttl).await?;
+            let shared = nats::connect(url, namespace, *lease_ttl, auth).await?;
             let watch = shared.discovery.watch();
             let registry = match registry_listen {
                 None => None,

@@ -138,6 +138,9 @@ pub(crate) struct WorkerArgs {
     /// of it), as `kvroute serve --lease-ttl`.
     #[arg(long, value_name = "DURATION", requires = "nats", default_value = "5s")]
     lease_ttl: HumanDuration,
+    /// Credentials and TLS for NATS, as `kvroute serve`'s.
+    #[command(flatten)]
+    nats_auth: crate::serve::nats::NatsAuth,
     /// A mocker config file (TOML, or JSON for a .json path): block size, capacity, timing.
     #[arg(long, value_name = "FILE")]
     mocker_config: Option<PathBuf>,
@@ -176,6 +179,9 @@ pub(crate) fn run(args: WorkerArgs) -> anyhow::Result<()> {
             "--load-report-interval must be at least {MIN_LOAD_REPORT_INTERVAL:?}, got {:?}",
             args.load_report_interval.0
         );
+    }
+    if args.nats_auth.is_set() && args.nats.is_none() {
+        bail!("--nats-creds, --nats-nkey and --nats-tls-ca need --nats URL");
     }
     if args.engine.is_some() {
         if args.mocker_config.is_some() || args.speedup.is_some() {
@@ -368,8 +374,13 @@ async fn run_worker<E: LlmEngine>(
     let nats = match &args.nats {
         None => None,
         Some(url) => {
-            let shared =
-                crate::serve::nats::connect(url, &args.nats_namespace, args.lease_ttl.0).await?;
+            let shared = crate::serve::nats::connect(
+                url,
+                &args.nats_namespace,
+                args.lease_ttl.0,
+                &args.nats_auth,
+            )
+            .await?;
             publisher.forward_to(Arc::new(shared.plane.clone()));
             if let Some(reporter) = &reporter {
                 reporter.forward_to(Arc::new(shared.plane.clone()));

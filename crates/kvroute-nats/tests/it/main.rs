@@ -1,5 +1,6 @@
 //! kvroute-nats against a real `nats-server -js`, one throwaway server per test.
 
+mod auth;
 mod discovery;
 mod event_plane;
 mod sessions;

@@ -14,6 +14,7 @@ use kvroute_runtime::WorkerRole;
 use serde::Deserialize;
 
 use super::fleet::FleetWorker;
+use super::nats::NatsAuth;
 
 /// Every option of `kvroute serve`, as the config file and as flags. `None` means "not given
 /// here": a flag overrides the file, the file overrides the default.
@@ -167,6 +168,10 @@ pub(crate) struct NatsOptions {
     /// restarting router loads before reading the KV events after it (default 30s).
     #[arg(long, value_name = "DURATION")]
     pub(crate) snapshot_interval: Option<HumanDuration>,
+    /// Credentials and TLS for NATS (`creds_file`, `nkey_file`, `tls_ca`).
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub(crate) auth: NatsAuth,
 }
 
 /// One `[[models]]` entry.
@@ -298,6 +303,8 @@ pub(crate) enum Discovery {
         /// (`kvroute worker --router`): the router registers them in NATS on their behalf and
         /// forwards their KV events to JetStream, so every replica serves them.
         registry_listen: Option<SocketAddr>,
+        /// Credentials and TLS beyond the URL's.
+        auth: NatsAuth,
     },
     /// A fixed fleet.
     Static {
@@ -394,6 +401,7 @@ impl ServeOptions {
                 url: pick(n.url, fnats.url),
                 namespace: pick(n.namespace, fnats.namespace),
                 snapshot_interval: pick(n.snapshot_interval, fnats.snapshot_interval),
+                auth: n.auth.overridden_by(fnats.auth),
             },
             models: if flags.models.is_empty() {
                 self.models
@@ -605,6 +613,14 @@ impl ServeOptions {
             ));
         }
         let nats = self.nats;
+        if nats.auth.is_set() && nats.url.is_none() {
+            return Err(invalid(
+                "nats.creds_file",
+                "nats-creds",
+                "NATS credentials and TLS only together with nats.url (--nats)",
+                "a credentials, nkey or CA file",
+            ));
+        }
         if nats.namespace.is_some() && nats.url.is_none() {
             return Err(invalid(
                 "nats.namespace",
@@ -665,6 +681,7 @@ impl ServeOptions {
                     namespace,
                     lease_ttl,
                     registry_listen,
+                    auth: nats.auth,
                 }
             }
             (Some(_), Some(_), _) => {

@@ -1,6 +1,7 @@
 //! The NATS side of `kvroute serve --nats` and `kvroute worker --nats`: one connection, the
 //! KV event stream and the discovery bucket.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -20,16 +21,57 @@ pub(crate) struct Shared {
     pub(crate) plane: NatsEventPlane,
 }
 
-/// Connects to `url` (retrying for a minute while NATS does not answer) and opens the
-/// namespace's stream and bucket.
+/// How a router or worker proves itself to NATS beyond the URL's own user and password or token
+/// (`nats://USER:PASS@HOST:PORT`, `nats://TOKEN@HOST:PORT`), and whom it trusts. `[nats]` keys
+/// of `serve`, flags of both.
+#[derive(Debug, Default, Clone, PartialEq, serde::Deserialize, clap::Args)]
+#[serde(default, deny_unknown_fields)]
+pub(crate) struct NatsAuth {
+    /// A NATS credentials file (user JWT and nkey seed, as `nsc` writes it).
+    #[arg(long = "nats-creds", value_name = "FILE")]
+    pub(crate) creds_file: Option<PathBuf>,
+    /// A file holding an nkey user seed (SU...), for a server that lists the user's public key.
+    #[arg(long = "nats-nkey", value_name = "FILE")]
+    pub(crate) nkey_file: Option<PathBuf>,
+    /// Trust the CA certificates in this PEM file and require TLS with NATS.
+    #[arg(long = "nats-tls-ca", value_name = "FILE")]
+    pub(crate) tls_ca: Option<PathBuf>,
+}
+
+impl NatsAuth {
+    /// Whether anything is set (allowed only together with a NATS URL).
+    pub(crate) fn is_set(&self) -> bool {
+        self.creds_file.is_some() || self.nkey_file.is_some() || self.tls_ca.is_some()
+    }
+
+    /// These options with every one `flags` gives replacing these.
+    pub(crate) fn overridden_by(self, flags: NatsAuth) -> NatsAuth {
+        NatsAuth {
+            creds_file: flags.creds_file.or(self.creds_file),
+            nkey_file: flags.nkey_file.or(self.nkey_file),
+            tls_ca: flags.tls_ca.or(self.tls_ca),
+        }
+    }
+}
+
+/// Connects to `url` (retrying for a minute while NATS does not answer; a refused credential or
+/// a TLS failure fails at once) and opens the namespace's stream and bucket.
 pub(crate) async fn connect(
     url: &str,
     namespace: &str,
     lease_ttl: Duration,
+    auth: &NatsAuth,
 ) -> anyhow::Result<Shared> {
-    let config = NatsConfig::new(url)
-        .with_namespace(namespace)
-        .with_client_name(format!("kvroute-{}", std::process::id()));
+    let config = NatsConfig {
+        creds_file: auth.creds_file.clone(),
+        nkey_file: auth.nkey_file.clone(),
+        tls_ca: auth.tls_ca.clone(),
+        ..NatsConfig::new(url)
+            .with_namespace(namespace)
+            .with_client_name(format!("kvroute-{}", std::process::id()))
+    };
+    // Never log a password or token.
+    let url = &config.display_url();
     // Started together with NATS: wait for it as a worker waits for its router; a URL that is
     // not a NATS address fails at once.
     let mut retry = crate::retry::StartupRetry::new(format!("NATS at {url}"));

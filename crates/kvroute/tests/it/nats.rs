@@ -526,3 +526,66 @@ async fn serve_and_worker_started_before_nats_wait_for_it() {
         assert!(stderr.contains("invalid NATS URL"), "{bad}: {stderr}");
     }
 }
+
+/// A NATS server that requires a password: the router and the worker pass it in the URL and
+/// serve; a wrong one stops either process at once with the server's refusal, never a minute of
+/// retries, and the password appears in no log or error (issue 34).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_password_in_the_url_is_used_and_a_wrong_one_fails_at_once_without_leaking() {
+    const SECRET: &str = "n4ts-s3cret";
+    let server = NatsServer::start_with(&["--user", "fleet", "--pass", SECRET]);
+    let good = server
+        .url()
+        .replacen("nats://", &format!("nats://fleet:{SECRET}@"), 1);
+    let dir = scratch("nats-password");
+    let router = start_router(&good, &dir, "router");
+    let _worker = Proc::start(
+        &[
+            "worker",
+            "--mock",
+            "--id",
+            "1",
+            "--nats",
+            &good,
+            "--speedup",
+            "100",
+        ],
+        &dir.join("worker.log"),
+    );
+    let http = reqwest::Client::builder().timeout(BOUND).build().unwrap();
+    eventually(&http, &router, "the worker is listed", |m| {
+        active_requests(m, 1).is_some()
+    })
+    .await;
+
+    let wrong = server
+        .url()
+        .replacen("nats://", "nats://fleet:not-the-password@", 1);
+    for args in [
+        vec!["worker", "--mock", "--id", "2", "--nats", &wrong],
+        vec!["serve", "--listen", "127.0.0.1:0", "--nats", &wrong],
+    ] {
+        let started = std::time::Instant::now();
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(&args)
+            .output()
+            .expect("run kvroute");
+        assert!(!output.status.success(), "{args:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "{args:?}: a refusal is not retried ({:?})",
+            started.elapsed()
+        );
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("refused the connection"),
+            "{args:?}: {stderr}"
+        );
+        assert!(stderr.contains("fleet:***@"), "{args:?}: {stderr}");
+        assert!(!stderr.contains("not-the-password"), "{args:?}: {stderr}");
+    }
+    for log in ["router.log", "worker.log"] {
+        let text = std::fs::read_to_string(dir.join(log)).unwrap_or_default();
+        assert!(!text.contains(SECRET), "the NATS password is in {log}");
+    }
+}

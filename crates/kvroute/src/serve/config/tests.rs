@@ -42,10 +42,14 @@ fn render(c: &ServeConfig) -> String {
             namespace,
             lease_ttl,
             registry_listen,
+            auth,
         } => format!(
-            "nats {url} ns {namespace} ttl {lease_ttl:?}{}; snapshots every {:?}",
+            "nats {url} ns {namespace} ttl {lease_ttl:?}{}; snapshots every {:?}{}",
             registry_listen.map_or(String::new(), |r| format!(" + registry {r}")),
-            c.router.snapshot_interval
+            c.router.snapshot_interval,
+            auth.tls_ca
+                .as_ref()
+                .map_or(String::new(), |ca| format!("; tls ca {}", ca.display()))
         ),
         Discovery::Static {
             fleet: FleetSource::File(path),
@@ -97,6 +101,19 @@ fn nats_replaces_the_registry_and_takes_the_lease_ttl() {
         Ok(
             "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-locality migrations 3; nats nats://10.0.0.5:4222 ns kvroute ttl 5s + registry 127.0.0.1:7101; snapshots every 5s; models [\"mock\"]",
         ),
+    );
+    // Credentials and TLS for NATS, from the file or a flag (which wins), only with a URL.
+    check(
+        "[nats]\nurl = \"tls://10.0.0.5:4222\"\ntls_ca = \"/etc/file-ca.pem\"",
+        &["--nats-tls-ca", "/etc/flag-ca.pem"],
+        Ok(
+            "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-locality migrations 3; nats tls://10.0.0.5:4222 ns kvroute ttl 5s; snapshots every 30s; tls ca /etc/flag-ca.pem; models [\"mock\"]",
+        ),
+    );
+    check(
+        "",
+        &["--nats-creds", "/etc/fleet.creds"],
+        Err("NATS credentials and TLS only together with nats.url (--nats)"),
     );
 }
 
