@@ -114,7 +114,7 @@ fn project_root() -> PathBuf {
 /// Bench binaries (harness = false) that print figures; `cargo xtask bench NAME` runs them in
 /// release mode with the caller's arguments.
 const BENCHES: &[(&str, &str, &str)] = &[
-    ("indexer", "kvroute-indexer", "trace_replay"),
+    ("indexer", "kvroute-workloads", "trace_replay"),
     ("indexer-soak", "kvroute-indexer", "churn_soak"),
     ("mocker", "kvroute-mocker", "simulate"),
     ("request-plane", "kvroute-runtime", "request_plane"),

@@ -13,6 +13,10 @@ use cargo_metadata::{DependencyKind, Metadata};
 pub(super) const ALLOWED: &[(&str, &[&str])] = &[
     ("kvroute-protocols", &[]),
     ("kvroute-indexer", &["kvroute-protocols"]),
+    (
+        "kvroute-workloads",
+        &["kvroute-protocols", "kvroute-indexer"],
+    ),
     ("kvroute-scheduler", &["kvroute-protocols"]),
     ("kvroute-sessions", &["kvroute-protocols"]),
     ("kvroute-runtime", &["kvroute-protocols"]),
