@@ -1,13 +1,13 @@
 //! Where the requests come from, and the recorded stream the simulated fleet makes of them.
 //!
-//! Requests come from a Mooncake trace or a seeded [`kvroute_protocols::synth`] workload.
+//! Requests come from a Mooncake trace or a seeded [`kvroute_workloads::synth`] workload.
 //! [`Recorded::simulate`] (kvroute-workloads' `fleet`, which `cargo xtask bench indexer` replays
 //! too) turns them into one stream of events and queries with the expected answer of every query.
 
 use anyhow::Context;
-use kvroute_protocols::synth::Workload as Synth;
-use kvroute_protocols::trace::MOONCAKE_BLOCK_TOKENS;
 pub use kvroute_workloads::fleet::{Fleet, Op, Recorded};
+use kvroute_workloads::synth::Workload as Synth;
+use kvroute_workloads::trace::MOONCAKE_BLOCK_TOKENS;
 
 /// Where the requests come from.
 #[derive(Debug, Clone)]
@@ -54,7 +54,7 @@ impl Source {
             Self::Trace { path, .. } => {
                 let text = std::fs::read_to_string(path)
                     .with_context(|| format!("reading trace {path}"))?;
-                kvroute_protocols::trace::parse_jsonl(&text).with_context(|| path.clone())?
+                kvroute_workloads::trace::parse_jsonl(&text).with_context(|| path.clone())?
             }
             Self::Synth { name, seed } => Synth::from_name(name)?
                 .generate(*seed)

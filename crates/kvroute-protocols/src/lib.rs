@@ -23,8 +23,6 @@ pub mod nvext;
 pub mod output;
 pub mod request;
 pub mod routing;
-pub mod synth;
-pub mod trace;
 pub mod validate;
 mod wire;
 mod worker;

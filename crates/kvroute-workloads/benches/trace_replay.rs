@@ -4,7 +4,7 @@
 //! agentic|multi-turn [--seed N]) [--workers 8] [--block-size 16] [--trace-block-size 512]
 //! [--cache-blocks 16384] [--threads N] [--limit N]`
 //!
-//! `--workload` replays a seeded synthetic workload (`kvroute_protocols::synth`) instead of a
+//! `--workload` replays a seeded synthetic workload ([`kvroute_workloads::synth`]) instead of a
 //! recorded trace; its ids stand for 512-token blocks.
 //!
 //! It lives here, not in kvroute-indexer, because it needs this crate's workloads and simulated
@@ -92,7 +92,7 @@ fn parse_args() -> anyhow::Result<Args> {
 /// The first `--limit` requests of the trace as `(input_length, hash_ids)`.
 fn load_trace(args: &Args) -> anyhow::Result<Vec<(usize, Vec<u64>)>> {
     let records = if let Some(name) = &args.workload {
-        kvroute_protocols::synth::Workload::from_name(name)?
+        kvroute_workloads::synth::Workload::from_name(name)?
             .generate(args.seed)
             .into_iter()
             .map(|r| r.record)
@@ -100,7 +100,7 @@ fn load_trace(args: &Args) -> anyhow::Result<Vec<(usize, Vec<u64>)>> {
     } else {
         let text = std::fs::read_to_string(&args.trace)
             .with_context(|| format!("reading trace {}", args.trace))?;
-        kvroute_protocols::trace::parse_jsonl(&text).with_context(|| args.trace.clone())?
+        kvroute_workloads::trace::parse_jsonl(&text).with_context(|| args.trace.clone())?
     };
     Ok(records
         .into_iter()

@@ -22,7 +22,12 @@ pub(super) const ALLOWED: &[(&str, &[&str])] = &[
     ("kvroute-runtime", &["kvroute-protocols"]),
     (
         "kvroute-mocker",
-        &["kvroute-protocols", "kvroute-indexer", "kvroute-runtime"],
+        &[
+            "kvroute-protocols",
+            "kvroute-indexer",
+            "kvroute-workloads",
+            "kvroute-runtime",
+        ],
     ),
     ("kvroute-prefill", &["kvroute-protocols", "kvroute-runtime"]),
     ("kvroute-engines", &["kvroute-protocols", "kvroute-runtime"]),
@@ -46,6 +51,7 @@ pub(super) const ALLOWED: &[(&str, &[&str])] = &[
         &[
             "kvroute-protocols",
             "kvroute-indexer",
+            "kvroute-workloads",
             "kvroute-runtime",
             "kvroute-mocker",
             "kvroute-engines",
