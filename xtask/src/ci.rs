@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::{cargo, examples, fuzz, package, python, tidy};
+use crate::cmd::{cargo, cargo_cmd, home_cache, run_command};
+use crate::{examples, fuzz, package, python, tidy};
 
 /// Options of `cargo xtask ci`.
 #[derive(clap::Args)]
@@ -220,12 +221,6 @@ fn venv_dir(root: &Path) -> std::path::PathBuf {
     }
 }
 
-/// `~/.cache/kvroute`: what xtask keeps outside the clone.
-pub(crate) fn home_cache() -> std::path::PathBuf {
-    let home = std::env::var_os("HOME").unwrap_or_else(|| ".".into());
-    Path::new(&home).join(".cache").join("kvroute")
-}
-
 /// Loom models compile the crate with `--cfg loom`, which changes every artifact, so they build in
 /// a target directory of their own to keep the main one warm.
 const LOOM_CRATES: &[&str] = &["kvroute-indexer"];
@@ -309,27 +304,8 @@ fn ensure_nats_server() -> Result<()> {
     }
 }
 
-pub(crate) fn cargo_cmd(root: &Path) -> Command {
-    let mut cmd = Command::new(cargo());
-    cmd.current_dir(root);
-    cmd
-}
-
 fn cargo_in(root: &Path, args: &[&str]) -> Result<()> {
     let mut cmd = cargo_cmd(root);
     cmd.args(args);
     run_command(&mut cmd)
-}
-
-/// Runs a command with inherited output; a non-zero exit is an error that shows the command line.
-pub(crate) fn run_command(cmd: &mut Command) -> Result<()> {
-    let shown = format!("{cmd:?}");
-    eprintln!("$ {shown}");
-    let status = cmd
-        .status()
-        .with_context(|| format!("could not start {shown}"))?;
-    if !status.success() {
-        bail!("command failed ({status}): {shown}");
-    }
-    Ok(())
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use cargo_metadata::{Message, Metadata, MetadataCommand, TargetKind};
 
-use crate::ci::cargo_cmd;
+use crate::cmd::cargo_cmd;
 
 /// How long one example may run before it is killed as hung (they take well under a second).
 const EXAMPLE_TIMEOUT: Duration = Duration::from_secs(30);

@@ -25,7 +25,8 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use serde_json::Value;
 
-use crate::{cargo, ci, python};
+use crate::cmd::{cargo, home_cache, run_command};
+use crate::python;
 use load::{Figures, Pacing, Scenario, Window, Workload};
 use procs::{Proc, TempDir};
 
@@ -189,7 +190,7 @@ pub(crate) struct Row {
 /// Runs the bench.
 pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
     let args = Args::parse(args)?;
-    let venv = ci::home_cache().join("reference-venv");
+    let venv = home_cache().join("reference-venv");
     let python = python::ensure_reference(&venv).with_context(|| {
         format!(
             "the reference (Dynamo 1.6.1) is not installable into {}: it needs python3 with the \
@@ -199,7 +200,7 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
     })?;
 
     eprintln!("building kvroute (release)");
-    ci::run_command(Command::new(cargo()).current_dir(root).args([
+    run_command(Command::new(cargo()).current_dir(root).args([
         "build",
         "--release",
         "--locked",

@@ -6,7 +6,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-use crate::ci::run_command;
+use crate::cmd::run_command;
 
 /// Options of `cargo xtask fuzz`.
 #[derive(clap::Args)]

@@ -6,6 +6,7 @@
 //! needs the code under test to compile before it can report what is broken.
 
 mod ci;
+mod cmd;
 mod examples;
 mod frontend_vs_reference;
 mod fuzz;
@@ -20,6 +21,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+
+use crate::cmd::{cargo, run_command};
 
 /// kvroute's project automation.
 #[derive(Parser)]
@@ -114,7 +117,7 @@ fn project_root() -> PathBuf {
 /// Bench binaries (harness = false) that print figures; `cargo xtask bench NAME` runs them in
 /// release mode with the caller's arguments.
 const BENCHES: &[(&str, &str, &str)] = &[
-    ("indexer", "kvroute-indexer", "trace_replay"),
+    ("indexer", "kvroute-workloads", "trace_replay"),
     ("indexer-soak", "kvroute-indexer", "churn_soak"),
     ("mocker", "kvroute-mocker", "simulate"),
     ("request-plane", "kvroute-runtime", "request_plane"),
@@ -146,7 +149,7 @@ fn bench(root: &Path, which: &str, args: &[String]) -> Result<()> {
             .arg(manifest)
             .args(["--bench", bench, "--"])
             .args(args);
-        return ci::run_command(&mut cmd);
+        return run_command(&mut cmd);
     }
     let Some((_, package, bench)) = BENCHES.iter().find(|(name, _, _)| *name == which) else {
         let known: Vec<_> = BENCHES
@@ -164,12 +167,7 @@ fn bench(root: &Path, which: &str, args: &[String]) -> Result<()> {
     cmd.current_dir(root)
         .args(["bench", "--quiet", "-p", package, "--bench", bench, "--"])
         .args(args);
-    ci::run_command(&mut cmd)
-}
-
-/// The cargo that invoked us (so `cargo +toolchain xtask` stays on that toolchain).
-fn cargo() -> String {
-    std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
+    run_command(&mut cmd)
 }
 
 #[cfg(test)]

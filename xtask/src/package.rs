@@ -14,7 +14,7 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 use cargo_metadata::{Metadata, MetadataCommand, Package, TargetKind};
 
-use crate::ci::{cargo_cmd, run_command};
+use crate::cmd::{cargo_cmd, run_command};
 
 /// A repository URL that stands for "not set yet".
 const PLACEHOLDER_HOSTS: &[&str] = &["example.invalid", "example.com", "example.org"];

@@ -17,7 +17,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-use crate::ci::run_command;
+use crate::cmd::run_command;
 
 /// The variable the tests read the venv's interpreter from.
 pub(crate) const PYTHON_ENV: &str = "KVROUTE_PYTHON";

@@ -16,7 +16,8 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use serde_json::Value;
 
-use crate::{cargo, ci, python};
+use crate::cmd::{cargo, home_cache, run_command};
+use crate::python;
 
 /// The bench's name after `cargo xtask bench`.
 pub(crate) const NAME: &str = "replay-vs-reference";
@@ -112,11 +113,11 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
     let trace = std::fs::canonicalize(&args.trace)
         .with_context(|| format!("cannot resolve {}", args.trace.display()))?;
 
-    let venv = ci::home_cache().join("reference-venv");
+    let venv = home_cache().join("reference-venv");
     let python = python::ensure_reference(&venv)?;
 
     eprintln!("building kvroute (release)");
-    ci::run_command(Command::new(cargo()).current_dir(root).args([
+    run_command(Command::new(cargo()).current_dir(root).args([
         "build",
         "--release",
         "--locked",

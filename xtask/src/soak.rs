@@ -15,7 +15,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 
-use crate::{cargo, ci, python, table};
+use crate::cmd::{cargo, home_cache, run_command};
+use crate::{python, table};
 
 /// The longest soak `cargo xtask soak` runs (4 hours).
 const MAX_SOAK_MINUTES: u64 = 240;
@@ -89,7 +90,7 @@ fn mock(root: &Path, minutes: u64) -> Result<()> {
             "--",
             "--nocapture",
         ]);
-    ci::run_command(&mut cmd)
+    run_command(&mut cmd)
 }
 
 /// The test venv, where `cargo xtask ci` keeps it: beside the target directory when that is
@@ -97,7 +98,7 @@ fn mock(root: &Path, minutes: u64) -> Result<()> {
 fn venv_dir(root: &Path) -> PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR") {
         Some(dir) => root.join(dir).join("..").join("venv"),
-        None => ci::home_cache().join("venv"),
+        None => home_cache().join("venv"),
     }
 }
 
@@ -117,7 +118,7 @@ fn chaos(root: &Path, minutes: u64, seed: u64) -> Result<()> {
     }
     let python = python::ensure(root, &venv_dir(root))?;
     eprintln!("building kvroute (release)");
-    ci::run_command(Command::new(cargo()).current_dir(root).args([
+    run_command(Command::new(cargo()).current_dir(root).args([
         "build",
         "--release",
         "--locked",

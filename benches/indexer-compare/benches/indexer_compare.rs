@@ -139,7 +139,11 @@ fn main() -> anyhow::Result<()> {
     let (source, fleet, limit) = (args.source.clone(), args.fleet.clone(), args.limit);
     let w = std::thread::spawn(move || -> anyhow::Result<Recorded> {
         let requests = source.load(limit)?;
-        Recorded::simulate(&source, &requests, &fleet)
+        Ok(Recorded::simulate(
+            &requests,
+            &fleet,
+            source.block_tokens(),
+        )?)
     })
     .join()
     .map_err(|_| anyhow::anyhow!("simulation panicked"))??;

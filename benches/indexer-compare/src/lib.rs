@@ -3,8 +3,9 @@
 //! `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>`.
 //!
 //! [`workload`] turns a Mooncake trace or a seeded synthetic workload
-//! ([`kvroute_protocols::synth`]) into one recorded stream of KV events and queries with the
-//! expected answer of every query, from a simulated fleet with LRU caches. [`drivers`] puts each
+//! ([`kvroute_workloads::synth`]) into one recorded stream of KV events and queries with the
+//! expected answer of every query, from kvroute-workloads' simulated fleet with LRU caches (the
+//! one `cargo xtask bench indexer` replays too). [`drivers`] puts each
 //! indexer behind one small trait, and [`run`] replays the stream through each of them, checking
 //! every answer and timing event application, queries over given local hashes, and hashing a
 //! prompt plus the query.

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-pub use kvroute_protocols::trace::{MOONCAKE_BLOCK_TOKENS, TraceError, TraceRecord, parse_jsonl};
+pub use kvroute_workloads::trace::{MOONCAKE_BLOCK_TOKENS, TraceError, TraceRecord, parse_jsonl};
 
 use crate::engine::splitmix64;
 use crate::request::{Request, RequestId};

@@ -23,8 +23,6 @@ pub mod nvext;
 pub mod output;
 pub mod request;
 pub mod routing;
-pub mod synth;
-pub mod trace;
 pub mod validate;
 mod wire;
 mod worker;
@@ -35,16 +33,16 @@ pub use error::ProtocolError;
 pub use headers::{HeaderOverrides, apply_header_routing_overrides};
 pub use load_report::WorkerLoadReport;
 pub use nvext::{
-    AgentHints, NvExt, NvExtBuilder, NvExtResponse, SessionAction, SessionControl, TimingInfo,
-    WorkerIdInfo,
+    AgentHints, NvExt, NvExtBuilder, NvExtResponse, RoutingConstraints, SessionAction,
+    SessionControl, TimingInfo, WorkerIdInfo,
 };
 pub use output::{CompletionUsage, FinishReason, LLMEngineOutput, PromptTokensDetails};
 pub use request::{
     BOOTSTRAP_HOST_KEY, BOOTSTRAP_PORT_KEY, BootstrapInfo, CACHE_SALT_EXTRA_ARG, MmRoutingInfo,
-    OutputOptions, PrefillResult, PreprocessedRequest, PreprocessedRequestBuilder, RequestPhase,
-    SamplingOptions, StopConditions,
+    OutputOptions, PrefillResult, PreprocessedRequest, PreprocessedRequestBuilder, SamplingOptions,
+    StopConditions,
 };
-pub use routing::{RouterConfigOverride, RoutingConstraints, RoutingHints};
+pub use routing::{RequestPhase, RouterConfigOverride, RoutingHints};
 pub use validate::{Limits, from_json, parse_nvext_json, parse_request_json};
 pub use worker::{DpRank, WorkerId, WorkerWithDpRank};
 pub use zmq_events::{EngineEventBatch, EngineKvEvent, decode_event_batch, decode_zmq_frames};

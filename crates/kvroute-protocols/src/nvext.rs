@@ -4,10 +4,11 @@
 //! reference's) and unknown JSON fields are ignored (so newer clients keep working). See
 //! [`crate::codec`] for how the same types also round-trip through bincode.
 
+use std::collections::BTreeMap;
+
 use derive_builder::Builder;
 use serde::{Deserialize, Serialize, Serializer};
 
-use crate::routing::RoutingConstraints;
 use crate::wire::WireStruct;
 use crate::{DpRank, WorkerId};
 
@@ -336,6 +337,44 @@ impl Serialize for TimingInfo {
         w.opt("total_time_ms", &self.total_time_ms)?;
         w.opt("avg_itl_ms", &self.avg_itl_ms)?;
         w.opt("kv_hit_rate", &self.kv_hit_rate)?;
+        w.end()
+    }
+}
+
+/// Request-level taint constraints (`nvext.routing_constraints`).
+///
+/// As in the reference, `preferred_taints` maps a taint to a preference weight (a worker carrying
+/// it is favoured by that much), while `required_taints` filters workers outright.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct RoutingConstraints {
+    /// Taints a worker must carry to be eligible.
+    #[serde(default)]
+    pub required_taints: Vec<String>,
+    /// Taints a worker is preferred to carry, with their weights.
+    #[serde(default)]
+    pub preferred_taints: BTreeMap<String, f32>,
+}
+
+impl RoutingConstraints {
+    /// Whether there is nothing to enforce or prefer.
+    pub fn is_empty(&self) -> bool {
+        self.required_taints.is_empty() && self.preferred_taints.is_empty()
+    }
+}
+
+impl Serialize for RoutingConstraints {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut w = WireStruct::new(serializer, "RoutingConstraints", 2)?;
+        w.skip_if(
+            "required_taints",
+            &self.required_taints,
+            self.required_taints.is_empty(),
+        )?;
+        w.skip_if(
+            "preferred_taints",
+            &self.preferred_taints,
+            self.preferred_taints.is_empty(),
+        )?;
         w.end()
     }
 }

@@ -191,29 +191,6 @@ impl Serialize for PreprocessedRequest {
     }
 }
 
-/// Which phase of serving a routing decision is for.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum RequestPhase {
-    /// The prefill-only phase (disaggregated serving).
-    Prefill,
-    /// The decode phase (disaggregated serving).
-    Decode,
-    /// One worker does both phases.
-    #[default]
-    Aggregated,
-}
-
-impl std::fmt::Display for RequestPhase {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            RequestPhase::Prefill => "prefill",
-            RequestPhase::Decode => "decode",
-            RequestPhase::Aggregated => "aggregated",
-        })
-    }
-}
-
 /// Discovery metadata key under which a prefill worker advertises the host of its bootstrap
 /// (KV transfer rendezvous) server; with [`BOOTSTRAP_PORT_KEY`] it offers the bootstrap path,
 /// whose rooms travel to the decode worker as [`BootstrapInfo`].

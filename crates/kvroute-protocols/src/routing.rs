@@ -1,15 +1,37 @@
-//! What the router is told about a request beyond its tokens: worker pins, hints, per-request
-//! overrides of the router's configuration, and taint constraints.
-
-use std::collections::BTreeMap;
+//! What the router is told about a request beyond its tokens: worker pins and hints (extracted
+//! from `nvext` and headers), per-request overrides of the router's configuration, and the phase
+//! of serving a decision is for. The client-facing pieces the hints carry (session control, taint
+//! constraints) are `nvext`'s, so this module imports from [`crate::nvext`] and never the reverse.
 
 use derive_builder::Builder;
 use serde::{Deserialize, Serialize, Serializer};
 
-use crate::nvext::SessionControl;
-use crate::request::RequestPhase;
+use crate::nvext::{RoutingConstraints, SessionControl};
 use crate::wire::WireStruct;
 use crate::{DpRank, WorkerId};
+
+/// Which phase of serving a routing decision is for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RequestPhase {
+    /// The prefill-only phase (disaggregated serving).
+    Prefill,
+    /// The decode phase (disaggregated serving).
+    Decode,
+    /// One worker does both phases.
+    #[default]
+    Aggregated,
+}
+
+impl std::fmt::Display for RequestPhase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RequestPhase::Prefill => "prefill",
+            RequestPhase::Decode => "decode",
+            RequestPhase::Aggregated => "aggregated",
+        })
+    }
+}
 
 /// Routing hints carried on a [`crate::PreprocessedRequest`], extracted from `nvext` and headers.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Builder)]
@@ -139,44 +161,6 @@ impl Serialize for RouterConfigOverride {
         w.opt("router_temperature", &self.router_temperature)?;
         w.opt("assume_kv_reuse", &self.assume_kv_reuse)?;
         w.opt("track_prefill_tokens", &self.track_prefill_tokens)?;
-        w.end()
-    }
-}
-
-/// Request-level taint constraints (`nvext.routing_constraints`).
-///
-/// As in the reference, `preferred_taints` maps a taint to a preference weight (a worker carrying
-/// it is favoured by that much), while `required_taints` filters workers outright.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-pub struct RoutingConstraints {
-    /// Taints a worker must carry to be eligible.
-    #[serde(default)]
-    pub required_taints: Vec<String>,
-    /// Taints a worker is preferred to carry, with their weights.
-    #[serde(default)]
-    pub preferred_taints: BTreeMap<String, f32>,
-}
-
-impl RoutingConstraints {
-    /// Whether there is nothing to enforce or prefer.
-    pub fn is_empty(&self) -> bool {
-        self.required_taints.is_empty() && self.preferred_taints.is_empty()
-    }
-}
-
-impl Serialize for RoutingConstraints {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let mut w = WireStruct::new(serializer, "RoutingConstraints", 2)?;
-        w.skip_if(
-            "required_taints",
-            &self.required_taints,
-            self.required_taints.is_empty(),
-        )?;
-        w.skip_if(
-            "preferred_taints",
-            &self.preferred_taints,
-            self.preferred_taints.is_empty(),
-        )?;
         w.end()
     }
 }

@@ -18,21 +18,25 @@
 //! storage tiers (host, disk) as [`TierOverlap`]s, credited by the [`CacheHitWeights`].
 
 mod config;
+mod decision;
 mod fxhash;
 mod load;
 mod queue;
 mod scheduler;
+mod scratch;
 mod select;
+mod slot_load;
 mod workers;
 
 pub use config::{
     CacheHitWeights, ConfigError, CostWeights, DEFAULT_BATCH_BUDGET_TOKENS, DEFAULT_REPORT_GRACE,
     DEFAULT_REQUEST_EXPIRY, LoadThresholds, PrefillThreshold, SchedulerConfig,
 };
-pub use load::{LoadError, NewRequest, RequestId, RequestLoad, WorkerLoad};
+pub use decision::{CandidateCost, Decision, FilterStage, SelectError, SelectRequest, TierOverlap};
+pub use load::{LoadError, NewRequest, RequestId, RequestLoad};
 pub use queue::{AdmissionQueue, QueueMeta, QueuePolicy, TryPushError};
 pub use scheduler::{MetricsSnapshot, Scheduler, SchedulerMetrics};
-pub use select::{CandidateCost, Decision, FilterStage, SelectError, SelectRequest, TierOverlap};
+pub use slot_load::WorkerLoad;
 pub use workers::{MAX_TAINTS, WorkerError, WorkerSpec};
 
 #[cfg(test)]

@@ -19,10 +19,8 @@ use kvroute_protocols::WorkerWithDpRank;
 use smallvec::SmallVec;
 
 use crate::fxhash::FxHashMap;
+use crate::slot_load::FRACTION_ONE;
 use crate::workers::Workers;
-
-/// Fixed-point one for block weights (a block owned by one request weighs `fraction / ONE`).
-pub(crate) const FRACTION_ONE: u64 = 1 << 16;
 
 /// The caller's identifier of an in-flight request (the router maps its own ids onto these).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -66,20 +64,6 @@ pub struct RequestLoad {
     pub expected_output_tokens: Option<u32>,
 }
 
-/// Load figures of one (worker, dp rank), as the cost model sees them.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct WorkerLoad {
-    /// Requests added and not yet freed or expired.
-    pub active_requests: u64,
-    /// Prompt tokens still to prefill (zero for a request once its prefill completed).
-    pub prefill_tokens: u64,
-    /// Distinct blocks held by two or more active requests.
-    pub shared_blocks: u64,
-    /// Active decode blocks: shared blocks plus single-owner blocks weighted by their owner's
-    /// remaining fraction.
-    pub decode_blocks: f64,
-}
-
 /// Why a load operation was refused. None of these change any state.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -93,31 +77,6 @@ pub enum LoadError {
     /// The id is not active: never added, already freed, or expired.
     #[error("request {0} is not active (never added, already freed, or expired)")]
     UnknownRequest(RequestId),
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct SlotLoad {
-    pub(crate) active_requests: u64,
-    pub(crate) prefill_tokens: u64,
-    pub(crate) shared_blocks: u64,
-    /// Sum over requests of `exclusive blocks * fraction`, in units of `1 / FRACTION_ONE`.
-    pub(crate) exclusive_weighted: u64,
-}
-
-impl SlotLoad {
-    #[inline]
-    pub(crate) fn decode_blocks(&self) -> f64 {
-        self.shared_blocks as f64 + self.exclusive_weighted as f64 / FRACTION_ONE as f64
-    }
-
-    pub(crate) fn snapshot(&self) -> WorkerLoad {
-        WorkerLoad {
-            active_requests: self.active_requests,
-            prefill_tokens: self.prefill_tokens,
-            shared_blocks: self.shared_blocks,
-            decode_blocks: self.decode_blocks(),
-        }
-    }
 }
 
 /// One worker slot's holding of an active block.

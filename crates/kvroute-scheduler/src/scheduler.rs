@@ -7,8 +7,9 @@ use std::time::Duration;
 use kvroute_protocols::{WorkerId, WorkerWithDpRank};
 
 use crate::config::{ConfigError, SchedulerConfig};
-use crate::load::{LoadError, NewRequest, RequestId, RequestLoad, Requests, WorkerLoad};
-use crate::select::Scratch;
+use crate::load::{LoadError, NewRequest, RequestId, RequestLoad, Requests};
+use crate::scratch::Scratch;
+use crate::slot_load::WorkerLoad;
 use crate::workers::{WorkerError, WorkerSpec, Workers};
 
 /// Load tracking, cost model and selection over a fleet of (worker, dp rank) slots.

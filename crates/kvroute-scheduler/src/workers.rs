@@ -3,7 +3,7 @@
 use kvroute_protocols::{DpRank, WorkerId, WorkerWithDpRank};
 
 use crate::fxhash::FxHashMap;
-use crate::load::SlotLoad;
+use crate::slot_load::SlotLoad;
 
 /// Most distinct taint names the scheduler tracks; taints are kept as a bitmask per worker so the
 /// required-taint filter costs one AND per candidate.

@@ -28,8 +28,8 @@ use kvroute_mocker::MockerConfig;
 use kvroute_mocker::disagg::DecodeConfig;
 use kvroute_mocker::sim::{DisaggSimulation, SimReport, Simulation};
 use kvroute_mocker::trace::TraceRecord;
-use kvroute_protocols::synth::{self, Workload};
 use kvroute_router::{KvMode, KvRouterCore, WorkerSpec};
+use kvroute_workloads::synth::{self, Workload};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 

@@ -13,12 +13,21 @@ use cargo_metadata::{DependencyKind, Metadata};
 pub(super) const ALLOWED: &[(&str, &[&str])] = &[
     ("kvroute-protocols", &[]),
     ("kvroute-indexer", &["kvroute-protocols"]),
+    (
+        "kvroute-workloads",
+        &["kvroute-protocols", "kvroute-indexer"],
+    ),
     ("kvroute-scheduler", &["kvroute-protocols"]),
     ("kvroute-sessions", &["kvroute-protocols"]),
     ("kvroute-runtime", &["kvroute-protocols"]),
     (
         "kvroute-mocker",
-        &["kvroute-protocols", "kvroute-indexer", "kvroute-runtime"],
+        &[
+            "kvroute-protocols",
+            "kvroute-indexer",
+            "kvroute-workloads",
+            "kvroute-runtime",
+        ],
     ),
     ("kvroute-prefill", &["kvroute-protocols", "kvroute-runtime"]),
     ("kvroute-engines", &["kvroute-protocols", "kvroute-runtime"]),
@@ -42,6 +51,7 @@ pub(super) const ALLOWED: &[(&str, &[&str])] = &[
         &[
             "kvroute-protocols",
             "kvroute-indexer",
+            "kvroute-workloads",
             "kvroute-runtime",
             "kvroute-mocker",
             "kvroute-engines",

@@ -12,8 +12,8 @@ use anyhow::Context;
 use kvroute_mocker::Request;
 use kvroute_mocker::sim::Arrival;
 use kvroute_mocker::trace::{self, TraceRecord};
-use kvroute_protocols::synth::SynthRequest;
-use kvroute_protocols::trace::SessionId;
+use kvroute_workloads::synth::SynthRequest;
+use kvroute_workloads::trace::SessionId;
 
 /// The requests to replay and the session of each (request id = index).
 #[derive(Debug, Clone, PartialEq)]
@@ -37,7 +37,7 @@ pub(crate) fn load(path: &Path) -> anyhow::Result<Trace> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read trace {}", path.display()))?;
     // The parser's error already says "trace line N: what was expected"; prefix the file.
-    let lines = kvroute_protocols::trace::parse_jsonl_with_sessions(&text)
+    let lines = kvroute_workloads::trace::parse_jsonl_with_sessions(&text)
         .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     if lines.is_empty() {
         anyhow::bail!(

@@ -1,33 +1,31 @@
 //! Replays a Mooncake-format trace against the index as a fleet would drive it.
 //!
-//! `cargo bench -p kvroute-indexer --bench trace_replay -- (--trace FILE | --workload
+//! `cargo bench -p kvroute-workloads --bench trace_replay -- (--trace FILE | --workload
 //! agentic|multi-turn [--seed N]) [--workers 8] [--block-size 16] [--trace-block-size 512]
 //! [--cache-blocks 16384] [--threads N] [--limit N]`
 //!
-//! `--workload` replays a seeded synthetic workload (`kvroute_protocols::synth`) instead of a
+//! `--workload` replays a seeded synthetic workload ([`kvroute_workloads::synth`]) instead of a
 //! recorded trace; its ids stand for 512-token blocks.
 //!
+//! It lives here, not in kvroute-indexer, because it needs this crate's workloads and simulated
+//! fleet, and the layering lets the indexer's benches use only crates below the indexer.
+//!
 //! Each request's `hash_ids` expand deterministically into engine blocks of synthetic tokens. A
-//! simulation (untimed, run first) routes each request to the worker with the longest cached
-//! prefix (ties to the least loaded), stores its new blocks there and evicts that worker's least
-//! recently used leaves beyond `--cache-blocks`, producing the event stream and the expected
-//! answer of every query. The timed phase replays queries and events against the index, checks
-//! every answer, and exits non-zero on any mismatch. The last line printed is one JSON object.
+//! simulation ([`Recorded::simulate`], untimed, run first) routes each request to the worker with
+//! the lowest cost (blocks to prefill plus a decaying load), stores its new blocks there and evicts
+//! that worker's least recently used leaves beyond `--cache-blocks`, producing the event stream and
+//! the expected answer of every query. The timed phase replays queries and events against the
+//! index, checks every answer, and exits non-zero on any mismatch. The last line printed is one
+//! JSON object.
 
-use std::cmp::Reverse;
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use kvroute_indexer::hash::{HashSalt, compute_block_hash, compute_seq_hashes};
-use kvroute_indexer::{ConcurrentIndex, FastMap, KvIndex, OverlapScores};
+use kvroute_indexer::{ConcurrentIndex, KvIndex, OverlapScores};
 use kvroute_protocols::WorkerWithDpRank;
-use kvroute_protocols::kv_events::{
-    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
-    KvCacheStoredBlockData, LocalBlockHash, RouterEvent, StorageTier,
-};
+use kvroute_workloads::fleet::{Fleet, Op, Recorded};
 
 struct Args {
     trace: String,
@@ -91,71 +89,10 @@ fn parse_args() -> anyhow::Result<Args> {
     Ok(args)
 }
 
-/// One step of the replay.
-enum Op {
-    /// Query request `r`.
-    Query(usize),
-    Event(RouterEvent),
-}
-
-/// The pre-generated workload: queries, their expected answers, and the events between them.
-struct Workload {
-    ops: Vec<Op>,
-    /// Local hashes of every request, concatenated; request `r` is `offsets[r]..offsets[r + 1]`.
-    local: Vec<LocalBlockHash>,
-    offsets: Vec<usize>,
-    /// Expected device score of worker `w` for request `r` at `r * workers + w`.
-    expected: Vec<u32>,
-    stored_blocks: u64,
-    removed_blocks: u64,
-    matched_blocks: u64,
-}
-
-/// Per-request decay of a simulated worker's load.
-const LOAD_DECAY: f64 = 0.9;
-
-/// What one simulated worker holds: blocks by sequence hash with their LRU stamp and depth.
-#[derive(Default)]
-struct SimWorker {
-    held: FastMap<u64, (u64, u32)>,
-    lru: BTreeSet<(u64, Reverse<u32>, u64)>,
-    /// Blocks prefilled here recently, decaying by [`LOAD_DECAY`] per request in the fleet.
-    load: f64,
-    next_event_id: u64,
-}
-
-impl SimWorker {
-    fn touch(&mut self, seq: u64, depth: u32, stamp: u64) {
-        if let Some((old, _)) = self.held.insert(seq, (stamp, depth)) {
-            self.lru.remove(&(old, Reverse(depth), seq));
-        }
-        self.lru.insert((stamp, Reverse(depth), seq));
-    }
-
-    fn event(&mut self, worker: usize, data: KvCacheEventData) -> RouterEvent {
-        let event_id = self.next_event_id;
-        self.next_event_id += 1;
-        RouterEvent {
-            worker_id: worker as u64,
-            storage_tier: StorageTier::Device,
-            event: KvCacheEvent {
-                event_id,
-                data,
-                dp_rank: 0,
-            },
-        }
-    }
-}
-
-/// Engine block ids are opaque to the index; derive them from the sequence hash like vLLM does.
-fn ext_of(seq: u64) -> ExternalSequenceBlockHash {
-    ExternalSequenceBlockHash(seq ^ 0x5bd1_e995_5bd1_e995)
-}
-
 /// The first `--limit` requests of the trace as `(input_length, hash_ids)`.
 fn load_trace(args: &Args) -> anyhow::Result<Vec<(usize, Vec<u64>)>> {
     let records = if let Some(name) = &args.workload {
-        kvroute_protocols::synth::Workload::from_name(name)?
+        kvroute_workloads::synth::Workload::from_name(name)?
             .generate(args.seed)
             .into_iter()
             .map(|r| r.record)
@@ -163,117 +100,13 @@ fn load_trace(args: &Args) -> anyhow::Result<Vec<(usize, Vec<u64>)>> {
     } else {
         let text = std::fs::read_to_string(&args.trace)
             .with_context(|| format!("reading trace {}", args.trace))?;
-        kvroute_protocols::trace::parse_jsonl(&text).with_context(|| args.trace.clone())?
+        kvroute_workloads::trace::parse_jsonl(&text).with_context(|| args.trace.clone())?
     };
     Ok(records
         .into_iter()
         .take(args.limit)
         .map(|r| (r.input_length as usize, r.hash_ids))
         .collect())
-}
-
-/// The engine blocks' local hashes of one trace block: synthetic tokens derived from its id.
-fn expand(hash_id: u64, per_id: usize, block_size: usize) -> Vec<LocalBlockHash> {
-    let salt = HashSalt::default();
-    let mut tokens = vec![0u32; block_size];
-    (0..per_id)
-        .map(|j| {
-            for (t, tok) in tokens.iter_mut().enumerate() {
-                let x = (hash_id << 24) ^ ((j as u64) << 12) ^ t as u64;
-                *tok = (x.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as u32;
-            }
-            compute_block_hash(&tokens, &salt)
-        })
-        .collect()
-}
-
-fn simulate(args: &Args, trace: &[(usize, Vec<u64>)]) -> Workload {
-    let per_id = args.trace_block_size / args.block_size;
-    let mut by_id: FastMap<u64, Vec<LocalBlockHash>> = FastMap::default();
-    let mut sims: Vec<SimWorker> = (0..args.workers).map(|_| SimWorker::default()).collect();
-    let mut w = Workload {
-        ops: Vec::new(),
-        local: Vec::new(),
-        offsets: vec![0],
-        expected: Vec::new(),
-        stored_blocks: 0,
-        removed_blocks: 0,
-        matched_blocks: 0,
-    };
-    let mut scores = vec![0u32; args.workers];
-    for (r, (input, ids)) in trace.iter().enumerate() {
-        let start = w.local.len();
-        for (k, &id) in ids.iter().enumerate() {
-            let covered = input.saturating_sub(k * args.trace_block_size) / args.block_size;
-            let blocks = by_id
-                .entry(id)
-                .or_insert_with(|| expand(id, per_id, args.block_size));
-            w.local.extend_from_slice(&blocks[..covered.min(per_id)]);
-        }
-        w.offsets.push(w.local.len());
-        let local = &w.local[start..];
-        let chain = compute_seq_hashes(local);
-        for (s, sim) in scores.iter_mut().zip(&sims) {
-            *s = chain
-                .iter()
-                .take_while(|h| sim.held.contains_key(&h.0))
-                .count() as u32;
-        }
-        w.expected.extend_from_slice(&scores);
-        w.ops.push(Op::Query(r));
-        // Cost as in the reference's default: blocks to prefill plus the worker's load (blocks
-        // routed to it recently, decaying), lower is better; ties to the lower load, then id.
-        let n = chain.len() as f64;
-        let best = (0..args.workers)
-            .min_by(|&a, &b| {
-                let cost = |i: usize| n - f64::from(scores[i]) + sims[i].load;
-                cost(a)
-                    .total_cmp(&cost(b))
-                    .then(sims[a].load.total_cmp(&sims[b].load))
-            })
-            .unwrap_or(0);
-        for sim in &mut sims {
-            sim.load *= LOAD_DECAY;
-        }
-        let matched = scores[best] as usize;
-        w.matched_blocks += matched as u64;
-        let stamp = r as u64 + 1;
-        let sim = &mut sims[best];
-        sim.load += n - matched as f64;
-        for (depth, seq) in chain.iter().enumerate() {
-            sim.touch(seq.0, depth as u32, stamp);
-        }
-        if matched < chain.len() {
-            let blocks: Vec<KvCacheStoredBlockData> = (matched..chain.len())
-                .map(|i| KvCacheStoredBlockData {
-                    block_hash: ext_of(chain[i].0),
-                    tokens_hash: local[i],
-                })
-                .collect();
-            w.stored_blocks += blocks.len() as u64;
-            let data = KvCacheEventData::Stored(KvCacheStoreData {
-                parent_hash: matched.checked_sub(1).map(|i| ext_of(chain[i].0)),
-                blocks,
-            });
-            w.ops.push(Op::Event(sim.event(best, data)));
-        }
-        let mut evicted = Vec::new();
-        while sim.held.len() > args.cache_blocks {
-            let Some((_, _, seq)) = sim.lru.pop_first() else {
-                break;
-            };
-            sim.held.remove(&seq);
-            evicted.push(ext_of(seq));
-        }
-        if !evicted.is_empty() {
-            w.removed_blocks += evicted.len() as u64;
-            let data = KvCacheEventData::Removed(KvCacheRemoveData {
-                block_hashes: evicted,
-            });
-            w.ops.push(Op::Event(sim.event(best, data)));
-        }
-    }
-    w
 }
 
 /// A field of /proc/self/status in kB (0 when unavailable).
@@ -323,7 +156,7 @@ impl Timings {
 }
 
 /// The timed replay on one thread against a plain index.
-fn replay(w: &Workload, workers: usize) -> anyhow::Result<Timings> {
+fn replay(w: &Recorded, workers: usize) -> anyhow::Result<Timings> {
     let mut index = KvIndex::new();
     let mut t = Timings::new(w.offsets.len());
     let mut scratch = Vec::new();
@@ -338,7 +171,8 @@ fn replay(w: &Workload, workers: usize) -> anyhow::Result<Timings> {
                 t.latencies_ns.push(dt.as_nanos() as u64);
                 verify(&scores, &w.expected[r * workers..(r + 1) * workers], *r)?;
             }
-            Op::Event(ev) => {
+            Op::Event(i) => {
+                let ev = &w.events[*i];
                 let start = Instant::now();
                 let out = index.apply_event(ev);
                 t.apply += start.elapsed();
@@ -358,7 +192,7 @@ fn replay(w: &Workload, workers: usize) -> anyhow::Result<Timings> {
 }
 
 /// The same replay through [`ConcurrentIndex`] while `readers` threads query it nonstop.
-fn replay_shared(w: &Arc<Workload>, workers: usize, readers: usize) -> anyhow::Result<Timings> {
+fn replay_shared(w: &Arc<Recorded>, workers: usize, readers: usize) -> anyhow::Result<Timings> {
     let shared = Arc::new(ConcurrentIndex::new());
     let done = Arc::new(AtomicBool::new(false));
     let extra = Arc::new(AtomicU64::new(0));
@@ -401,7 +235,8 @@ fn replay_shared(w: &Arc<Workload>, workers: usize, readers: usize) -> anyhow::R
                     break;
                 }
             }
-            Op::Event(ev) => {
+            Op::Event(i) => {
+                let ev = &w.events[*i];
                 let start = Instant::now();
                 shared.submit(ev.clone());
                 t.apply += start.elapsed();
@@ -435,9 +270,14 @@ fn main() -> anyhow::Result<()> {
     // frees is not recycled by the index on this thread, and the RSS delta below is the index's.
     let workload = {
         let args = Arc::clone(&args);
-        std::thread::spawn(move || -> anyhow::Result<Workload> {
+        std::thread::spawn(move || -> anyhow::Result<Recorded> {
             let trace = load_trace(&args)?;
-            Ok(simulate(&args, &trace))
+            let fleet = Fleet {
+                workers: args.workers,
+                block_size: args.block_size,
+                cache_blocks: args.cache_blocks,
+            };
+            Ok(Recorded::simulate(&trace, &fleet, args.trace_block_size)?)
         })
         .join()
         .map_err(|_| anyhow::anyhow!("simulation panicked"))??

@@ -1,0 +1,39 @@
+//! Running commands: the cargo that invoked xtask, a command's echo and exit status, and where
+//! xtask keeps things outside the clone. Every step (ci, package, fuzz, python, the benches and
+//! soaks) runs its commands through these, so none of them needs another step's module.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+/// The cargo that invoked us (so `cargo +toolchain xtask` stays on that toolchain).
+pub(crate) fn cargo() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
+}
+
+/// `cargo` with `root` as its working directory.
+pub(crate) fn cargo_cmd(root: &Path) -> Command {
+    let mut cmd = Command::new(cargo());
+    cmd.current_dir(root);
+    cmd
+}
+
+/// Runs a command with inherited output; a non-zero exit is an error that shows the command line.
+pub(crate) fn run_command(cmd: &mut Command) -> Result<()> {
+    let shown = format!("{cmd:?}");
+    eprintln!("$ {shown}");
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not start {shown}"))?;
+    if !status.success() {
+        bail!("command failed ({status}): {shown}");
+    }
+    Ok(())
+}
+
+/// `~/.cache/kvroute`: what xtask keeps outside the clone.
+pub(crate) fn home_cache() -> PathBuf {
+    let home = std::env::var_os("HOME").unwrap_or_else(|| ".".into());
+    Path::new(&home).join(".cache").join("kvroute")
+}
