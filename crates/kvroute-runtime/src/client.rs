@@ -20,6 +20,7 @@ use tokio::sync::mpsc;
 use tokio_util::codec::{FramedRead, FramedWrite};
 
 use crate::error::RequestError;
+use crate::fleet_secret::{self, FleetSecret, Side};
 use crate::frame::{self, CancelKind, Frame, HelloAck, Kind, WireError, WireErrorCode};
 use crate::kv_publisher::KvDump;
 use crate::server::write_loop;
@@ -44,6 +45,10 @@ pub struct ClientConfig {
     /// [`RequestError::WorkerUnavailable`]): this catches a worker host that vanished without
     /// closing its sockets. `None` relies on TCP alone.
     pub keepalive_interval: Option<Duration>,
+    /// The fleet's secret: with one, the client talks only to workers that prove it, and proves
+    /// it in turn (see [`crate::FleetSecret`]); without one, a worker that requires it refuses
+    /// the connection ([`RequestError::Handshake`]).
+    pub fleet_secret: Option<FleetSecret>,
 }
 
 impl Default for ClientConfig {
@@ -53,6 +58,7 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(5),
             first_response_timeout: Some(Duration::from_secs(60)),
             keepalive_interval: Some(Duration::from_secs(5)),
+            fleet_secret: None,
         }
     }
 }
@@ -304,8 +310,13 @@ impl Connection {
         let (read_half, write_half) = socket.into_split();
         let mut reader = FramedRead::new(read_half, frame::codec(max));
         let mut writer = FramedWrite::new(write_half, frame::codec(max));
+        let own_nonce = fleet_secret::nonce();
         writer
-            .send(frame::encode_raw(Kind::Hello, 0, &frame::hello_body()))
+            .send(frame::encode_raw(
+                Kind::Hello,
+                0,
+                &frame::hello_body(&own_nonce),
+            ))
             .await
             .map_err(|e| unavailable(format!("sending hello failed: {e}")))?;
         let ack: HelloAck = match reader.next().await {
@@ -328,6 +339,35 @@ impl Connection {
                 ack.version,
                 frame::PROTOCOL_VERSION
             )));
+        }
+        match (&config.fleet_secret, &ack.proof) {
+            (None, None) => {}
+            (None, Some(_)) => {
+                return Err(handshake(
+                    "the worker requires the fleet secret; pass the fleet's --fleet-secret-file"
+                        .to_owned(),
+                ));
+            }
+            (Some(secret), proof) => {
+                let proven = proof.is_some_and(|proof| {
+                    secret.verify(Side::Worker, &own_nonce, &ack.nonce, &proof)
+                });
+                if !proven {
+                    return Err(handshake(format!(
+                        "the worker did not prove the fleet secret ({}); nothing is sent to it",
+                        if proof.is_some() {
+                            "a wrong proof"
+                        } else {
+                            "it holds none"
+                        }
+                    )));
+                }
+                let proof = secret.prove(Side::Client, &ack.nonce, &own_nonce);
+                writer
+                    .send(frame::encode_raw(Kind::Auth, 0, &proof))
+                    .await
+                    .map_err(|e| unavailable(format!("sending the fleet proof failed: {e}")))?;
+            }
         }
         let (tx, rx) = mpsc::channel::<Bytes>(1024);
         tokio::spawn(write_loop(writer, rx));

@@ -136,6 +136,13 @@ pub enum DiscoveryError {
     /// This implementation has a fixed membership.
     #[error("this discovery backend has a fixed membership and does not accept registrations")]
     ReadOnly,
+    /// The registry refused this process outright (it does not prove the fleet secret, or
+    /// speaks another protocol version); retrying cannot help.
+    #[error("the registry refused this worker: {message}")]
+    Refused {
+        /// Why.
+        message: String,
+    },
     /// The backing service is unreachable.
     #[error("discovery unavailable: {message}")]
     Unavailable {

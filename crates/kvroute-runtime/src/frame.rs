@@ -22,8 +22,10 @@ use crate::error::RequestError;
 /// History: 1, the first request plane; 2 added the `SubscribeKvEvents` frame (workers stream KV
 /// events over the request-plane connection), which a version-1 worker would answer with an
 /// unknown-kind error mid-session; 3 added the `EngineUnavailable` error code (an engine adapter
-/// whose HTTP engine went away), which a version-2 client could not decode.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// whose HTTP engine went away), which a version-2 client could not decode; 4 added the fleet
+/// secret's proofs (a nonce in the hello, a nonce and proof in the acknowledgement, the client's
+/// [`Kind::Auth`]).
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// The magic bytes that open a client's hello frame.
 pub(crate) const MAGIC: [u8; 4] = *b"KVRT";
@@ -60,6 +62,9 @@ pub(crate) enum Kind {
     /// `WorkerLoadReport`s; only workers that state `load_reports = "true"` in their metadata
     /// know this kind.
     SubscribeLoadReports = 0x09,
+    /// The client's proof of the fleet secret (32 bytes), right after the acknowledgement, when
+    /// the worker asked for one; nothing else is accepted before it.
+    Auth = 0x0A,
     /// Server hello acknowledgement: [`HelloAck`].
     HelloAck = 0x81,
     /// One response item of a stream.
@@ -88,6 +93,7 @@ impl Kind {
             0x07 => Kind::Ping,
             0x08 => Kind::SubscribeKvEvents,
             0x09 => Kind::SubscribeLoadReports,
+            0x0A => Kind::Auth,
             0x81 => Kind::HelloAck,
             0x82 => Kind::Item,
             0x83 => Kind::End,
@@ -116,6 +122,10 @@ pub(crate) struct HelloAck {
     pub(crate) version: u16,
     pub(crate) worker_id: u64,
     pub(crate) max_frame_bytes: u64,
+    /// The worker's nonce, for the client's proof.
+    pub(crate) nonce: [u8; crate::fleet_secret::NONCE_LEN],
+    /// With a fleet secret: the worker's proof of it, and a [`Kind::Auth`] is required.
+    pub(crate) proof: Option<[u8; crate::fleet_secret::PROOF_LEN]>,
 }
 
 /// Why the worker failed a stream or call, as sent on the wire.
@@ -266,15 +276,19 @@ fn put_header(buf: &mut BytesMut, kind: Kind, stream: u64) {
     buf.put_u64_le(stream);
 }
 
-/// The hello body: magic then version.
-pub(crate) fn hello_body() -> [u8; 6] {
-    let v = PROTOCOL_VERSION.to_le_bytes();
-    [MAGIC[0], MAGIC[1], MAGIC[2], MAGIC[3], v[0], v[1]]
+/// The hello body: magic, version, then the client's nonce.
+pub(crate) fn hello_body(nonce: &[u8; crate::fleet_secret::NONCE_LEN]) -> Vec<u8> {
+    let mut body = Vec::with_capacity(6 + nonce.len());
+    body.extend_from_slice(&MAGIC);
+    body.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    body.extend_from_slice(nonce);
+    body
 }
 
-/// Checks a hello body; returns a message for the peer when it is not ours.
-pub(crate) fn check_hello(body: &[u8]) -> Result<(), String> {
-    if body.len() != 6 || body[..4] != MAGIC {
+/// Checks a hello body and returns the client's nonce; a message for the peer when it is not
+/// ours.
+pub(crate) fn check_hello(body: &[u8]) -> Result<[u8; crate::fleet_secret::NONCE_LEN], String> {
+    if body.len() < 6 || body[..4] != MAGIC {
         return Err("expected a kvroute hello frame (magic \"KVRT\" and a u16 version)".to_owned());
     }
     let version = u16::from_le_bytes([body[4], body[5]]);
@@ -283,7 +297,9 @@ pub(crate) fn check_hello(body: &[u8]) -> Result<(), String> {
             "unsupported request-plane protocol version {version}, this worker speaks {PROTOCOL_VERSION}"
         ));
     }
-    Ok(())
+    body[6..]
+        .try_into()
+        .map_err(|_| "a version-4 hello carries a 16-byte nonce after the version".to_owned())
 }
 
 #[cfg(test)]

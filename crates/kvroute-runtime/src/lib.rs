@@ -67,6 +67,7 @@ mod discovery;
 mod engine;
 mod error;
 mod event_plane;
+mod fleet_secret;
 mod frame;
 mod kv_bridge;
 mod kv_publisher;
@@ -90,6 +91,7 @@ pub use event_plane::{
     InProcessEventPlane, Message, SnapshotStore, Subscription, check_subject, decode_router_event,
     encode_router_event,
 };
+pub use fleet_secret::{FleetSecret, FleetSecretError, MIN_FLEET_SECRET_BYTES};
 pub use frame::{DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION};
 pub use kv_bridge::{KV_EVENTS_METADATA, KvEventBridge, KvEventBridgeConfig};
 pub use kv_publisher::{

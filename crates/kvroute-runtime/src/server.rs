@@ -16,6 +16,7 @@ use tokio::task::{AbortHandle, JoinSet};
 use tokio_util::codec::{FramedRead, FramedWrite};
 
 use crate::engine::{Engine, EngineError, RequestContext};
+use crate::fleet_secret::{self, FleetSecret, Side};
 use crate::frame::{self, CancelKind, Frame, HelloAck, Kind, WireError, WireErrorCode};
 use crate::kv_publisher::{KvEventPublisher, RangeError};
 use crate::load_reporter::LoadReporter;
@@ -38,6 +39,9 @@ pub struct WorkerServerConfig {
     /// The reporter whose load reports `subscribe_load_reports` streams; without one that call
     /// is answered as unsupported.
     pub load_reports: Option<LoadReporter>,
+    /// The fleet's secret: with one, this server proves it in every handshake and serves only
+    /// clients that prove it too (see [`crate::FleetSecret`]); others are refused and logged.
+    pub fleet_secret: Option<FleetSecret>,
 }
 
 impl WorkerServerConfig {
@@ -51,7 +55,14 @@ impl WorkerServerConfig {
             max_streams_per_connection: 65_536,
             kv_events: None,
             load_reports: None,
+            fleet_secret: None,
         }
+    }
+
+    /// The same config requiring (and proving) the fleet secret.
+    pub fn with_fleet_secret(mut self, secret: Option<FleetSecret>) -> Self {
+        self.fleet_secret = secret;
+        self
     }
 
     /// The same config answering gap-recovery and dump calls from `publisher`.
@@ -169,16 +180,42 @@ async fn serve_connection<E: Engine>(socket: TcpStream, peer: SocketAddr, shared
         Err(_) => Err("no hello within the handshake timeout".to_owned()),
     };
     let outcome = match outcome {
-        Ok(()) => {
+        Ok(client_nonce) => {
+            let own_nonce = fleet_secret::nonce();
+            let secret = shared.config.fleet_secret.as_ref();
             let ack = HelloAck {
                 version: frame::PROTOCOL_VERSION,
                 worker_id: shared.config.worker_id,
                 max_frame_bytes: max as u64,
+                nonce: own_nonce,
+                proof: secret.map(|s| s.prove(Side::Worker, &client_nonce, &own_nonce)),
             };
             if let Ok(f) = frame::encode(Kind::HelloAck, 0, &ack, max) {
                 let _ = tx.send(f).await;
             }
-            run_streams(&mut reader, &tx, &shared).await
+            match secret {
+                None => run_streams(&mut reader, &tx, &shared).await,
+                Some(secret) => {
+                    match client_proof(&mut reader, shared.config.handshake_timeout).await {
+                        Ok(proof)
+                            if secret.verify(Side::Client, &own_nonce, &client_nonce, &proof) =>
+                        {
+                            run_streams(&mut reader, &tx, &shared).await
+                        }
+                        refused => {
+                            let why = refused.err().unwrap_or_else(|| "a wrong proof".to_owned());
+                            tracing::warn!(
+                                %peer,
+                                why,
+                                "refused a request-plane connection without the fleet secret"
+                            );
+                            Err("this worker serves only clients holding the fleet secret \
+                                 (--fleet-secret-file)"
+                                .to_owned())
+                        }
+                    }
+                }
+            }
         }
         Err(message) => Err(message),
     };
@@ -191,6 +228,26 @@ async fn serve_connection<E: Engine>(socket: TcpStream, peer: SocketAddr, shared
     drop(tx);
     // Let the writer flush what is queued (the go-away above) before the socket closes.
     let _ = tokio::time::timeout(Duration::from_secs(1), writer).await;
+}
+
+/// The client's [`Kind::Auth`] proof, the first frame after the acknowledgement.
+async fn client_proof(
+    reader: &mut FramedRead<
+        tokio::net::tcp::OwnedReadHalf,
+        tokio_util::codec::LengthDelimitedCodec,
+    >,
+    timeout: Duration,
+) -> Result<Vec<u8>, String> {
+    match tokio::time::timeout(timeout, reader.next()).await {
+        Ok(Some(Ok(raw))) => match Frame::parse(raw) {
+            Ok(f) if f.kind == Kind::Auth => Ok(f.body.to_vec()),
+            Ok(f) => Err(format!("no proof: {:?} came first", f.kind)),
+            Err(e) => Err(e.to_string()),
+        },
+        Ok(Some(Err(e))) => Err(format!("unreadable frame: {e}")),
+        Ok(None) => Err("closed before its proof".to_owned()),
+        Err(_) => Err("no proof within the handshake timeout".to_owned()),
+    }
 }
 
 /// Reads frames until the peer closes (Ok) or violates the protocol (Err with a message for it).

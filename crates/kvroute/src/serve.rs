@@ -24,8 +24,8 @@ use kvroute_router::{
     ModelRegistry, PrefillRouterConfig, SharedAffinityStore, role_filtered,
 };
 use kvroute_runtime::{
-    Discovery as _, EventPlane, InProcessDiscovery, InProcessEventPlane, KvEventBridge,
-    KvEventBridgeConfig, RegistryChecks, RegistryServer, SnapshotStore, WorkerRole,
+    ClientConfig, Discovery as _, EventPlane, FleetSecret, InProcessDiscovery, InProcessEventPlane,
+    KvEventBridge, KvEventBridgeConfig, RegistryChecks, RegistryServer, SnapshotStore, WorkerRole,
 };
 
 use config::{Discovery, FleetSource, ServeConfig};
@@ -66,8 +66,10 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
 /// What the worker registry refuses: another block size than the router's, and, while any
 /// served model has only the built-in mock tokenizer, workers fronting real engines (the engine
 /// would get token ids of a vocabulary it does not have).
-fn registry_checks(config: &ServeConfig) -> RegistryChecks {
-    let checks = RegistryChecks::default().with_block_size(config.router.core.block_size());
+fn registry_checks(config: &ServeConfig, secret: Option<&FleetSecret>) -> RegistryChecks {
+    let checks = RegistryChecks::default()
+        .with_block_size(config.router.core.block_size())
+        .with_fleet_secret(secret.cloned());
     let mock: Vec<String> = config
         .models
         .iter()
@@ -85,8 +87,31 @@ fn registry_checks(config: &ServeConfig) -> RegistryChecks {
     ))
 }
 
-async fn serve(config: ServeConfig) -> anyhow::Result<()> {
+async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
     let models = ModelRegistry::load(&config.models).context("loading the served models")?;
+    let secret = match &config.fleet_secret_file {
+        Some(path) => Some(
+            FleetSecret::from_file(path)
+                .context("loading the fleet secret (--fleet-secret-file)")?,
+        ),
+        None => {
+            tracing::warn!(
+                "no fleet secret: any process that reaches the worker registry can join the \
+                 fleet and receive prompts (pass --fleet-secret-file)"
+            );
+            None
+        }
+    };
+    // The router proves the secret to every worker it connects to, and talks only to those
+    // that prove it back.
+    config.router.push.client.fleet_secret = secret.clone();
+    let bridge_config = KvEventBridgeConfig {
+        client: ClientConfig {
+            fleet_secret: secret.clone(),
+            ..KvEventBridgeConfig::default().client
+        },
+        ..KvEventBridgeConfig::default()
+    };
     // The registry (kept alive for the whole run) or the static fleet; both give a watch.
     let mut static_fleet = None;
     let mut nats = None;
@@ -109,7 +134,7 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
                     let registry = RegistryServer::bind_with_checks(
                         listen,
                         InProcessDiscovery::new(*lease_ttl),
-                        registry_checks(&config),
+                        registry_checks(&config, secret.as_ref()),
                     )
                     .await
                     .with_context(|| format!("binding the worker registry on {listen}"))?;
@@ -118,7 +143,7 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
                     let bridge = KvEventBridge::start(
                         local,
                         Arc::new(shared.plane.clone()),
-                        KvEventBridgeConfig::default(),
+                        bridge_config.clone(),
                     );
                     _proxied = Some((AbortOnDrop(proxy), bridge));
                     Some(registry)
@@ -133,7 +158,7 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
                 FleetSource::Inline(workers) => workers.clone(),
             };
             fleet::check_against_router(&workers, config.router.core.block_size(), &config.models)?;
-            let fleet = fleet::Fleet::start(workers).await?;
+            let fleet = fleet::Fleet::start(workers, secret.clone()).await?;
             let watch = fleet.discovery.watch();
             static_fleet = Some(fleet);
             (watch, None)
@@ -142,7 +167,7 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             let registry = RegistryServer::bind_with_checks(
                 listen,
                 InProcessDiscovery::new(*lease_ttl),
-                registry_checks(&config),
+                registry_checks(&config, secret.as_ref()),
             )
             .await
             .with_context(|| format!("binding the worker registry on {listen}"))?;
@@ -155,11 +180,8 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
         Some(shared) => (Arc::new(shared.plane.clone()), None),
         None => {
             let plane = Arc::new(InProcessEventPlane::default());
-            let bridge = KvEventBridge::start(
-                instances.clone(),
-                plane.clone(),
-                KvEventBridgeConfig::default(),
-            );
+            let bridge =
+                KvEventBridge::start(instances.clone(), plane.clone(), bridge_config.clone());
             (plane, Some(bridge))
         }
     };

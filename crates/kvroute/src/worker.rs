@@ -141,6 +141,10 @@ pub(crate) struct WorkerArgs {
     /// Credentials and TLS for NATS, as `kvroute serve`'s.
     #[command(flatten)]
     nats_auth: crate::serve::nats::NatsAuth,
+    /// The fleet's shared secret, the same file as the router's `--fleet-secret-file`: the
+    /// worker proves it when it registers and serves only routers that prove it.
+    #[arg(long, value_name = "FILE")]
+    fleet_secret_file: Option<PathBuf>,
     /// A mocker config file (TOML, or JSON for a .json path): block size, capacity, timing.
     #[arg(long, value_name = "FILE")]
     mocker_config: Option<PathBuf>,
@@ -388,7 +392,16 @@ async fn run_worker<E: LlmEngine>(
             Some(shared)
         }
     };
-    let mut config = WorkerServerConfig::new(id).with_kv_events(publisher);
+    let secret = match &args.fleet_secret_file {
+        Some(path) => Some(
+            kvroute_runtime::FleetSecret::from_file(path)
+                .context("loading the fleet secret (--fleet-secret-file)")?,
+        ),
+        None => None,
+    };
+    let mut config = WorkerServerConfig::new(id)
+        .with_kv_events(publisher)
+        .with_fleet_secret(secret.clone());
     if let Some(reporter) = &reporter {
         config = config.with_load_reports(reporter.clone());
     }
@@ -442,8 +455,9 @@ async fn run_worker<E: LlmEngine>(
                 .trim_start_matches("tcp://")
                 .trim_end_matches('/')
                 .to_owned();
-            let discovery =
-                RemoteDiscovery::new(registry.clone(), RemoteDiscoveryConfig::default());
+            let mut remote_config = RemoteDiscoveryConfig::default();
+            remote_config.client.fleet_secret = secret.clone();
+            let discovery = RemoteDiscovery::new(registry.clone(), remote_config);
             let lease = register_with_retry(&discovery, info.clone(), "the router")
                 .await
                 .with_context(|| format!("registering with the router at {registry}"))?;

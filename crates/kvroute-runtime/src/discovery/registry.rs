@@ -25,6 +25,7 @@ use super::{Discovery, DiscoveryError, InProcessDiscovery, InstanceInfo, Instanc
 use crate::client::{Client, ClientConfig, ClientStream};
 use crate::engine::{Engine, EngineError, RequestContext, ResponseStream};
 use crate::error::RequestError;
+use crate::fleet_secret::FleetSecret;
 use crate::server::{WorkerServer, WorkerServerConfig};
 
 /// A call to the registry.
@@ -115,11 +116,12 @@ impl RegistryServer {
         discovery: InProcessDiscovery,
         checks: RegistryChecks,
     ) -> std::io::Result<Self> {
+        let config = WorkerServerConfig::new(0).with_fleet_secret(checks.fleet_secret.clone());
         let engine = Arc::new(RegistryEngine {
             discovery: discovery.clone(),
             checks,
         });
-        let server = WorkerServer::bind(addr, engine, WorkerServerConfig::new(0)).await?;
+        let server = WorkerServer::bind(addr, engine, config).await?;
         Ok(Self { server, discovery })
     }
 
@@ -160,12 +162,21 @@ pub struct RegistryChecks {
     /// simulated engine) are refused with this reason (the router cannot tokenize for them,
     /// say).
     pub refuse_engines: Option<String>,
+    /// When set, only workers proving this fleet secret in the request plane's handshake can
+    /// register (others are refused before any registration is read, and logged).
+    pub fleet_secret: Option<FleetSecret>,
 }
 
 impl RegistryChecks {
     /// Refuses registrations whose `kv_block_size` is not `kv_block_size`.
     pub fn with_block_size(mut self, kv_block_size: u32) -> Self {
         self.kv_block_size = Some(kv_block_size);
+        self
+    }
+
+    /// Accepts only workers proving `secret` (none: anyone who can connect).
+    pub fn with_fleet_secret(mut self, secret: Option<FleetSecret>) -> Self {
+        self.fleet_secret = secret;
         self
     }
 
@@ -393,7 +404,12 @@ impl RemoteInner {
         };
         let client = RegistryClient::connect(&self.addr, self.config.client.clone())
             .await
-            .map_err(unavailable)?;
+            .map_err(|e| match e {
+                RequestError::Handshake { message, .. } => DiscoveryError::Refused {
+                    message: format!("registry at {}: {message}", self.addr),
+                },
+                e => unavailable(e),
+            })?;
         let request = RegistryRequest::Register(info.clone());
         let mut stream = client
             .generate(&format!("register-{}", info.id), &request)

@@ -56,11 +56,12 @@ fn encoded_frames_round_trip_and_respect_the_limit() {
 
 #[test]
 fn hellos_are_checked() {
-    assert_eq!(check_hello(&hello_body()), Ok(()));
-    assert_eq!(PROTOCOL_VERSION, 3);
+    assert_eq!(check_hello(&hello_body(&[7; 16])), Ok([7; 16]));
+    assert_eq!(PROTOCOL_VERSION, 4);
+    assert!(check_hello(b"KVRT\x04\x00").unwrap_err().contains("nonce"));
     for (older_or_newer, named) in [
-        (b"KVRT\x02\x00", "version 2"),
-        (b"KVRT\x04\x00", "version 4"),
+        (b"KVRT\x03\x00", "version 3"),
+        (b"KVRT\x05\x00", "version 5"),
     ] {
         assert!(
             check_hello(older_or_newer).unwrap_err().contains(named),

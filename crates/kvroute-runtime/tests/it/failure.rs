@@ -155,15 +155,17 @@ async fn a_worker_that_goes_silent_is_declared_dead_by_the_keepalive() {
     let addr = listener.local_addr().unwrap().to_string();
     let silent = tokio::spawn(async move {
         let (mut socket, _) = listener.accept().await.unwrap();
-        let mut hello = [0u8; 4 + 9 + 6];
+        let mut hello = [0u8; 4 + 9 + 6 + 16];
         socket.read_exact(&mut hello).await.unwrap();
         let mut ack = Vec::new();
-        ack.extend_from_slice(&(9u32 + 18).to_be_bytes());
+        ack.extend_from_slice(&(9u32 + 18 + 16 + 1).to_be_bytes());
         ack.push(0x81);
         ack.extend_from_slice(&0u64.to_le_bytes());
         ack.extend_from_slice(&kvroute_runtime::PROTOCOL_VERSION.to_le_bytes());
         ack.extend_from_slice(&9u64.to_le_bytes());
         ack.extend_from_slice(&(1u64 << 20).to_le_bytes());
+        ack.extend_from_slice(&[0u8; 16]); // the worker's nonce
+        ack.push(0); // no fleet secret: no proof
         socket.write_all(&ack).await.unwrap();
         let mut sink = vec![0u8; 1024];
         while socket.read(&mut sink).await.is_ok_and(|n| n > 0) {}

@@ -24,6 +24,7 @@ fn raw_frame(kind: u8, stream: u64, body: &[u8]) -> Vec<u8> {
 fn hello(version: u16) -> Vec<u8> {
     let mut body = b"KVRT".to_vec();
     body.extend_from_slice(&version.to_le_bytes());
+    body.extend_from_slice(&[0u8; 16]); // the client's nonce
     raw_frame(HELLO, 0, &body)
 }
 

@@ -6,6 +6,7 @@
 mod cancel;
 mod discovery;
 mod failure;
+mod fleet_secret;
 mod frames;
 mod kv;
 mod kv_publishers;

@@ -149,6 +149,11 @@ pub(crate) struct DiscoveryOptions {
     /// A static fleet written inline (`[[discovery.workers]]`, the fleet file's entries).
     #[arg(skip)]
     pub(crate) workers: Option<Vec<FleetWorker>>,
+    /// The fleet's shared secret (at least 16 bytes; the file's content, trimmed): only workers
+    /// proving it can register or be sent requests, and the router proves it to them. Give
+    /// every worker the same file (`kvroute worker --fleet-secret-file`).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) fleet_secret_file: Option<PathBuf>,
 }
 
 /// `[nats]`: several routers over one fleet, sharing discovery and KV events through NATS.
@@ -333,6 +338,8 @@ pub(crate) struct ServeConfig {
     pub(crate) drain_timeout: Duration,
     /// Client API keys (`None`: unauthenticated).
     pub(crate) api_key_file: Option<PathBuf>,
+    /// The fleet's shared secret (`None`: anyone who reaches the registry may register).
+    pub(crate) fleet_secret_file: Option<PathBuf>,
     /// The KV router (of each phase, when serving disaggregated).
     pub(crate) router: KvPushRouterConfig,
     /// Disaggregated serving, or `None` (off: aggregated workers only).
@@ -396,6 +403,7 @@ impl ServeOptions {
                 lease_ttl: pick(d.lease_ttl, fd.lease_ttl),
                 fleet,
                 workers: d.workers,
+                fleet_secret_file: pick(d.fleet_secret_file, fd.fleet_secret_file),
             },
             nats: NatsOptions {
                 url: pick(n.url, fnats.url),
@@ -590,6 +598,7 @@ impl ServeOptions {
             }
         }
         let d = self.discovery;
+        let fleet_secret_file = d.fleet_secret_file;
         let fleet = match (d.fleet, d.workers) {
             (Some(_), Some(_)) => {
                 return Err(invalid(
@@ -770,6 +779,7 @@ impl ServeOptions {
             http,
             drain_timeout: h.drain_timeout.map_or(Duration::from_secs(30), |d| d.0),
             api_key_file: h.api_key_file,
+            fleet_secret_file,
             router,
             disagg,
             discovery,

@@ -210,7 +210,10 @@ pub(crate) struct Fleet {
 impl Fleet {
     /// Starts an adapter and a loopback request-plane server for every engine entry (waiting for
     /// each engine to be healthy), then lists the whole fleet.
-    pub(crate) async fn start(workers: Vec<FleetWorker>) -> anyhow::Result<Self> {
+    pub(crate) async fn start(
+        workers: Vec<FleetWorker>,
+        secret: Option<kvroute_runtime::FleetSecret>,
+    ) -> anyhow::Result<Self> {
         let mut instances = Vec::new();
         let mut engines = Vec::new();
         for worker in workers {
@@ -227,8 +230,9 @@ impl Fleet {
                     .await
                     .with_context(|| format!("starting engine worker {}", info.id))?;
                     let adapter = Arc::new(adapter);
-                    let mut config =
-                        WorkerServerConfig::new(info.id).with_kv_events(adapter.publisher.clone());
+                    let mut config = WorkerServerConfig::new(info.id)
+                        .with_kv_events(adapter.publisher.clone())
+                        .with_fleet_secret(secret.clone());
                     if let Some(reporter) = adapter.load_reporter() {
                         config = config.with_load_reports(reporter.clone());
                     }

@@ -1,12 +1,13 @@
 //! Client authentication end to end: `kvroute serve --api-key-file` in front of mock workers,
 //! called with the stock `openai` client (which always sends a key): with a wrong one, the SDK raises its
 //! `AuthenticationError` (401, not retried); with the key, completions and chat stream; a SIGHUP
-//! reloads the file; no key appears in the router's log.
+//! reloads the file; no key appears in the router's log. And fleet membership: only workers
+//! holding the fleet secret join.
 
 use std::process::Command;
 use std::time::Duration;
 
-use crate::e2e::Fleet;
+use crate::e2e::{Fleet, Proc};
 use crate::llamacpp::python;
 use crate::support::scratch;
 
@@ -102,4 +103,106 @@ async fn the_stock_client_needs_a_configured_key_and_a_sighup_rotates_it() {
     for secret in [KEY, ROTATED] {
         assert!(!log.contains(secret), "a key reached the router's log");
     }
+}
+
+/// Fleet membership: with `--fleet-secret-file` on `serve`, a worker holding the same file joins
+/// and serves; one without it is refused at registration (it exits saying why, the router logs
+/// its address) and never receives a request; the secret reaches no log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_workers_holding_the_fleet_secret_join_and_receive_requests() {
+    const SECRET: &str = "fleet-secret-e2e-5a8c1d9b";
+    let dir = scratch("security-fleet-secret");
+    let file = dir.join("fleet-secret");
+    std::fs::write(&file, format!("{SECRET}\n")).unwrap();
+    let file = file.to_str().unwrap().to_owned();
+    let serve = Proc::start(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--registry-listen",
+            "127.0.0.1:0",
+            "--fleet-secret-file",
+            &file,
+        ],
+        &dir.join("serve.log"),
+    );
+    let registry = serve.field("registry").to_owned();
+    let base = format!("http://{}", serve.field("http"));
+    let _member = Proc::start(
+        &[
+            "worker",
+            "--mock",
+            "--id",
+            "1",
+            "--router",
+            &registry,
+            "--speedup",
+            "100",
+            "--fleet-secret-file",
+            &file,
+        ],
+        &dir.join("member.log"),
+    );
+
+    // A worker without the secret is refused at once and says why.
+    let stranger = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["worker", "--mock", "--id", "2", "--router", &registry])
+        .output()
+        .expect("run kvroute worker");
+    assert!(!stranger.status.success());
+    let stderr = String::from_utf8_lossy(&stranger.stderr);
+    assert!(stderr.contains("fleet secret"), "{stderr}");
+
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let body = serde_json::json!({
+        "model": "mock", "prompt": "hello", "max_tokens": 2,
+        "nvext": {"extra_fields": ["worker_id"]}
+    });
+    loop {
+        let resp = http
+            .post(format!("{base}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        if resp.status() == 200 {
+            let json: serde_json::Value = resp.json().await.unwrap();
+            assert_eq!(json["nvext"]["worker_id"]["decode_worker_id"], 1, "{json}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the member never served"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let metrics = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        !metrics.contains("worker=\"2\""),
+        "the stranger is listed: {metrics}"
+    );
+    drop(serve);
+    let log = std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default();
+    assert!(
+        log.contains("refused a request-plane connection without the fleet secret")
+            && log.contains("127.0.0.1:"),
+        "the refusal is logged with the peer: {log}"
+    );
+    for name in ["serve.log", "member.log"] {
+        let text = std::fs::read_to_string(dir.join(name)).unwrap_or_default();
+        assert!(!text.contains(SECRET), "the fleet secret is in {name}");
+    }
+    assert!(!stderr.contains(SECRET));
 }
