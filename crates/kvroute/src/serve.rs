@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use kvroute_router::http::{self, ApiKeys, AppState, Disagg};
+use kvroute_router::http::{self, ApiKeys, AppState, Disagg, ServerTls};
 use kvroute_router::{
     DEFAULT_LOAD_SCOPE, InMemoryAffinityStore, KvPhaseRouter, KvPushRouter, LoadSyncConfig,
     ModelRegistry, PrefillRouterConfig, SharedAffinityStore, role_filtered,
@@ -285,14 +285,28 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
         }
         None => state,
     };
-    let state = match &config.api_key_file {
+    let tls = match &config.tls {
+        Some((cert, key)) => {
+            let tls = ServerTls::load(cert, key).context("loading the TLS certificate")?;
+            tracing::info!(cert = %cert.display(), "serving HTTPS");
+            Some(tls)
+        }
+        None => None,
+    };
+    let keys = match &config.api_key_file {
         Some(path) => {
             let keys =
                 ApiKeys::load(path).context("loading the client API keys (--api-key-file)")?;
             tracing::info!(path = %path.display(), keys = keys.len(), "clients must send an API key on /v1/*");
-            tokio::spawn(reload_keys_on_sighup(keys.clone()));
-            state.with_api_keys(keys)
+            Some(keys)
         }
+        None => None,
+    };
+    if keys.is_some() || tls.is_some() {
+        tokio::spawn(reload_on_sighup(keys.clone(), tls.clone()));
+    }
+    let state = match keys {
+        Some(keys) => state.with_api_keys(keys),
         None => {
             tracing::warn!(
                 listen = %config.listen,
@@ -316,9 +330,13 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
     tracing::info!(%http_addr, registry = %registry_addr, "serving");
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(http::serve(listener, state.clone(), async move {
+    let stopped = async move {
         let _ = stop_rx.await;
-    }));
+    };
+    let server = match tls {
+        None => tokio::spawn(http::serve(listener, state.clone(), stopped)),
+        Some(tls) => tokio::spawn(http::serve_tls(listener, state.clone(), tls, stopped)),
+    };
     let engine_failure = async {
         match &static_fleet {
             Some(fleet) => fleet.failed().await,
@@ -362,28 +380,40 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Re-reads the client API keys on every SIGHUP; a file that fails to load keeps the keys in use.
-async fn reload_keys_on_sighup(keys: ApiKeys) {
+/// Re-reads the client API keys and the TLS certificate on every SIGHUP; a file that fails to
+/// load keeps what is in use.
+async fn reload_on_sighup(keys: Option<ApiKeys>, tls: Option<ServerTls>) {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
         let mut hangup = match signal(SignalKind::hangup()) {
             Ok(hangup) => hangup,
             Err(error) => {
-                tracing::warn!(%error, "cannot listen for SIGHUP; API keys are not reloaded");
+                tracing::warn!(%error, "cannot listen for SIGHUP; keys and certificates are not reloaded");
                 return;
             }
         };
         while hangup.recv().await.is_some() {
-            match keys.reload() {
-                Ok(n) => tracing::info!(keys = n, "SIGHUP: reloaded the client API keys"),
-                Err(error) => tracing::error!(
-                    error = %error,
-                    "SIGHUP: the client API keys were not reloaded; the old ones stay in use"
-                ),
+            if let Some(keys) = &keys {
+                match keys.reload() {
+                    Ok(n) => tracing::info!(keys = n, "SIGHUP: reloaded the client API keys"),
+                    Err(error) => tracing::error!(
+                        error = %error,
+                        "SIGHUP: the client API keys were not reloaded; the old ones stay in use"
+                    ),
+                }
+            }
+            if let Some(tls) = &tls {
+                match tls.reload() {
+                    Ok(()) => tracing::info!("SIGHUP: reloaded the TLS certificate"),
+                    Err(error) => tracing::error!(
+                        error = %error,
+                        "SIGHUP: the TLS certificate was not reloaded; the old one stays in use"
+                    ),
+                }
             }
         }
     }
     #[cfg(not(unix))]
-    let _ = keys;
+    let _ = (keys, tls);
 }

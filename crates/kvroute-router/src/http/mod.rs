@@ -32,6 +32,7 @@ mod error;
 mod handlers;
 pub mod openai;
 mod stop;
+mod tls;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -53,6 +54,7 @@ use tokio::sync::watch;
 pub use admission::AdmissionConfig;
 pub use auth::{ApiKeyError, ApiKeys};
 pub use error::ApiError;
+pub use tls::{ServerTls, TlsError};
 
 use crate::migration::{DEFAULT_MAX_MIGRATIONS, Migrator};
 use crate::model::ModelRegistry;
@@ -320,6 +322,29 @@ pub async fn serve(
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_with(listener, state, None, shutdown).await
+}
+
+/// [`serve`] over TLS: each connection's TLS handshake must finish within
+/// [`HttpConfig::header_timeout`], else it is closed; a failed handshake is logged at debug
+/// level and costs nothing else.
+pub async fn serve_tls(
+    listener: TcpListener,
+    state: AppState,
+    tls: ServerTls,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    serve_with(listener, state, Some(tls), shutdown).await
+}
+
+async fn serve_with(
+    listener: TcpListener,
+    state: AppState,
+    tls: Option<ServerTls>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let handshake_timeout = state.config().header_timeout;
+    let acceptor = tls.as_ref().map(ServerTls::acceptor);
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
@@ -347,14 +372,40 @@ pub async fn serve(
         // unacknowledged one waits for the client's delayed ACK (40 ms on Linux), which would
         // put a 40 ms floor under the time to first token.
         let _ = tcp.set_nodelay(true);
-        let conn =
-            builder.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app.clone()));
-        let conn = graceful.watch(conn);
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "HTTP connection ended with an error");
+        let service = TowerToHyperService::new(app.clone());
+        match &acceptor {
+            None => {
+                let conn = graceful.watch(builder.serve_connection(TokioIo::new(tcp), service));
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "HTTP connection ended with an error");
+                    }
+                });
             }
-        });
+            Some(acceptor) => {
+                let (acceptor, builder, watcher) =
+                    (acceptor.clone(), builder.clone(), graceful.watcher());
+                tokio::spawn(async move {
+                    let stream =
+                        match tokio::time::timeout(handshake_timeout, acceptor.accept(tcp)).await {
+                            Ok(Ok(stream)) => stream,
+                            Ok(Err(e)) => {
+                                tracing::debug!(error = %e, "TLS handshake failed");
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::debug!("TLS handshake timed out");
+                                return;
+                            }
+                        };
+                    let conn =
+                        watcher.watch(builder.serve_connection(TokioIo::new(stream), service));
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "HTTPS connection ended with an error");
+                    }
+                });
+            }
+        }
     }
     drop(listener);
     graceful.shutdown().await;

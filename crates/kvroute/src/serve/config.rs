@@ -92,6 +92,13 @@ pub(crate) struct HttpOptions {
     /// open. Without it, anyone who reaches --listen is served.
     #[arg(long, value_name = "FILE")]
     pub(crate) api_key_file: Option<PathBuf>,
+    /// Serve HTTPS with this PEM certificate chain (leaf first; with --tls-key; both re-read
+    /// on SIGHUP).
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub(crate) tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub(crate) tls_key: Option<PathBuf>,
 }
 
 /// `[router]`: routing policy and the cost model.
@@ -338,6 +345,8 @@ pub(crate) struct ServeConfig {
     pub(crate) drain_timeout: Duration,
     /// Client API keys (`None`: unauthenticated).
     pub(crate) api_key_file: Option<PathBuf>,
+    /// HTTPS: the certificate chain and its key (`None`: plain HTTP).
+    pub(crate) tls: Option<(PathBuf, PathBuf)>,
     /// The fleet's shared secret (`None`: anyone who reaches the registry may register).
     pub(crate) fleet_secret_file: Option<PathBuf>,
     /// The KV router (of each phase, when serving disaggregated).
@@ -385,6 +394,8 @@ impl ServeOptions {
                 keep_alive: pick(h.keep_alive, f.keep_alive),
                 drain_timeout: pick(h.drain_timeout, f.drain_timeout),
                 api_key_file: pick(h.api_key_file, f.api_key_file),
+                tls_cert: pick(h.tls_cert, f.tls_cert),
+                tls_key: pick(h.tls_key, f.tls_key),
             },
             router: RouterOptions {
                 block_size: pick(r.block_size, fr.block_size),
@@ -779,6 +790,26 @@ impl ServeOptions {
             http,
             drain_timeout: h.drain_timeout.map_or(Duration::from_secs(30), |d| d.0),
             api_key_file: h.api_key_file,
+            tls: match (h.tls_cert, h.tls_key) {
+                (Some(cert), Some(key)) => Some((cert, key)),
+                (None, None) => None,
+                (cert, _) => {
+                    return Err(invalid(
+                        if cert.is_some() {
+                            "http.tls_key"
+                        } else {
+                            "http.tls_cert"
+                        },
+                        if cert.is_some() {
+                            "tls-key"
+                        } else {
+                            "tls-cert"
+                        },
+                        "tls_cert and tls_key together",
+                        "only one of them",
+                    ));
+                }
+            },
             fleet_secret_file,
             router,
             disagg,

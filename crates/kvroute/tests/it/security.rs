@@ -206,3 +206,146 @@ async fn only_workers_holding_the_fleet_secret_join_and_receive_requests() {
     }
     assert!(!stderr.contains(SECRET));
 }
+
+/// Writes a test CA and a certificate for 127.0.0.1/localhost signed by it; returns the CA's,
+/// the leaf's and the leaf key's paths.
+fn test_pki(dir: &std::path::Path, name: &str) -> (String, String, String) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, format!("kvroute test CA {name}"));
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf_key = KeyPair::generate().unwrap();
+    let leaf = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+        .unwrap()
+        .signed_by(&leaf_key, &issuer)
+        .unwrap();
+    let path = |file: &str| {
+        dir.join(format!("{name}-{file}"))
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    let (ca_path, cert_path, key_path) = (path("ca.pem"), path("cert.pem"), path("key.pem"));
+    std::fs::write(&ca_path, ca.pem()).unwrap();
+    std::fs::write(&cert_path, leaf.pem()).unwrap();
+    std::fs::write(&key_path, leaf_key.serialize_pem()).unwrap();
+    (ca_path, cert_path, key_path)
+}
+
+/// The stock client over HTTPS, trusting `ca`: a completion and a streamed chat.
+const TLS_CLIENT: &str = r#"
+import sys, openai
+base, ca = sys.argv[1], sys.argv[2]
+# The SDK's own HTTP client, trusting only the test's CA.
+c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=30,
+                  http_client=openai.DefaultHttpx2Client(verify=ca))
+try:
+    r = c.completions.create(model="mock", prompt="hello there", max_tokens=3)
+    print("completion", r.choices[0].finish_reason)
+    text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="mock", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True)
+        if ch.choices)
+    print("stream", len(text) > 0)
+except openai.APIConnectionError as e:
+    print("untrusted", type(e.__cause__).__name__)
+except openai.APIStatusError as e:
+    print("status", e.status_code)
+"#;
+
+fn tls_client(python: &str, base: &str, ca: &str) -> String {
+    let out = Command::new(python)
+        .args(["-c", TLS_CLIENT, base, ca])
+        .output()
+        .expect("run the openai client");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// HTTPS: `serve --tls-cert/--tls-key` answers the stock client trusting the test CA (whole and
+/// streamed), a client trusting another CA cannot connect, and a SIGHUP swaps in a new
+/// certificate without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stock_client_talks_https_to_a_router_with_a_certificate_its_ca_signed() {
+    let python = python();
+    let dir = scratch("security-tls");
+    let (ca, cert, key) = test_pki(&dir, "first");
+    let (other_ca, other_cert, other_key) = test_pki(&dir, "second");
+    let serve = Proc::start(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--registry-listen",
+            "127.0.0.1:0",
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+        ],
+        &dir.join("serve.log"),
+    );
+    let registry = serve.field("registry").to_owned();
+    let https = format!("https://{}", serve.field("http"));
+    let _worker = Proc::start(
+        &[
+            "worker",
+            "--mock",
+            "--id",
+            "1",
+            "--router",
+            &registry,
+            "--speedup",
+            "100",
+        ],
+        &dir.join("worker.log"),
+    );
+    // Until the worker is listed the router answers 503, which the client reports.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = tls_client(&python, &https, &ca);
+        if out.contains("completion length") {
+            assert!(out.contains("stream True"), "{out}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never served over HTTPS: {out}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let out = tls_client(&python, &https, &other_ca);
+    assert!(out.contains("untrusted"), "{out}");
+
+    // Renewal: the files change, a SIGHUP reloads them; new connections get the new one.
+    std::fs::copy(&other_cert, &cert).unwrap();
+    std::fs::copy(&other_key, &key).unwrap();
+    let pid = serve.child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-HUP", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = tls_client(&python, &https, &other_ca);
+        if out.contains("completion length") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the renewed certificate was not served after SIGHUP: {out}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
