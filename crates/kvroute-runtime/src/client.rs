@@ -21,6 +21,7 @@ use tokio_util::codec::{FramedRead, FramedWrite};
 
 use crate::error::RequestError;
 use crate::fleet_secret::{self, FleetSecret, Side};
+use crate::fleet_tls::{self, FleetTls, ReadHalf};
 use crate::frame::{self, CancelKind, Frame, HelloAck, Kind, WireError, WireErrorCode};
 use crate::kv_publisher::KvDump;
 use crate::server::write_loop;
@@ -49,6 +50,9 @@ pub struct ClientConfig {
     /// it in turn (see [`crate::FleetSecret`]); without one, a worker that requires it refuses
     /// the connection ([`RequestError::Handshake`]).
     pub fleet_secret: Option<FleetSecret>,
+    /// Mutual TLS: with it, the client connects over TLS, presents its certificate and accepts
+    /// only workers with a certificate of the fleet's CA naming their address.
+    pub tls: Option<FleetTls>,
 }
 
 impl Default for ClientConfig {
@@ -59,6 +63,7 @@ impl Default for ClientConfig {
             first_response_timeout: Some(Duration::from_secs(60)),
             keepalive_interval: Some(Duration::from_secs(5)),
             fleet_secret: None,
+            tls: None,
         }
     }
 }
@@ -307,7 +312,13 @@ impl Connection {
             .map_err(|e| unavailable(format!("connect failed: {e}")))?;
         let _ = socket.set_nodelay(true);
         let max = config.max_frame_bytes;
-        let (read_half, write_half) = socket.into_split();
+        let (read_half, write_half) = match &config.tls {
+            None => fleet_tls::plain(socket),
+            Some(tls) => tls
+                .connect(addr, socket)
+                .await
+                .map_err(|e| handshake(format!("TLS with the worker failed: {e}")))?,
+        };
         let mut reader = FramedRead::new(read_half, frame::codec(max));
         let mut writer = FramedWrite::new(write_half, frame::codec(max));
         let own_nonce = fleet_secret::nonce();
@@ -493,7 +504,7 @@ async fn ping_loop(conn: std::sync::Weak<Connection>, interval: Duration) {
 }
 
 async fn read_loop(
-    mut reader: FramedRead<tokio::net::tcp::OwnedReadHalf, tokio_util::codec::LengthDelimitedCodec>,
+    mut reader: FramedRead<ReadHalf, tokio_util::codec::LengthDelimitedCodec>,
     conn: std::sync::Weak<Connection>,
     max: usize,
     dead_after: Option<Duration>,

@@ -68,6 +68,7 @@ mod engine;
 mod error;
 mod event_plane;
 mod fleet_secret;
+mod fleet_tls;
 mod frame;
 mod kv_bridge;
 mod kv_publisher;
@@ -92,6 +93,7 @@ pub use event_plane::{
     encode_router_event,
 };
 pub use fleet_secret::{FleetSecret, FleetSecretError, MIN_FLEET_SECRET_BYTES};
+pub use fleet_tls::{FleetTls, FleetTlsError};
 pub use frame::{DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION};
 pub use kv_bridge::{KV_EVENTS_METADATA, KvEventBridge, KvEventBridgeConfig};
 pub use kv_publisher::{

@@ -17,6 +17,7 @@ use tokio_util::codec::{FramedRead, FramedWrite};
 
 use crate::engine::{Engine, EngineError, RequestContext};
 use crate::fleet_secret::{self, FleetSecret, Side};
+use crate::fleet_tls::{self, FleetTls, ReadHalf};
 use crate::frame::{self, CancelKind, Frame, HelloAck, Kind, WireError, WireErrorCode};
 use crate::kv_publisher::{KvEventPublisher, RangeError};
 use crate::load_reporter::LoadReporter;
@@ -42,6 +43,9 @@ pub struct WorkerServerConfig {
     /// The fleet's secret: with one, this server proves it in every handshake and serves only
     /// clients that prove it too (see [`crate::FleetSecret`]); others are refused and logged.
     pub fleet_secret: Option<FleetSecret>,
+    /// Mutual TLS: with it, connections are TLS, and only clients with a certificate of the
+    /// fleet's CA are served (see [`crate::FleetTls`]).
+    pub tls: Option<FleetTls>,
 }
 
 impl WorkerServerConfig {
@@ -56,7 +60,14 @@ impl WorkerServerConfig {
             kv_events: None,
             load_reports: None,
             fleet_secret: None,
+            tls: None,
         }
+    }
+
+    /// The same config serving over mutual TLS (none: plain TCP).
+    pub fn with_tls(mut self, tls: Option<FleetTls>) -> Self {
+        self.tls = tls;
+        self
     }
 
     /// The same config requiring (and proving) the fleet secret.
@@ -159,9 +170,43 @@ struct StreamEntry {
     task: AbortHandle,
 }
 
+/// The first byte of a TLS connection (a handshake record).
+const TLS_HANDSHAKE_RECORD: u8 = 0x16;
+
 async fn serve_connection<E: Engine>(socket: TcpStream, peer: SocketAddr, shared: Arc<Shared<E>>) {
     let max = shared.config.max_frame_bytes;
-    let (read_half, write_half) = socket.into_split();
+    let (read_half, write_half) = match &shared.config.tls {
+        None => fleet_tls::plain(socket),
+        Some(tls) => {
+            // A client speaking plain TCP is told so in its own protocol, so it fails with
+            // the reason instead of a closed connection.
+            let mut first = [0u8; 1];
+            let peeked =
+                tokio::time::timeout(shared.config.handshake_timeout, socket.peek(&mut first))
+                    .await;
+            if !matches!(peeked, Ok(Ok(1))) || first[0] != TLS_HANDSHAKE_RECORD {
+                tracing::warn!(%peer, "refused a plain-TCP request-plane connection: this worker requires TLS");
+                let mut socket = socket;
+                let message = "this worker serves the request plane over TLS only (--fleet-ca, --fleet-cert, --fleet-key)";
+                let mut frame = frame::encode_raw(Kind::GoAway, 0, message.as_bytes()).to_vec();
+                let mut out = (frame.len() as u32).to_be_bytes().to_vec();
+                out.append(&mut frame);
+                let _ = tokio::io::AsyncWriteExt::write_all(&mut socket, &out).await;
+                return;
+            }
+            match tokio::time::timeout(shared.config.handshake_timeout, tls.accept(socket)).await {
+                Ok(Ok(halves)) => halves,
+                Ok(Err(error)) => {
+                    tracing::warn!(%peer, %error, "refused a request-plane connection: its TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::warn!(%peer, "refused a request-plane connection: no TLS handshake in time");
+                    return;
+                }
+            }
+        }
+    };
     let mut reader = FramedRead::new(read_half, frame::codec(max));
     let (tx, rx) = mpsc::channel::<Bytes>(1024);
     let writer = tokio::spawn(write_loop(
@@ -232,10 +277,7 @@ async fn serve_connection<E: Engine>(socket: TcpStream, peer: SocketAddr, shared
 
 /// The client's [`Kind::Auth`] proof, the first frame after the acknowledgement.
 async fn client_proof(
-    reader: &mut FramedRead<
-        tokio::net::tcp::OwnedReadHalf,
-        tokio_util::codec::LengthDelimitedCodec,
-    >,
+    reader: &mut FramedRead<ReadHalf, tokio_util::codec::LengthDelimitedCodec>,
     timeout: Duration,
 ) -> Result<Vec<u8>, String> {
     match tokio::time::timeout(timeout, reader.next()).await {
@@ -252,10 +294,7 @@ async fn client_proof(
 
 /// Reads frames until the peer closes (Ok) or violates the protocol (Err with a message for it).
 async fn run_streams<E: Engine>(
-    reader: &mut FramedRead<
-        tokio::net::tcp::OwnedReadHalf,
-        tokio_util::codec::LengthDelimitedCodec,
-    >,
+    reader: &mut FramedRead<ReadHalf, tokio_util::codec::LengthDelimitedCodec>,
     tx: &mpsc::Sender<Bytes>,
     shared: &Arc<Shared<E>>,
 ) -> Result<(), String> {

@@ -24,8 +24,9 @@ use kvroute_router::{
     ModelRegistry, PrefillRouterConfig, SharedAffinityStore, role_filtered,
 };
 use kvroute_runtime::{
-    ClientConfig, Discovery as _, EventPlane, FleetSecret, InProcessDiscovery, InProcessEventPlane,
-    KvEventBridge, KvEventBridgeConfig, RegistryChecks, RegistryServer, SnapshotStore, WorkerRole,
+    ClientConfig, Discovery as _, EventPlane, FleetSecret, FleetTls, InProcessDiscovery,
+    InProcessEventPlane, KvEventBridge, KvEventBridgeConfig, RegistryChecks, RegistryServer,
+    SnapshotStore, WorkerRole,
 };
 
 use config::{Discovery, FleetSource, ServeConfig};
@@ -102,12 +103,20 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
             None
         }
     };
+    let fleet_tls = match &config.fleet_tls {
+        Some([ca, cert, key]) => {
+            Some(FleetTls::load(ca, cert, key).context("loading the fleet's TLS files")?)
+        }
+        None => None,
+    };
     // The router proves the secret to every worker it connects to, and talks only to those
-    // that prove it back.
+    // that prove it back (and, with the fleet's TLS, that hold its CA's certificate).
     config.router.push.client.fleet_secret = secret.clone();
+    config.router.push.client.tls = fleet_tls.clone();
     let bridge_config = KvEventBridgeConfig {
         client: ClientConfig {
             fleet_secret: secret.clone(),
+            tls: fleet_tls.clone(),
             ..KvEventBridgeConfig::default().client
         },
         ..KvEventBridgeConfig::default()
@@ -134,7 +143,7 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
                     let registry = RegistryServer::bind_with_checks(
                         listen,
                         InProcessDiscovery::new(*lease_ttl),
-                        registry_checks(&config, secret.as_ref()),
+                        registry_checks(&config, secret.as_ref()).with_tls(fleet_tls.clone()),
                     )
                     .await
                     .with_context(|| format!("binding the worker registry on {listen}"))?;
@@ -158,7 +167,7 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
                 FleetSource::Inline(workers) => workers.clone(),
             };
             fleet::check_against_router(&workers, config.router.core.block_size(), &config.models)?;
-            let fleet = fleet::Fleet::start(workers, secret.clone()).await?;
+            let fleet = fleet::Fleet::start(workers, secret.clone(), fleet_tls.clone()).await?;
             let watch = fleet.discovery.watch();
             static_fleet = Some(fleet);
             (watch, None)
@@ -167,7 +176,7 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
             let registry = RegistryServer::bind_with_checks(
                 listen,
                 InProcessDiscovery::new(*lease_ttl),
-                registry_checks(&config, secret.as_ref()),
+                registry_checks(&config, secret.as_ref()).with_tls(fleet_tls.clone()),
             )
             .await
             .with_context(|| format!("binding the worker registry on {listen}"))?;

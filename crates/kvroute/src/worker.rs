@@ -145,6 +145,16 @@ pub(crate) struct WorkerArgs {
     /// worker proves it when it registers and serves only routers that prove it.
     #[arg(long, value_name = "FILE")]
     fleet_secret_file: Option<PathBuf>,
+    /// Mutual TLS with the routers: the fleet's CA (PEM), as `kvroute serve --fleet-ca`.
+    #[arg(long, value_name = "FILE", requires_all = ["fleet_cert", "fleet_key"])]
+    fleet_ca: Option<PathBuf>,
+    /// This worker's certificate (PEM, signed by --fleet-ca), naming the host or IP it is
+    /// reached at (--advertise).
+    #[arg(long, value_name = "FILE", requires = "fleet_ca")]
+    fleet_cert: Option<PathBuf>,
+    /// The private key of --fleet-cert (PEM).
+    #[arg(long, value_name = "FILE", requires = "fleet_ca")]
+    fleet_key: Option<PathBuf>,
     /// A mocker config file (TOML, or JSON for a .json path): block size, capacity, timing.
     #[arg(long, value_name = "FILE")]
     mocker_config: Option<PathBuf>,
@@ -399,9 +409,17 @@ async fn run_worker<E: LlmEngine>(
         ),
         None => None,
     };
+    let fleet_tls = match (&args.fleet_ca, &args.fleet_cert, &args.fleet_key) {
+        (Some(ca), Some(cert), Some(key)) => Some(
+            kvroute_runtime::FleetTls::load(ca, cert, key)
+                .context("loading the fleet's TLS files")?,
+        ),
+        _ => None,
+    };
     let mut config = WorkerServerConfig::new(id)
         .with_kv_events(publisher)
-        .with_fleet_secret(secret.clone());
+        .with_fleet_secret(secret.clone())
+        .with_tls(fleet_tls.clone());
     if let Some(reporter) = &reporter {
         config = config.with_load_reports(reporter.clone());
     }
@@ -457,6 +475,7 @@ async fn run_worker<E: LlmEngine>(
                 .to_owned();
             let mut remote_config = RemoteDiscoveryConfig::default();
             remote_config.client.fleet_secret = secret.clone();
+            remote_config.client.tls = fleet_tls.clone();
             let discovery = RemoteDiscovery::new(registry.clone(), remote_config);
             let lease = register_with_retry(&discovery, info.clone(), "the router")
                 .await

@@ -26,6 +26,7 @@ use crate::client::{Client, ClientConfig, ClientStream};
 use crate::engine::{Engine, EngineError, RequestContext, ResponseStream};
 use crate::error::RequestError;
 use crate::fleet_secret::FleetSecret;
+use crate::fleet_tls::FleetTls;
 use crate::server::{WorkerServer, WorkerServerConfig};
 
 /// A call to the registry.
@@ -116,7 +117,9 @@ impl RegistryServer {
         discovery: InProcessDiscovery,
         checks: RegistryChecks,
     ) -> std::io::Result<Self> {
-        let config = WorkerServerConfig::new(0).with_fleet_secret(checks.fleet_secret.clone());
+        let config = WorkerServerConfig::new(0)
+            .with_fleet_secret(checks.fleet_secret.clone())
+            .with_tls(checks.tls.clone());
         let engine = Arc::new(RegistryEngine {
             discovery: discovery.clone(),
             checks,
@@ -153,7 +156,7 @@ impl RegistryServer {
 }
 
 /// What a [`RegistryServer`] refuses, with the reason the worker is told.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 #[non_exhaustive]
 pub struct RegistryChecks {
     /// The router's block size, when registrations must match it.
@@ -165,6 +168,9 @@ pub struct RegistryChecks {
     /// When set, only workers proving this fleet secret in the request plane's handshake can
     /// register (others are refused before any registration is read, and logged).
     pub fleet_secret: Option<FleetSecret>,
+    /// When set, the registry serves over mutual TLS: only workers with a certificate of the
+    /// fleet's CA can connect.
+    pub tls: Option<FleetTls>,
 }
 
 impl RegistryChecks {
@@ -177,6 +183,12 @@ impl RegistryChecks {
     /// Accepts only workers proving `secret` (none: anyone who can connect).
     pub fn with_fleet_secret(mut self, secret: Option<FleetSecret>) -> Self {
         self.fleet_secret = secret;
+        self
+    }
+
+    /// Serves registrations over mutual TLS (none: plain TCP).
+    pub fn with_tls(mut self, tls: Option<FleetTls>) -> Self {
+        self.tls = tls;
         self
     }
 

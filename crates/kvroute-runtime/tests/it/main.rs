@@ -7,6 +7,7 @@ mod cancel;
 mod discovery;
 mod failure;
 mod fleet_secret;
+mod fleet_tls;
 mod frames;
 mod kv;
 mod kv_publishers;

@@ -161,6 +161,18 @@ pub(crate) struct DiscoveryOptions {
     /// every worker the same file (`kvroute worker --fleet-secret-file`).
     #[arg(long, value_name = "FILE")]
     pub(crate) fleet_secret_file: Option<PathBuf>,
+    /// Mutual TLS between the router and its workers (the registry and the request plane):
+    /// the fleet's CA (PEM), with --fleet-cert and --fleet-key; every worker needs a
+    /// certificate of this CA naming its advertised address.
+    #[arg(long, value_name = "FILE", requires_all = ["fleet_cert", "fleet_key"])]
+    pub(crate) fleet_ca: Option<PathBuf>,
+    /// This router's certificate (PEM, signed by --fleet-ca), naming the host or IP workers
+    /// reach its registry at.
+    #[arg(long, value_name = "FILE", requires = "fleet_ca")]
+    pub(crate) fleet_cert: Option<PathBuf>,
+    /// The private key of --fleet-cert (PEM).
+    #[arg(long, value_name = "FILE", requires = "fleet_ca")]
+    pub(crate) fleet_key: Option<PathBuf>,
 }
 
 /// `[nats]`: several routers over one fleet, sharing discovery and KV events through NATS.
@@ -349,6 +361,8 @@ pub(crate) struct ServeConfig {
     pub(crate) tls: Option<(PathBuf, PathBuf)>,
     /// The fleet's shared secret (`None`: anyone who reaches the registry may register).
     pub(crate) fleet_secret_file: Option<PathBuf>,
+    /// Mutual TLS with the workers: the fleet CA, this router's certificate and key.
+    pub(crate) fleet_tls: Option<[PathBuf; 3]>,
     /// The KV router (of each phase, when serving disaggregated).
     pub(crate) router: KvPushRouterConfig,
     /// Disaggregated serving, or `None` (off: aggregated workers only).
@@ -415,6 +429,9 @@ impl ServeOptions {
                 fleet,
                 workers: d.workers,
                 fleet_secret_file: pick(d.fleet_secret_file, fd.fleet_secret_file),
+                fleet_ca: pick(d.fleet_ca, fd.fleet_ca),
+                fleet_cert: pick(d.fleet_cert, fd.fleet_cert),
+                fleet_key: pick(d.fleet_key, fd.fleet_key),
             },
             nats: NatsOptions {
                 url: pick(n.url, fnats.url),
@@ -610,6 +627,18 @@ impl ServeOptions {
         }
         let d = self.discovery;
         let fleet_secret_file = d.fleet_secret_file;
+        let fleet_tls = match (d.fleet_ca, d.fleet_cert, d.fleet_key) {
+            (Some(ca), Some(cert), Some(key)) => Some([ca, cert, key]),
+            (None, None, None) => None,
+            _ => {
+                return Err(invalid(
+                    "discovery.fleet_ca",
+                    "fleet-ca",
+                    "fleet_ca, fleet_cert and fleet_key together",
+                    "only some of them",
+                ));
+            }
+        };
         let fleet = match (d.fleet, d.workers) {
             (Some(_), Some(_)) => {
                 return Err(invalid(
@@ -811,6 +840,7 @@ impl ServeOptions {
                 }
             },
             fleet_secret_file,
+            fleet_tls,
             router,
             disagg,
             discovery,

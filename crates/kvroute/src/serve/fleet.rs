@@ -213,6 +213,7 @@ impl Fleet {
     pub(crate) async fn start(
         workers: Vec<FleetWorker>,
         secret: Option<kvroute_runtime::FleetSecret>,
+        tls: Option<kvroute_runtime::FleetTls>,
     ) -> anyhow::Result<Self> {
         let mut instances = Vec::new();
         let mut engines = Vec::new();
@@ -232,7 +233,8 @@ impl Fleet {
                     let adapter = Arc::new(adapter);
                     let mut config = WorkerServerConfig::new(info.id)
                         .with_kv_events(adapter.publisher.clone())
-                        .with_fleet_secret(secret.clone());
+                        .with_fleet_secret(secret.clone())
+                        .with_tls(tls.clone());
                     if let Some(reporter) = adapter.load_reporter() {
                         config = config.with_load_reports(reporter.clone());
                     }

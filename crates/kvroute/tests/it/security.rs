@@ -349,3 +349,118 @@ async fn the_stock_client_talks_https_to_a_router_with_a_certificate_its_ca_sign
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// Writes a fleet CA and certificates signed by it for `names` (each a list of SANs): returns the
+/// CA path and each certificate's (cert, key) paths.
+fn fleet_pki(
+    dir: &std::path::Path,
+    tag: &str,
+    names: &[&[&str]],
+) -> (String, Vec<(String, String)>) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let path = |file: String| dir.join(file).to_str().unwrap().to_owned();
+    let ca_path = path(format!("{tag}-ca.pem"));
+    std::fs::write(&ca_path, ca.pem()).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let certs = names
+        .iter()
+        .enumerate()
+        .map(|(i, sans)| {
+            let key = KeyPair::generate().unwrap();
+            let sans: Vec<String> = sans.iter().map(|s| (*s).to_owned()).collect();
+            let cert = CertificateParams::new(sans)
+                .unwrap()
+                .signed_by(&key, &issuer)
+                .unwrap();
+            let (c, k) = (
+                path(format!("{tag}-{i}.pem")),
+                path(format!("{tag}-{i}.key")),
+            );
+            std::fs::write(&c, cert.pem()).unwrap();
+            std::fs::write(&k, key.serialize_pem()).unwrap();
+            (c, k)
+        })
+        .collect();
+    (ca_path, certs)
+}
+
+/// Mutual TLS between the router and its workers: with `--fleet-ca/--fleet-cert/--fleet-key` on
+/// both, the worker registers and serves; a worker without TLS is refused at once, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_and_workers_talk_mutual_tls_and_a_plain_worker_is_refused() {
+    let dir = scratch("security-fleet-tls");
+    let (ca, certs) = fleet_pki(&dir, "fleet", &[&["127.0.0.1"], &["127.0.0.1", "localhost"]]);
+    let (router_cert, router_key) = &certs[0];
+    let (worker_cert, worker_key) = &certs[1];
+    let serve = Proc::start(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--registry-listen",
+            "127.0.0.1:0",
+            "--fleet-ca",
+            &ca,
+            "--fleet-cert",
+            router_cert,
+            "--fleet-key",
+            router_key,
+        ],
+        &dir.join("serve.log"),
+    );
+    let registry = serve.field("registry").to_owned();
+    let base = format!("http://{}", serve.field("http"));
+    let _worker = Proc::start(
+        &[
+            "worker",
+            "--mock",
+            "--id",
+            "1",
+            "--router",
+            &registry,
+            "--speedup",
+            "100",
+            "--fleet-ca",
+            &ca,
+            "--fleet-cert",
+            worker_cert,
+            "--fleet-key",
+            worker_key,
+        ],
+        &dir.join("worker.log"),
+    );
+    let plain = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["worker", "--mock", "--id", "2", "--router", &registry])
+        .output()
+        .expect("run kvroute worker");
+    assert!(!plain.status.success());
+    let stderr = String::from_utf8_lossy(&plain.stderr);
+    assert!(stderr.contains("over TLS only"), "{stderr}");
+
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    let body = serde_json::json!({"model": "mock", "prompt": "hello", "max_tokens": 2});
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let resp = http
+            .post(format!("{base}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        if resp.status() == 200 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never served over the fleet's TLS"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
