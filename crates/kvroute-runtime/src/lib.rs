@@ -10,7 +10,8 @@
 //! [`RegistryServer`] with [`RemoteDiscovery`]), [`EventPlane`] ([`InProcessEventPlane`]),
 //! [`KvEventPublisher`] (whose events a router in another process receives through
 //! [`KvEventBridge`], a `subscribe_kv_events` stream per worker), [`LoadReporter`] (the
-//! worker's own load, followed the same way), [`ZmqKvListener`].
+//! worker's own load, followed the same way), [`ZmqKvListener`], and its engine-side
+//! counterpart [`VllmKvPublisher`] (vLLM's ZMQ feed, for simulated engines).
 //!
 //! One machine needs no external service: workers register with the router's
 //! [`RegistryServer`] and the router subscribes to each worker's KV events over the request
@@ -73,6 +74,7 @@ mod llm;
 mod load_reporter;
 mod push_router;
 mod server;
+mod vllm_publisher;
 mod zmq_listener;
 
 pub use client::{Client, ClientConfig, ClientStream, EncodedRequest};
@@ -104,6 +106,9 @@ pub use push_router::{
     RoutedStream,
 };
 pub use server::{WorkerServer, WorkerServerConfig};
+pub use vllm_publisher::{
+    DEFAULT_REPLAY_BUFFER, VllmKvPublisher, VllmPublisherError, encode_vllm_batch,
+};
 pub use zmq_listener::{
     BlockHasher, BlockSalt, DEFAULT_MAX_TRACKED_BLOCKS, ZmqKvListener, ZmqKvListenerConfig,
     ZmqListenerError, ZmqListenerStats,

@@ -14,4 +14,5 @@ mod remote;
 mod router;
 mod streams;
 mod support;
+mod vllm_publisher;
 mod zmq;
