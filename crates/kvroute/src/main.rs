@@ -10,7 +10,9 @@
 
 mod adapter;
 mod demo;
+mod engine_sim;
 mod load;
+mod mocker_args;
 mod replay;
 mod serve;
 mod signal;
@@ -46,6 +48,9 @@ enum Command {
     /// Run a worker that registers with a router and publishes KV events: a simulated engine
     /// (`--mock`) or a real one behind its HTTP API (`--engine KIND --engine-url URL`).
     Worker(Box<worker::WorkerArgs>),
+    /// Serve N simulated engines over HTTP in vLLM's OpenAI-compatible dialect, one port each,
+    /// with vLLM's metrics and (`--kv-events`) vLLM's ZMQ KV event feed.
+    EngineSim(Box<engine_sim::EngineSimArgs>),
 }
 
 fn main() -> ExitCode {
@@ -55,6 +60,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(&args),
         Command::Serve(args) => serve::run(*args),
         Command::Worker(args) => worker::run(*args),
+        Command::EngineSim(args) => engine_sim::run(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
