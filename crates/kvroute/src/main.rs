@@ -1,9 +1,9 @@
-//! `kvroute`, the one binary of the kvroute workspace. Today it has one subcommand, `replay`:
-//! it replays a Mooncake-format production trace against simulated engines (kvroute-mocker) in
-//! virtual time, routing every request through the live router core (kvroute-router: the same
-//! indexer, scheduler and sessions code the service runs), and compares routing policies on
-//! cache hit rate, latency and balance. The service subcommands (`serve`, `worker`, `demo`) join
-//! it later as further [`Command`] variants, each in its own module.
+//! `kvroute`, the one binary of the kvroute workspace, one module per subcommand: `serve` (the
+//! OpenAI-compatible KV router), `worker` (a simulated engine, or a sidecar in front of a real
+//! one), `engine-sim` (simulated engines served as vLLM servers, for trying routers on a fleet
+//! without GPUs), `demo` (router and simulated fleet in one process) and `replay` (a
+//! Mooncake-format trace against simulated engines in virtual time, routed by the live router
+//! core, comparing routing policies on cache hit rate, latency and balance).
 //!
 //! This crate is the only place that parses command lines, prints tables and writes report
 //! files; the cores it drives stay free of I/O. anyhow is used here and nowhere below.
