@@ -279,3 +279,6 @@ async fn vllm_stored(
         ..BlockStored::default()
     })
 }
+
+#[cfg(test)]
+mod tests;
