@@ -50,6 +50,15 @@ pub(crate) struct EngineSimArgs {
     /// socket per engine, on free ports of the listen address.
     #[arg(long)]
     kv_events: bool,
+    /// How many event batches each engine keeps for its replay socket (vLLM's `buffer_steps`
+    /// is 10,000; a fleet of simulated engines in one process keeps fewer).
+    #[arg(
+        long,
+        default_value_t = 1000,
+        value_name = "BATCHES",
+        requires = "kv_events"
+    )]
+    kv_events_buffer: usize,
     /// The served model name (`/v1/models`; requests naming another model get 404).
     #[arg(long, default_value = "kvroute-sim", value_name = "NAME")]
     model: String,
@@ -158,8 +167,9 @@ async fn start_engine(
     let publisher = KvEventPublisher::new(i as u64, 1024);
     let mut line = format!("engine i={i} url=http://{addr}");
     let blocks = if args.kv_events {
+        let host = addr.ip().to_string();
         let (zmq, blocks) =
-            kv_events::start(&addr.ip().to_string(), &publisher, config.block_size).await?;
+            kv_events::start(&host, &publisher, config.block_size, args.kv_events_buffer).await?;
         line.push_str(&format!(
             " kv_events={} kv_events_replay={}",
             zmq.endpoint(),

@@ -146,18 +146,17 @@ impl Drop for RequestBlocks {
     }
 }
 
-/// Starts the feed of one engine: binds vLLM's PUB and replay sockets on `host` (free ports),
-/// forwards the engine's events from `events` to them. Returns the publisher (its endpoints)
-/// and the token store the HTTP side fills.
+/// Starts the feed of one engine: binds vLLM's PUB and replay sockets on `host` (free ports;
+/// the replay socket keeps `buffer` batches), forwards the engine's events from `events` to
+/// them. Returns the publisher (its endpoints) and the token store the HTTP side fills.
 pub(super) async fn start(
     host: &str,
     events: &KvEventPublisher,
     block_size: u32,
+    buffer: usize,
 ) -> anyhow::Result<(Arc<VllmKvPublisher>, Arc<BlockTokens>)> {
     let any = format!("tcp://{host}:0");
-    let zmq = Arc::new(
-        VllmKvPublisher::bind(&any, &any, "", kvroute_runtime::DEFAULT_REPLAY_BUFFER).await?,
-    );
+    let zmq = Arc::new(VllmKvPublisher::bind(&any, &any, "", buffer).await?);
     let (tx, rx) = mpsc::unbounded_channel();
     if !events.forward_to(Arc::new(Sink(tx))) {
         anyhow::bail!("the engine's KV event publisher already forwards elsewhere");
