@@ -12,7 +12,7 @@ use axum::body::Body;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{FutureExt as _, StreamExt};
 use kvroute_protocols::{FinishReason, LLMEngineOutput, PreprocessedRequest};
 use kvroute_router::tokenizer::IncrementalDetokenizer;
 use kvroute_runtime::{Engine as _, RequestContext, ResponseStream};
@@ -206,6 +206,22 @@ impl Running {
             }
         }
         let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+    }
+}
+
+impl Drop for Running {
+    /// A request that ends early (its client went away) still registers the tokens already
+    /// delivered to it: the engine may have stored blocks they complete, and the KV feed needs
+    /// their tokens to publish those blocks.
+    fn drop(&mut self) {
+        let Some(blocks) = &mut self.blocks else {
+            return;
+        };
+        while let Some(Some(item)) = self.stream.next().now_or_never() {
+            if let Some(out) = item.data {
+                blocks.push(&out.token_ids);
+            }
+        }
     }
 }
 
