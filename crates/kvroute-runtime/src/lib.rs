@@ -10,8 +10,10 @@
 //! [`RegistryServer`] with [`RemoteDiscovery`]), [`EventPlane`] ([`InProcessEventPlane`]),
 //! [`KvEventPublisher`] (whose events a router in another process receives through
 //! [`KvEventBridge`], a `subscribe_kv_events` stream per worker), [`LoadReporter`] (the
-//! worker's own load, followed the same way), [`ZmqKvListener`], and [`WarnThrottle`] (one line per
-//! window for a warning that repeats, as every publish does while a broker is down).
+//! worker's own load, followed the same way), [`ZmqKvListener`] and its engine-side
+//! counterpart [`VllmKvPublisher`] (vLLM's ZMQ feed, for simulated engines), and
+//! [`WarnThrottle`] (one line per window for a warning that repeats, as every publish does
+//! while a broker is down).
 //!
 //! One machine needs no external service: workers register with the router's
 //! [`RegistryServer`] and the router subscribes to each worker's KV events over the request
@@ -76,6 +78,7 @@ mod llm;
 mod load_reporter;
 mod push_router;
 mod server;
+mod vllm_publisher;
 mod warn_throttle;
 mod zmq_listener;
 
@@ -110,6 +113,9 @@ pub use push_router::{
     RoutedStream,
 };
 pub use server::{WorkerServer, WorkerServerConfig};
+pub use vllm_publisher::{
+    DEFAULT_REPLAY_BUFFER, VllmKvPublisher, VllmPublisherError, encode_vllm_batch,
+};
 pub use warn_throttle::{DEFAULT_WARN_WINDOW, Suppressed, WarnThrottle};
 pub use zmq_listener::{
     BlockHasher, BlockSalt, DEFAULT_MAX_TRACKED_BLOCKS, ZmqKvListener, ZmqKvListenerConfig,

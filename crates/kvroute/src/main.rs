@@ -1,16 +1,18 @@
-//! `kvroute`, the one binary of the kvroute workspace. Today it has one subcommand, `replay`:
-//! it replays a Mooncake-format production trace against simulated engines (kvroute-mocker) in
-//! virtual time, routing every request through the live router core (kvroute-router: the same
-//! indexer, scheduler and sessions code the service runs), and compares routing policies on
-//! cache hit rate, latency and balance. The service subcommands (`serve`, `worker`, `demo`) join
-//! it later as further [`Command`] variants, each in its own module.
+//! `kvroute`, the one binary of the kvroute workspace, one module per subcommand: `serve` (the
+//! OpenAI-compatible KV router), `worker` (a simulated engine, or a sidecar in front of a real
+//! one), `engine-sim` (simulated engines served as vLLM servers, for trying routers on a fleet
+//! without GPUs), `demo` (router and simulated fleet in one process) and `replay` (a
+//! Mooncake-format trace against simulated engines in virtual time, routed by the live router
+//! core, comparing routing policies on cache hit rate, latency and balance).
 //!
 //! This crate is the only place that parses command lines, prints tables and writes report
 //! files; the cores it drives stay free of I/O. anyhow is used here and nowhere below.
 
 mod adapter;
 mod demo;
+mod engine_sim;
 mod load;
+mod mocker_args;
 mod replay;
 mod retry;
 mod serve;
@@ -47,6 +49,9 @@ enum Command {
     /// Run a worker that registers with a router and publishes KV events: a simulated engine
     /// (`--mock`) or a real one behind its HTTP API (`--engine KIND --engine-url URL`).
     Worker(Box<worker::WorkerArgs>),
+    /// Serve N simulated engines over HTTP in vLLM's OpenAI-compatible dialect, one port each,
+    /// with vLLM's metrics and (`--kv-events`) vLLM's ZMQ KV event feed.
+    EngineSim(Box<engine_sim::EngineSimArgs>),
 }
 
 fn main() -> ExitCode {
@@ -56,6 +61,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(&args),
         Command::Serve(args) => serve::run(*args),
         Command::Worker(args) => worker::run(*args),
+        Command::EngineSim(args) => engine_sim::run(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -151,7 +151,7 @@ pub(crate) enum EngineProfile {
 
 impl EngineProfile {
     /// The engine configuration before the command line's overrides.
-    fn mocker(self) -> MockerConfig {
+    pub(crate) fn mocker(self) -> MockerConfig {
         match self {
             Self::Reference => MockerConfig::reference(),
             Self::H100Llama8b => MockerConfig::default(),

@@ -37,6 +37,7 @@ use parking_lot::Mutex;
 
 use crate::adapter::{Adapter, EngineSpec};
 use crate::load::{LoadSampler, spawn_load_sampler};
+use crate::mocker_args::MockerArgs;
 use crate::serve::HumanDuration;
 use crate::signal;
 
@@ -155,12 +156,9 @@ pub(crate) struct WorkerArgs {
     /// The private key of --fleet-cert (PEM).
     #[arg(long, value_name = "FILE", requires = "fleet_ca")]
     fleet_key: Option<PathBuf>,
-    /// A mocker config file (TOML, or JSON for a .json path): block size, capacity, timing.
-    #[arg(long, value_name = "FILE")]
-    mocker_config: Option<PathBuf>,
-    /// Run the simulated engine this many times faster than the modelled GPU (overrides the file).
-    #[arg(long)]
-    speedup: Option<f64>,
+    /// The simulated engine (--mock).
+    #[command(flatten)]
+    mocker: MockerArgs,
     /// Serve `/metrics` (Prometheus text) and `/health` over HTTP on this address.
     #[arg(long, value_name = "IP:PORT")]
     metrics_listen: Option<SocketAddr>,
@@ -198,9 +196,10 @@ pub(crate) fn run(args: WorkerArgs) -> anyhow::Result<()> {
         bail!("--nats-creds, --nats-nkey and --nats-tls-ca need --nats URL");
     }
     if args.engine.is_some() {
-        if args.mocker_config.is_some() || args.speedup.is_some() {
+        if args.mocker.any_given() {
             bail!(
-                "--mocker-config and --speedup configure the simulated engine (--mock), not --engine"
+                "--profile, --mocker-config, --speedup, --block-size and --cache-blocks configure \
+                 the simulated engine (--mock), not --engine"
             );
         }
         if args.role != RoleArg::Aggregated {
@@ -218,17 +217,7 @@ pub(crate) fn run(args: WorkerArgs) -> anyhow::Result<()> {
             .context("starting the tokio runtime")?
             .block_on(serve_engine(args));
     }
-    let mut mocker = match &args.mocker_config {
-        None => MockerConfig::default(),
-        Some(path) => MockerConfig::from_file(path)
-            .with_context(|| format!("reading mocker config {}", path.display()))?,
-    };
-    if let Some(speedup) = args.speedup {
-        mocker.speedup = speedup;
-    }
-    mocker
-        .validate()
-        .context("invalid mocker configuration (--mocker-config / --speedup)")?;
+    let mocker = args.mocker.config()?;
     signal::init_tracing();
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -16,4 +16,5 @@ mod remote;
 mod router;
 mod streams;
 mod support;
+mod vllm_publisher;
 mod zmq;

@@ -201,7 +201,7 @@ impl Fleet {
 
     /// Asserts that, once everything has ended, the router holds no load on any worker, and
     /// every worker's own report (its engine's queue, sent every second) agrees.
-    async fn assert_idle(&self, workers: &[u64]) {
+    pub(crate) async fn assert_idle(&self, workers: &[u64]) {
         self.eventually("zero active and reported load on every worker", |m| {
             workers.iter().all(|&w| {
                 active_requests(m, w) == Some(0)
@@ -213,7 +213,7 @@ impl Fleet {
     }
 
     /// Sends a non-streaming chat completion; returns the status and the JSON body.
-    async fn chat(&self, body: &Value, pin: Option<u64>) -> (u16, Value) {
+    pub(crate) async fn chat(&self, body: &Value, pin: Option<u64>) -> (u16, Value) {
         let mut request = self
             .http
             .post(format!("{}/v1/chat/completions", self.base))
@@ -377,13 +377,13 @@ async fn session_open_and_close_reach_the_worker() {
 }
 
 /// Reads one SSE `data:` payload at a time from a streaming response.
-struct Sse {
+pub(crate) struct Sse {
     body: futures::stream::BoxStream<'static, reqwest::Result<Vec<u8>>>,
     buffer: String,
 }
 
 impl Sse {
-    fn new(response: reqwest::Response) -> Sse {
+    pub(crate) fn new(response: reqwest::Response) -> Sse {
         Sse {
             body: response
                 .bytes_stream()
@@ -394,7 +394,7 @@ impl Sse {
     }
 
     /// The next `data:` payload, or `None` at the end of the body (bounded).
-    async fn next(&mut self) -> Option<String> {
+    pub(crate) async fn next(&mut self) -> Option<String> {
         loop {
             if let Some(end) = self.buffer.find("\n\n") {
                 let event: String = self.buffer.drain(..end + 2).collect();

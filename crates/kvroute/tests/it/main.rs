@@ -1,12 +1,14 @@
 //! Integration tests of the `kvroute` binary: each test runs the built binary, on a small trace
 //! generated into cargo's per-test temporary directory (`replay`) or as a router and worker
-//! processes on loopback (`e2e`), except `prefill`, which composes the prefill router with
+//! processes on loopback (`e2e`; `engine_sim` puts `worker --engine vllm` sidecars in front of
+//! `kvroute engine-sim`'s simulated vLLM servers), except `prefill`, which composes the prefill router with
 //! simulated prefill and decode workers in-process (over TCP on loopback).
 
 mod demo;
 mod dialect_migration;
 mod disagg_replay;
 mod e2e;
+mod engine_sim;
 mod errors;
 mod llamacpp;
 mod nats;
