@@ -261,6 +261,14 @@ impl Nats {
                     url: shown.clone(),
                     message: e.to_string(),
                 },
+                // A certificate the client does not trust surfaces as an I/O error of the TLS
+                // stream; waiting cannot fix it.
+                async_nats::ConnectErrorKind::Io if e.to_string().contains("certificate") => {
+                    ConnectError::Tls {
+                        url: shown.clone(),
+                        message: e.to_string(),
+                    }
+                }
                 _ => unreachable(e.to_string()),
             })?;
         status.inner.connected.store(true, Ordering::Relaxed);

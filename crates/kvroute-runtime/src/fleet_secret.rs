@@ -10,8 +10,14 @@
 //! register with a router's registry (the worker closes the connection, logging the peer), and a
 //! recorded handshake cannot be replayed (the other side's nonce is new every time).
 
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+use kvroute_protocols::WorkerId;
+use tokio::sync::watch;
+
+use crate::discovery::{InstanceInfo, InstanceSet};
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -136,6 +142,104 @@ impl FleetSecret {
     }
 }
 
+/// The metadata key under which a registration carries its proof of the fleet secret (hex of
+/// an HMAC over its id and address), for discovery backends whose registrations travel outside
+/// the request plane (NATS).
+pub const FLEET_PROOF_METADATA: &str = "fleet_proof";
+
+impl FleetSecret {
+    fn registration_mac(&self, id: WorkerId, address: &str) -> Hmac<Sha256> {
+        let mut mac =
+            Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
+        mac.update(b"kvroute-fleet registration");
+        mac.update(&id.to_le_bytes());
+        mac.update(address.as_bytes());
+        mac
+    }
+
+    /// The proof a registration of worker `id` at `address` carries under
+    /// [`FLEET_PROOF_METADATA`]: only a holder of the secret can make it, and it is bound to the
+    /// address, so a copied proof only ever lists the worker it was made for.
+    pub fn registration_proof(&self, id: WorkerId, address: &str) -> String {
+        self.registration_mac(id, address)
+            .finalize()
+            .into_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// Whether `info` carries a valid proof (compared in constant time).
+    pub fn verifies_registration(&self, info: &InstanceInfo) -> bool {
+        let Some(hex) = info.metadata.get(FLEET_PROOF_METADATA) else {
+            return false;
+        };
+        let bytes: Option<Vec<u8>> = (0..hex.len())
+            .step_by(2)
+            .map(|i| {
+                hex.get(i..i + 2)
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+            })
+            .collect();
+        bytes.is_some_and(|bytes| {
+            self.registration_mac(info.id, &info.address)
+                .verify_slice(&bytes)
+                .is_ok()
+        })
+    }
+}
+
+/// The instances of `instances` that prove `secret` in their registration; each one left out is
+/// logged once (with its address) while it stays listed. For discovery whose registrations do not
+/// pass through a registry that checks the secret itself (NATS).
+pub fn membership_filtered(
+    mut instances: watch::Receiver<InstanceSet>,
+    secret: FleetSecret,
+) -> watch::Receiver<InstanceSet> {
+    let mut refused: HashSet<(WorkerId, String)> = HashSet::new();
+    let mut filter = move |set: &InstanceSet| -> InstanceSet {
+        let mut still_refused = HashSet::new();
+        let kept: BTreeMap<WorkerId, InstanceInfo> = set
+            .iter()
+            .filter(|(id, info)| {
+                let ok = secret.verifies_registration(info);
+                if !ok {
+                    let key = (**id, info.address.clone());
+                    if !refused.contains(&key) {
+                        tracing::warn!(
+                            worker = **id,
+                            address = %info.address,
+                            "ignoring a registration without a valid proof of the fleet secret"
+                        );
+                    }
+                    still_refused.insert(key);
+                }
+                ok
+            })
+            .map(|(id, info)| (*id, info.clone()))
+            .collect();
+        refused = still_refused;
+        Arc::new(kept)
+    };
+    let (tx, rx) = watch::channel(filter(&instances.borrow_and_update()));
+    tokio::spawn(async move {
+        while instances.changed().await.is_ok() {
+            let next = filter(&instances.borrow_and_update());
+            tx.send_if_modified(|current| {
+                let changed = **current != *next;
+                if changed {
+                    *current = next;
+                }
+                changed
+            });
+            if tx.is_closed() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
 /// A fresh random nonce.
 pub(crate) fn nonce() -> [u8; NONCE_LEN] {
     rand::random()
@@ -175,6 +279,56 @@ mod tests {
             "a replay"
         );
         assert!(!a.verify(Side::Worker, &client, &worker, &proof[..31]));
+    }
+
+    #[test]
+    fn a_registration_proof_is_bound_to_the_secret_id_and_address() {
+        let (a, b) = (
+            secret("0123456789abcdef-fleet"),
+            secret("0123456789abcdef-other"),
+        );
+        let mut info = InstanceInfo::new(7, "10.0.0.7:9000", 16);
+        assert!(!a.verifies_registration(&info), "no proof");
+        info.metadata.insert(
+            FLEET_PROOF_METADATA.to_owned(),
+            a.registration_proof(7, "10.0.0.7:9000"),
+        );
+        assert!(a.verifies_registration(&info));
+        assert!(!b.verifies_registration(&info), "another secret");
+        let mut moved = info.clone();
+        moved.address = "10.0.0.8:9000".to_owned();
+        assert!(
+            !a.verifies_registration(&moved),
+            "a copied proof for another address"
+        );
+        let mut other = info.clone();
+        other.id = 8;
+        assert!(
+            !a.verifies_registration(&other),
+            "a copied proof for another id"
+        );
+        info.metadata
+            .insert(FLEET_PROOF_METADATA.to_owned(), "zz".to_owned());
+        assert!(!a.verifies_registration(&info), "garbage");
+    }
+
+    #[tokio::test]
+    async fn the_membership_filter_lists_only_proven_registrations() {
+        let s = secret("0123456789abcdef-fleet");
+        let mut proven = InstanceInfo::new(1, "127.0.0.1:1", 16);
+        proven.metadata.insert(
+            FLEET_PROOF_METADATA.to_owned(),
+            s.registration_proof(1, "127.0.0.1:1"),
+        );
+        let stranger = InstanceInfo::new(2, "127.0.0.1:2", 16);
+        let (tx, rx) = watch::channel(InstanceSet::default());
+        let mut filtered = membership_filtered(rx, s);
+        tx.send_replace(Arc::new(BTreeMap::from([(1, proven), (2, stranger)])));
+        filtered.changed().await.unwrap();
+        assert_eq!(
+            filtered.borrow().keys().copied().collect::<Vec<_>>(),
+            vec![1]
+        );
     }
 
     #[test]

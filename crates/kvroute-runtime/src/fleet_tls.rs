@@ -2,11 +2,13 @@
 //! by the fleet's CA and trusts only that CA, so traffic between them is encrypted and each side
 //! knows the other belongs to the fleet. A worker's certificate must name the host or IP address
 //! it registers (its `--advertise` address); a router's certificate is checked against the CA
-//! only. The files are read at start-up (restart to rotate them).
+//! only. [`FleetTls::reload`] re-reads the files (`kvroute serve` and `kvroute worker` do it on
+//! SIGHUP): new connections use them, established ones keep theirs.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use parking_lot::RwLock;
 use rustls::RootCertStore;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -37,7 +39,16 @@ pub enum FleetTlsError {
 /// clone. Its `Debug` names the files, never the key.
 #[derive(Clone)]
 pub struct FleetTls {
-    files: Arc<[PathBuf; 3]>,
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    files: [PathBuf; 3],
+    configs: RwLock<Configs>,
+}
+
+#[derive(Clone)]
+struct Configs {
     server: Arc<rustls::ServerConfig>,
     client: Arc<rustls::ClientConfig>,
 }
@@ -45,8 +56,8 @@ pub struct FleetTls {
 impl std::fmt::Debug for FleetTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FleetTls")
-            .field("ca", &self.files[0])
-            .field("cert", &self.files[1])
+            .field("ca", &self.inner.files[0])
+            .field("cert", &self.inner.files[1])
             .finish_non_exhaustive()
     }
 }
@@ -76,7 +87,32 @@ impl FleetTls {
         cert: impl Into<PathBuf>,
         key: impl Into<PathBuf>,
     ) -> Result<Self, FleetTlsError> {
-        let (ca, cert, key) = (ca.into(), cert.into(), key.into());
+        let files = [ca.into(), cert.into(), key.into()];
+        let configs = build(&files)?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                files,
+                configs: RwLock::new(configs),
+            }),
+        })
+    }
+
+    /// Re-reads the three files; new connections use them from now on. On failure the
+    /// configuration in use is kept.
+    pub fn reload(&self) -> Result<(), FleetTlsError> {
+        let fresh = build(&self.inner.files)?;
+        *self.inner.configs.write() = fresh;
+        Ok(())
+    }
+
+    fn configs(&self) -> Configs {
+        self.inner.configs.read().clone()
+    }
+}
+
+fn build(files: &[PathBuf; 3]) -> Result<Configs, FleetTlsError> {
+    {
+        let [ca, cert, key] = files;
         let file = |what: &'static str, path: &Path| {
             let path = path.to_owned();
             move |message: String| FleetTlsError::File {
@@ -98,15 +134,15 @@ impl FleetTls {
             Ok(found)
         };
         let mut roots = RootCertStore::empty();
-        for c in certs("the fleet CA", &ca)? {
+        for c in certs("the fleet CA", ca)? {
             roots
                 .add(c)
-                .map_err(|e| file("the fleet CA", &ca)(e.to_string()))?;
+                .map_err(|e| file("the fleet CA", ca)(e.to_string()))?;
         }
         let roots = Arc::new(roots);
-        let chain = certs("the fleet certificate", &cert)?;
-        let private = PrivateKeyDer::from_pem_file(&key)
-            .map_err(|e| file("the fleet key", &key)(e.to_string()))?;
+        let chain = certs("the fleet certificate", cert)?;
+        let private = PrivateKeyDer::from_pem_file(key)
+            .map_err(|e| file("the fleet key", key)(e.to_string()))?;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let config = |e: rustls::Error| FleetTlsError::Config(e.to_string());
         let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
@@ -117,23 +153,24 @@ impl FleetTls {
             .map_err(config)?
             .with_client_cert_verifier(verifier)
             .with_single_cert(chain.clone(), private.clone_key())
-            .map_err(|e| file("the fleet key", &key)(e.to_string()))?;
+            .map_err(|e| file("the fleet key", key)(e.to_string()))?;
         let client = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(config)?
             .with_root_certificates(roots)
             .with_client_auth_cert(chain, private)
-            .map_err(|e| file("the fleet key", &key)(e.to_string()))?;
-        Ok(Self {
-            files: Arc::new([ca, cert, key]),
+            .map_err(|e| file("the fleet key", key)(e.to_string()))?;
+        Ok(Configs {
             server: Arc::new(server),
             client: Arc::new(client),
         })
     }
+}
 
+impl FleetTls {
     /// The server side of a new connection.
     pub(crate) async fn accept(&self, tcp: TcpStream) -> std::io::Result<(ReadHalf, WriteHalf)> {
-        let stream = tokio_rustls::TlsAcceptor::from(self.server.clone())
+        let stream = tokio_rustls::TlsAcceptor::from(self.configs().server)
             .accept(tcp)
             .await?;
         Ok(halves(stream))
@@ -153,7 +190,7 @@ impl FleetTls {
             .trim_end_matches(']');
         let name = ServerName::try_from(host.to_owned())
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-        let stream = tokio_rustls::TlsConnector::from(self.client.clone())
+        let stream = tokio_rustls::TlsConnector::from(self.configs().client)
             .connect(name, tcp)
             .await?;
         Ok(halves(stream))

@@ -95,7 +95,10 @@ pub use event_plane::{
     InProcessEventPlane, Message, SnapshotStore, Subscription, check_subject, decode_router_event,
     encode_router_event,
 };
-pub use fleet_secret::{FleetSecret, FleetSecretError, MIN_FLEET_SECRET_BYTES};
+pub use fleet_secret::{
+    FLEET_PROOF_METADATA, FleetSecret, FleetSecretError, MIN_FLEET_SECRET_BYTES,
+    membership_filtered,
+};
 pub use fleet_tls::{FleetTls, FleetTlsError};
 pub use frame::{DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION};
 pub use kv_bridge::{KV_EVENTS_METADATA, KvEventBridge, KvEventBridgeConfig};

@@ -26,7 +26,7 @@ use kvroute_router::{
 use kvroute_runtime::{
     ClientConfig, Discovery as _, EventPlane, FleetSecret, FleetTls, InProcessDiscovery,
     InProcessEventPlane, KvEventBridge, KvEventBridgeConfig, RegistryChecks, RegistryServer,
-    SnapshotStore, WorkerRole,
+    SnapshotStore, WorkerRole, membership_filtered,
 };
 
 use config::{Discovery, FleetSource, ServeConfig};
@@ -136,7 +136,12 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
             auth,
         } => {
             let shared = nats::connect(url, namespace, *lease_ttl, auth).await?;
-            let watch = shared.discovery.watch();
+            // Anyone allowed onto NATS can write a registration: with a fleet secret, only the
+            // ones proving it are served.
+            let watch = match &secret {
+                Some(secret) => membership_filtered(shared.discovery.watch(), secret.clone()),
+                None => shared.discovery.watch(),
+            };
             let registry = match registry_listen {
                 None => None,
                 Some(listen) => {
@@ -311,8 +316,12 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
         }
         None => None,
     };
-    if keys.is_some() || tls.is_some() {
-        tokio::spawn(reload_on_sighup(keys.clone(), tls.clone()));
+    if keys.is_some() || tls.is_some() || fleet_tls.is_some() {
+        tokio::spawn(reload_on_sighup(
+            keys.clone(),
+            tls.clone(),
+            fleet_tls.clone(),
+        ));
     }
     let state = match keys {
         Some(keys) => state.with_api_keys(keys),
@@ -389,9 +398,13 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Re-reads the client API keys and the TLS certificate on every SIGHUP; a file that fails to
-/// load keeps what is in use.
-async fn reload_on_sighup(keys: Option<ApiKeys>, tls: Option<ServerTls>) {
+/// Re-reads the client API keys, the frontend's TLS certificate and the fleet's TLS files on
+/// every SIGHUP; a file that fails to load keeps what is in use.
+async fn reload_on_sighup(
+    keys: Option<ApiKeys>,
+    tls: Option<ServerTls>,
+    fleet_tls: Option<FleetTls>,
+) {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
@@ -421,8 +434,11 @@ async fn reload_on_sighup(keys: Option<ApiKeys>, tls: Option<ServerTls>) {
                     ),
                 }
             }
+            if let Some(fleet_tls) = &fleet_tls {
+                crate::signal::reload_fleet_tls(fleet_tls);
+            }
         }
     }
     #[cfg(not(unix))]
-    let _ = (keys, tls);
+    let _ = (keys, tls, fleet_tls);
 }

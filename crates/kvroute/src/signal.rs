@@ -35,3 +35,32 @@ pub(crate) async fn shutdown() -> &'static str {
         "Ctrl-C"
     }
 }
+
+/// Re-reads the fleet's TLS files (on SIGHUP), saying whether it worked.
+pub(crate) fn reload_fleet_tls(tls: &kvroute_runtime::FleetTls) {
+    match tls.reload() {
+        Ok(()) => tracing::info!("SIGHUP: reloaded the fleet's TLS files"),
+        Err(error) => tracing::error!(
+            error = %error,
+            "SIGHUP: the fleet's TLS files were not reloaded; the old ones stay in use"
+        ),
+    }
+}
+
+/// Re-reads the fleet's TLS files on every SIGHUP (a worker's; `serve` has its own handler for
+/// everything it reloads).
+pub(crate) async fn reload_fleet_tls_on_sighup(tls: kvroute_runtime::FleetTls) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let Ok(mut hangup) = signal(SignalKind::hangup()) else {
+            tracing::warn!("cannot listen for SIGHUP; the fleet's TLS files are not reloaded");
+            return;
+        };
+        while hangup.recv().await.is_some() {
+            reload_fleet_tls(&tls);
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tls;
+}

@@ -405,6 +405,9 @@ async fn run_worker<E: LlmEngine>(
         ),
         _ => None,
     };
+    if let Some(tls) = &fleet_tls {
+        tokio::spawn(crate::signal::reload_fleet_tls_on_sighup(tls.clone()));
+    }
     let mut config = WorkerServerConfig::new(id)
         .with_kv_events(publisher)
         .with_fleet_secret(secret.clone())
@@ -442,6 +445,13 @@ async fn run_worker<E: LlmEngine>(
         // Routers' bridges subscribe to the reports of workers that say they send them.
         info.metadata
             .insert(LOAD_REPORTS_METADATA.to_owned(), "true".to_owned());
+    }
+    if let Some(secret) = &secret {
+        // Registrations in NATS pass no registry that checks the secret: they carry a proof.
+        info.metadata.insert(
+            kvroute_runtime::FLEET_PROOF_METADATA.to_owned(),
+            secret.registration_proof(id, &address),
+        );
     }
     let registration = match (&args.router, &args.nats) {
         (None, None) => None,

@@ -122,3 +122,53 @@ fn an_nkey_seed_file_authenticates_and_another_key_is_refused() {
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
+
+/// A CA and a server certificate for 127.0.0.1 signed by it; returns (CA, cert, key) paths.
+fn pki(dir: &std::path::Path, tag: &str) -> (String, String, String) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])
+        .unwrap()
+        .signed_by(&key, &issuer)
+        .unwrap();
+    let path = |f: &str| dir.join(format!("{tag}-{f}")).to_str().unwrap().to_owned();
+    let paths = (path("ca.pem"), path("cert.pem"), path("key.pem"));
+    std::fs::write(&paths.0, ca.pem()).unwrap();
+    std::fs::write(&paths.1, cert.pem()).unwrap();
+    std::fs::write(&paths.2, key.serialize_pem()).unwrap();
+    paths
+}
+
+#[test]
+fn tls_with_the_servers_ca_connects_and_another_ca_fails_at_once() {
+    run(async {
+        let dir = std::env::temp_dir().join(format!("kvroute-nats-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (ca, cert, key) = pki(&dir, "server");
+        let (other_ca, _, _) = pki(&dir, "other");
+        let server = NatsServer::start_with(&["--tls", "--tlscert", &cert, "--tlskey", &key]);
+        let nats = connect(NatsConfig {
+            tls_ca: Some(ca.into()),
+            ..NatsConfig::new(server.url())
+        })
+        .await
+        .expect("TLS with the server's CA");
+        assert!(nats.status().connected());
+        let wrong = connect(NatsConfig {
+            tls_ca: Some(other_ca.into()),
+            ..NatsConfig::new(server.url())
+        })
+        .await;
+        assert!(
+            matches!(&wrong, Err(ConnectError::Tls { .. })),
+            "{:?}",
+            wrong.err().map(|e| e.to_string())
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}

@@ -78,6 +78,37 @@ async fn only_peers_with_certificates_of_the_fleet_ca_talk() {
         .unwrap_err();
     assert!(err.to_string().contains("TLS"), "{err}");
 
+    // Rotation: the worker's files now hold the other CA and a certificate of it; after a
+    // reload new connections need that CA, and the old one is refused.
+    for (from, to) in [
+        ("theirs-ca.pem", "ours-ca.pem"),
+        ("theirs-0.pem", "ours-0.pem"),
+        ("theirs-0.key", "ours-0.key"),
+    ] {
+        std::fs::copy(dir.join(from), dir.join(to)).unwrap();
+    }
+    worker_tls.reload().unwrap();
+    assert_eq!(
+        served(&addr, client(Some(theirs[0].clone())))
+            .await
+            .unwrap(),
+        2
+    );
+    assert!(
+        served(&addr, client(Some(router_tls.clone())))
+            .await
+            .is_err()
+    );
+    // A reload that fails keeps what is in use.
+    std::fs::write(dir.join("ours-0.key"), "not a key").unwrap();
+    assert!(worker_tls.reload().is_err());
+    assert_eq!(
+        served(&addr, client(Some(theirs[0].clone())))
+            .await
+            .unwrap(),
+        2
+    );
+
     // A worker whose certificate does not name the address it is reached at.
     let misnamed = fleet(&dir, "misnamed", &[&["worker.example"], &["router"]]);
     let (server, _engine) =

@@ -589,3 +589,87 @@ async fn a_nats_password_in_the_url_is_used_and_a_wrong_one_fails_at_once_withou
         assert!(!text.contains(SECRET), "the NATS password is in {log}");
     }
 }
+
+/// With a fleet secret over NATS, a registration that does not prove it is never listed (anyone
+/// on the NATS server can write one), while a worker holding the secret serves (issue 34).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_nats_only_registrations_proving_the_fleet_secret_are_served() {
+    let server = NatsServer::start();
+    let url = server.url();
+    let dir = scratch("nats-fleet-secret");
+    let secret = dir.join("fleet-secret");
+    std::fs::write(&secret, "nats-fleet-secret-0123456789\n").unwrap();
+    let secret = secret.to_str().unwrap().to_owned();
+    let proc = Proc::start(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--nats",
+            &url,
+            "--fleet-secret-file",
+            &secret,
+        ],
+        &dir.join("router.log"),
+    );
+    let router = Router {
+        base: format!("http://{}", proc.field("http")),
+        proc,
+    };
+    let _member = Proc::start(
+        &[
+            "worker",
+            "--mock",
+            "--id",
+            "1",
+            "--nats",
+            &url,
+            "--speedup",
+            "100",
+            "--fleet-secret-file",
+            &secret,
+        ],
+        &dir.join("member.log"),
+    );
+    let _stranger = Proc::start(
+        &[
+            "worker",
+            "--mock",
+            "--id",
+            "2",
+            "--nats",
+            &url,
+            "--speedup",
+            "100",
+        ],
+        &dir.join("stranger.log"),
+    );
+    let http = reqwest::Client::builder().timeout(BOUND).build().unwrap();
+    eventually(&http, &router, "the member is listed", |m| {
+        active_requests(m, 1).is_some()
+    })
+    .await;
+    // Give the stranger's registration time to be seen (it registered at start).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let metrics = metrics(&http, &router).await;
+    assert!(
+        active_requests(&metrics, 2).is_none(),
+        "the stranger is listed: {metrics}"
+    );
+    let body = chat(
+        &http,
+        &router,
+        &chat_body(
+            conversation(0, 1),
+            2,
+            json!({"extra_fields": ["worker_id"]}),
+        ),
+    )
+    .await;
+    assert_eq!(decode_worker(&body), 1, "{body}");
+    let log = std::fs::read_to_string(dir.join("router.log")).unwrap_or_default();
+    assert!(
+        log.contains("ignoring a registration without a valid proof of the fleet secret"),
+        "{log}"
+    );
+}

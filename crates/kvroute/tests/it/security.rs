@@ -393,7 +393,11 @@ fn fleet_pki(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn router_and_workers_talk_mutual_tls_and_a_plain_worker_is_refused() {
     let dir = scratch("security-fleet-tls");
-    let (ca, certs) = fleet_pki(&dir, "fleet", &[&["127.0.0.1"], &["127.0.0.1", "localhost"]]);
+    let (ca, certs) = fleet_pki(
+        &dir,
+        "fleet",
+        &[&["127.0.0.1"], &["127.0.0.1", "localhost"]],
+    );
     let (router_cert, router_key) = &certs[0];
     let (worker_cert, worker_key) = &certs[1];
     let serve = Proc::start(
