@@ -46,34 +46,17 @@ impl KvPhaseRouter {
 /// A discovery watch that lists only the instances whose role is in `roles`, kept current by a
 /// background task (which ends when `instances` closes). Must be called inside a tokio runtime.
 pub fn role_filtered(
-    mut instances: watch::Receiver<InstanceSet>,
+    instances: watch::Receiver<InstanceSet>,
     roles: &'static [WorkerRole],
 ) -> watch::Receiver<InstanceSet> {
-    let filter = move |set: &InstanceSet| -> InstanceSet {
+    kvroute_runtime::filtered_instances(instances, move |set| {
         Arc::new(
             set.iter()
                 .filter(|(_, i)| roles.contains(&i.role))
                 .map(|(id, i)| (*id, i.clone()))
                 .collect::<BTreeMap<_, _>>(),
         )
-    };
-    let (tx, rx) = watch::channel(filter(&instances.borrow_and_update()));
-    tokio::spawn(async move {
-        while instances.changed().await.is_ok() {
-            let next = filter(&instances.borrow_and_update());
-            tx.send_if_modified(|current| {
-                let changed = **current != *next;
-                if changed {
-                    *current = next;
-                }
-                changed
-            });
-            if tx.is_closed() {
-                break;
-            }
-        }
-    });
-    rx
+    })
 }
 
 fn phase_error(phase: RequestPhase, error: KvRouterError) -> PhaseRouteError {

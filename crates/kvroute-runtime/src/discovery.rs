@@ -97,6 +97,32 @@ pub enum DiscoveryEvent {
     Removed(WorkerId),
 }
 
+/// A watch of `instances` passed through `filter`: the first value at once, then every change
+/// whose filtered set differs from the last one sent. The task following `instances` ends when
+/// either side closes. Filters keep state across calls if they need to (to log once, say).
+pub fn filtered_instances(
+    mut instances: watch::Receiver<InstanceSet>,
+    mut filter: impl FnMut(&InstanceSet) -> InstanceSet + Send + 'static,
+) -> watch::Receiver<InstanceSet> {
+    let (tx, rx) = watch::channel(filter(&instances.borrow_and_update()));
+    tokio::spawn(async move {
+        while instances.changed().await.is_ok() {
+            let next = filter(&instances.borrow_and_update());
+            tx.send_if_modified(|current| {
+                let changed = **current != *next;
+                if changed {
+                    *current = next;
+                }
+                changed
+            });
+            if tx.is_closed() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
 /// The changes that turn `old` into `new`, removals first, each in id order.
 pub fn diff_instances(
     old: &BTreeMap<WorkerId, InstanceInfo>,

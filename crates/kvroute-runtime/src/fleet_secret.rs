@@ -17,7 +17,7 @@ use std::sync::Arc;
 use kvroute_protocols::WorkerId;
 use tokio::sync::watch;
 
-use crate::discovery::{InstanceInfo, InstanceSet};
+use crate::discovery::{InstanceInfo, InstanceSet, filtered_instances};
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -193,11 +193,11 @@ impl FleetSecret {
 /// logged once (with its address) while it stays listed. For discovery whose registrations do not
 /// pass through a registry that checks the secret itself (NATS).
 pub fn membership_filtered(
-    mut instances: watch::Receiver<InstanceSet>,
+    instances: watch::Receiver<InstanceSet>,
     secret: FleetSecret,
 ) -> watch::Receiver<InstanceSet> {
     let mut refused: HashSet<(WorkerId, String)> = HashSet::new();
-    let mut filter = move |set: &InstanceSet| -> InstanceSet {
+    filtered_instances(instances, move |set| {
         let mut still_refused = HashSet::new();
         let kept: BTreeMap<WorkerId, InstanceInfo> = set
             .iter()
@@ -220,24 +220,7 @@ pub fn membership_filtered(
             .collect();
         refused = still_refused;
         Arc::new(kept)
-    };
-    let (tx, rx) = watch::channel(filter(&instances.borrow_and_update()));
-    tokio::spawn(async move {
-        while instances.changed().await.is_ok() {
-            let next = filter(&instances.borrow_and_update());
-            tx.send_if_modified(|current| {
-                let changed = **current != *next;
-                if changed {
-                    *current = next;
-                }
-                changed
-            });
-            if tx.is_closed() {
-                break;
-            }
-        }
-    });
-    rx
+    })
 }
 
 /// A fresh random nonce.

@@ -86,7 +86,8 @@ pub use client::{Client, ClientConfig, ClientStream, EncodedRequest};
 pub use discovery::{
     Discovery, DiscoveryError, DiscoveryEvent, InProcessDiscovery, InstanceInfo, InstanceSet,
     Lease, RegistryChecks, RegistryServer, RemoteDiscovery, RemoteDiscoveryConfig, StaticDiscovery,
-    StaticFleetError, WorkerRole, diff_instances, validate as validate_instance,
+    StaticFleetError, WorkerRole, diff_instances, filtered_instances,
+    validate as validate_instance,
 };
 pub use engine::{Engine, EngineError, RequestContext, ResponseStream};
 pub use error::RequestError;

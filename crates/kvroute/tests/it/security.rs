@@ -210,31 +210,9 @@ async fn only_workers_holding_the_fleet_secret_join_and_receive_requests() {
 /// Writes a test CA and a certificate for 127.0.0.1/localhost signed by it; returns the CA's,
 /// the leaf's and the leaf key's paths.
 fn test_pki(dir: &std::path::Path, name: &str) -> (String, String, String) {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, format!("kvroute test CA {name}"));
-    let ca = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = Issuer::new(ca_params, ca_key);
-    let leaf_key = KeyPair::generate().unwrap();
-    let leaf = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
-        .unwrap()
-        .signed_by(&leaf_key, &issuer)
-        .unwrap();
-    let path = |file: &str| {
-        dir.join(format!("{name}-{file}"))
-            .to_str()
-            .unwrap()
-            .to_owned()
-    };
-    let (ca_path, cert_path, key_path) = (path("ca.pem"), path("cert.pem"), path("key.pem"));
-    std::fs::write(&ca_path, ca.pem()).unwrap();
-    std::fs::write(&cert_path, leaf.pem()).unwrap();
-    std::fs::write(&key_path, leaf_key.serialize_pem()).unwrap();
-    (ca_path, cert_path, key_path)
+    let (ca, mut certs) = fleet_pki(dir, name, &[&["127.0.0.1", "localhost"]]);
+    let (cert, key) = certs.remove(0);
+    (ca, cert, key)
 }
 
 /// The stock client over HTTPS, trusting `ca`: a completion and a streamed chat.
@@ -361,6 +339,10 @@ fn fleet_pki(
     let ca_key = KeyPair::generate().unwrap();
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    // A subject of its own: a leaf whose issuer equals its subject looks self-signed to OpenSSL.
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, format!("kvroute test CA {tag}"));
     let ca = ca_params.self_signed(&ca_key).unwrap();
     let path = |file: String| dir.join(file).to_str().unwrap().to_owned();
     let ca_path = path(format!("{tag}-ca.pem"));

@@ -2,6 +2,8 @@ use std::time::Duration;
 
 use clap::Parser;
 
+use kvroute_runtime::WorkerRole;
+
 use super::*;
 
 /// Parses `file` as the config file and `flags` as the command line, validates the merge, and
