@@ -24,7 +24,7 @@ use crate::error::RequestError;
 /// unknown-kind error mid-session; 3 added the `EngineUnavailable` error code (an engine adapter
 /// whose HTTP engine went away), which a version-2 client could not decode; 4 added the fleet
 /// secret's proofs (a nonce in the hello, a nonce and proof in the acknowledgement, the client's
-/// [`Kind::Auth`]).
+/// `Auth` frame).
 pub const PROTOCOL_VERSION: u16 = 4;
 
 /// The magic bytes that open a client's hello frame.

@@ -66,7 +66,7 @@ pub(crate) struct EngineSimArgs {
     /// token per whitespace-separated word].
     #[arg(long, value_name = "PATH")]
     tokenizer: Option<PathBuf>,
-    /// A chat template (Jinja, or a tokenizer_config.json) [default: `<|role|> content` lines].
+    /// A chat template (Jinja, or a tokenizer_config.json) (default: `<|role|> content` lines).
     #[arg(long, value_name = "PATH")]
     chat_template: Option<PathBuf>,
     /// The context length the engines state and enforce (prompt plus output tokens).
