@@ -35,9 +35,12 @@ text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.cr
 print("key stream", len(text) > 0)
 "#;
 
-fn run_client(python: &str, base: &str, key: &str, other: &str) -> String {
+/// Runs the Python `script` with `args`; its standard output (a failure shows both streams).
+fn run_script(python: &str, script: &str, args: &[&str]) -> String {
     let out = Command::new(python)
-        .args(["-c", CLIENT, base, key, other])
+        .arg("-c")
+        .arg(script)
+        .args(args)
         .output()
         .expect("run the openai client");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -47,6 +50,10 @@ fn run_client(python: &str, base: &str, key: &str, other: &str) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     stdout
+}
+
+fn run_client(python: &str, base: &str, key: &str, other: &str) -> String {
+    run_script(python, CLIENT, &[base, key, other])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -236,16 +243,7 @@ except openai.APIStatusError as e:
 "#;
 
 fn tls_client(python: &str, base: &str, ca: &str) -> String {
-    let out = Command::new(python)
-        .args(["-c", TLS_CLIENT, base, ca])
-        .output()
-        .expect("run the openai client");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    run_script(python, TLS_CLIENT, &[base, ca])
 }
 
 /// HTTPS: `serve --tls-cert/--tls-key` answers the stock client trusting the test CA (whole and
