@@ -71,6 +71,7 @@ pub(crate) fn run(root: &Path, args: &CiArgs) -> Result<()> {
     step("tidy", &mut || tidy::run_all(root))?;
     step("test", &mut || run_tests(root, &python))?;
     step("e2e", &mut || run_e2e(root, &python))?;
+    step("peers", &mut || crate::peers::run(root, &["--quick".to_owned()]))?;
     step("examples", &mut || examples::run_all(root))?;
     step("package", &mut || package::run(root))?;
     step("doc", &mut || {
@@ -214,7 +215,7 @@ fn target_dir(root: &Path) -> std::path::PathBuf {
 
 /// The test venv: beside the target directory when it is outside the clone (CI keeps both),
 /// else in `~/.cache/kvroute`.
-fn venv_dir(root: &Path) -> std::path::PathBuf {
+pub(crate) fn venv_dir(root: &Path) -> std::path::PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR") {
         Some(_) => target_dir(root).join("..").join("venv"),
         None => home_cache().join("venv"),

@@ -12,7 +12,6 @@
 //! process group of its own and is killed when the bench ends, fails or is interrupted.
 
 mod load;
-mod procs;
 
 use std::fmt::Write as _;
 use std::net::TcpListener;
@@ -28,7 +27,7 @@ use serde_json::Value;
 use crate::cmd::{cargo, home_cache, run_command};
 use crate::python;
 use load::{Figures, Pacing, Scenario, Window, Workload};
-use procs::{Proc, TempDir};
+use crate::procs::{Proc, TempDir};
 
 /// The bench's name after `cargo xtask bench`.
 pub(crate) const NAME: &str = "frontend-vs-reference";

@@ -11,6 +11,8 @@ mod examples;
 mod frontend_vs_reference;
 mod fuzz;
 mod package;
+mod peers;
+mod procs;
 mod python;
 mod replay_vs_reference;
 mod soak;
@@ -51,7 +53,10 @@ enum Command {
         /// the reference, ~700 MB, into ~/.cache/kvroute/reference-venv once),
         /// `frontend-vs-reference` (the reference's frontend and kvroute serve, each over 4 mock
         /// workers, under the same chat load: `[--rounds N] [--warm-up S] [--measure S]
-        /// [--rate R]`; the same venv).
+        /// [--rate R]`; the same venv), `peers` (kvroute, SGLang's SMG and vLLM's router in front
+        /// of the same simulated vLLM fleet under the evaluation workloads: `[--engines 8,32]
+        /// [--workloads ...] [--routers ...] [--rounds N] [--quick]`; installs the peers from
+        /// PyPI into the test venv).
         which: String,
         /// Arguments passed through to the bench binary.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -141,6 +146,9 @@ fn bench(root: &Path, which: &str, args: &[String]) -> Result<()> {
     if which == frontend_vs_reference::NAME {
         return frontend_vs_reference::run(root, args);
     }
+    if which == peers::NAME {
+        return peers::run(root, args);
+    }
     if let Some((_, dir, bench)) = OWN_WORKSPACE_BENCHES.iter().find(|(n, _, _)| *n == which) {
         let manifest = root.join(dir).join("Cargo.toml");
         let mut cmd = std::process::Command::new(cargo());
@@ -156,7 +164,11 @@ fn bench(root: &Path, which: &str, args: &[String]) -> Result<()> {
             .iter()
             .chain(OWN_WORKSPACE_BENCHES)
             .map(|(name, _, _)| *name)
-            .chain([replay_vs_reference::NAME, frontend_vs_reference::NAME])
+            .chain([
+                replay_vs_reference::NAME,
+                frontend_vs_reference::NAME,
+                peers::NAME,
+            ])
             .collect();
         anyhow::bail!(
             "unknown bench `{which}`: expected one of {}",

@@ -249,9 +249,9 @@ fn readiness_is_read_from_each_systems_own_listing() {
 
 #[test]
 fn a_log_tail_keeps_the_last_lines() {
-    assert_eq!(procs::tail_of("a\nb\nc\nd\n", 2), "c\nd");
-    assert_eq!(procs::tail_of("a\nb", 5), "a\nb");
-    assert_eq!(procs::tail_of("", 5), "(empty)");
+    assert_eq!(crate::procs::tail_of("a\nb\nc\nd\n", 2), "c\nd");
+    assert_eq!(crate::procs::tail_of("a\nb", 5), "a\nb");
+    assert_eq!(crate::procs::tail_of("", 5), "(empty)");
 }
 
 fn figures(req_per_s: f64, ttft: Option<(f64, f64)>, e2e: (f64, f64), errors: usize) -> Figures {

@@ -42,6 +42,19 @@ impl Proc {
         log: &Path,
         bound: Duration,
     ) -> Result<(Proc, String)> {
+        let (proc, mut lines) = Self::spawn_with_ready_lines(name, cmd, log, 1, bound).await?;
+        Ok((proc, lines.remove(0)))
+    }
+
+    /// Like [`Proc::spawn_with_ready_line`], for a process that prints `n` readiness lines
+    /// (one per engine, say): waits up to `bound` for all of them.
+    pub(crate) async fn spawn_with_ready_lines(
+        name: &str,
+        cmd: &mut Command,
+        log: &Path,
+        n: usize,
+        bound: Duration,
+    ) -> Result<(Proc, Vec<String>)> {
         let err = File::create(log).with_context(|| format!("cannot create {}", log.display()))?;
         cmd.stdout(Stdio::piped()).stderr(err);
         let mut proc = Self::spawn_with(name, cmd, log)?;
@@ -53,14 +66,15 @@ impl Proc {
         let (tx, rx) = oneshot::channel();
         std::thread::spawn(move || {
             let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(line)) = lines.next() {
-                let _ = tx.send(line);
+            let first: Vec<String> = lines.by_ref().take(n).map_while(Result::ok).collect();
+            if first.len() == n {
+                let _ = tx.send(first);
             }
             // Keep draining so the child never blocks on a full pipe.
             for _ in lines {}
         });
         match tokio::time::timeout(bound, rx).await {
-            Ok(Ok(line)) => Ok((proc, line)),
+            Ok(Ok(lines)) => Ok((proc, lines)),
             _ => {
                 // Its output closed early when it exited: give the exit a moment to be seen.
                 for _ in 0..20 {
@@ -71,7 +85,8 @@ impl Proc {
                 }
                 proc.check_alive()?;
                 bail!(
-                    "{name} printed no readiness line within {bound:?}; the end of its log ({}):\n{}",
+                    "{name} printed fewer than {n} readiness line(s) within {bound:?}; the end of \
+                     its log ({}):\n{}",
                     proc.log.display(),
                     tail(&proc.log)
                 )
@@ -89,6 +104,11 @@ impl Proc {
             child,
             log: log.to_owned(),
         })
+    }
+
+    /// Its process id, which is also its process group's id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// An error naming the process, its exit status and the end of its log if it has exited.

@@ -1,0 +1,212 @@
+//! The simulated fleet of one run: `kvroute engine-sim --dialect vllm --kv-events` with N
+//! engines, the bench's word-level tokenizer and a mocker config sized to the bench's token scale;
+//! the engines' own prefix-cache counters; and what a process group costs in CPU and memory.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use serde_json::json;
+
+use super::load::word;
+use crate::procs::Proc;
+
+/// The served model name, on every engine and router.
+pub(crate) const MODEL: &str = "sim";
+/// Tokens per KV block, on the engines and every router that needs it.
+pub(crate) const BLOCK_SIZE: u32 = 16;
+/// Words of the bench's vocabulary.
+pub(crate) const VOCABULARY: u32 = 2000;
+/// The simulated engine's KV capacity at token scale 1, in blocks (kvroute-mocker's `h100-8b`
+/// sizing: 25,000 blocks of 16 tokens).
+const FULL_SCALE_BLOCKS: f64 = 25_000.0;
+/// How long an engine fleet may take to print its lines.
+const START_BOUND: Duration = Duration::from_secs(60);
+
+/// One engine of the fleet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Engine {
+    /// `http://127.0.0.1:PORT`.
+    pub(crate) url: String,
+    /// Its ZMQ KV event PUB endpoint.
+    pub(crate) kv_events: String,
+    /// Its ZMQ replay endpoint.
+    pub(crate) kv_events_replay: String,
+}
+
+/// A running fleet.
+pub(crate) struct Fleet {
+    pub(crate) engines: Vec<Engine>,
+    pub(crate) proc: Proc,
+}
+
+/// Writes the bench's tokenizer (word-level: `w0` .. `w{VOCABULARY-1}`, one token a word) to
+/// `dir/tokenizer.json`; returns its path.
+pub(crate) fn write_tokenizer(dir: &Path) -> Result<PathBuf> {
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("<unk>".to_owned(), json!(0));
+    for i in 0..VOCABULARY {
+        vocab.insert(word(i), json!(i + 1));
+    }
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [{
+            "id": 0, "content": "<unk>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true
+        }],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    let path = dir.join("tokenizer.json");
+    std::fs::write(&path, tokenizer.to_string())
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
+/// Writes the engines' mocker config (`h100-8b` timing; capacity scaled with the prompts, so
+/// that the cache holds as much of the workload as at full scale) to `dir/mocker.toml`.
+pub(crate) fn write_mocker_config(dir: &Path, token_scale: f64, speedup: f64) -> Result<PathBuf> {
+    let blocks = (FULL_SCALE_BLOCKS * token_scale).round().max(64.0) as u64;
+    let mut text = String::new();
+    let _ = writeln!(text, "block_size = {BLOCK_SIZE}");
+    let _ = writeln!(text, "num_blocks = {blocks}");
+    // Ids 1..=VOCABULARY are words; 0 is `<unk>`.
+    let _ = writeln!(text, "vocab_size = {}", VOCABULARY + 1);
+    let _ = writeln!(text, "speedup = {speedup:?}");
+    let path = dir.join("mocker.toml");
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
+/// Starts `engines` simulated engines in one `kvroute engine-sim` process.
+pub(crate) async fn start(
+    kvroute: &Path,
+    engines: usize,
+    tokenizer: &Path,
+    mocker: &Path,
+    log: &Path,
+) -> Result<Fleet> {
+    let mut cmd = Command::new(kvroute);
+    cmd.args(["engine-sim", "--dialect", "vllm", "--kv-events", "--engines"])
+        .arg(engines.to_string())
+        .args(["--model", MODEL, "--max-model-len", "1000000", "--tokenizer"])
+        .arg(tokenizer)
+        .arg("--mocker-config")
+        .arg(mocker)
+        .env("RUST_LOG", "warn");
+    let (proc, lines) =
+        Proc::spawn_with_ready_lines("engine-sim", &mut cmd, log, engines, START_BOUND).await?;
+    let engines = lines
+        .iter()
+        .map(|l| parse_line(l))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Fleet { engines, proc })
+}
+
+/// Parses `engine i=0 url=http://... kv_events=tcp://... kv_events_replay=tcp://...`.
+pub(crate) fn parse_line(line: &str) -> Result<Engine> {
+    let field = |key: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+            .map(str::to_owned)
+            .with_context(|| format!("engine-sim's line has no `{key}=`: {line}"))
+    };
+    Ok(Engine {
+        url: field("url")?,
+        kv_events: field("kv_events")?,
+        kv_events_replay: field("kv_events_replay")?,
+    })
+}
+
+/// The engines' own prefix-cache hit rate: the sum of `vllm:prefix_cache_hits_total` over the
+/// sum of `vllm:prefix_cache_queries_total` (tokens), over every engine.
+pub(crate) async fn engine_hit_rate(http: &reqwest::Client, engines: &[Engine]) -> Result<f64> {
+    let (mut hits, mut queries) = (0.0, 0.0);
+    for engine in engines {
+        let text = http
+            .get(format!("{}/metrics", engine.url))
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .with_context(|| format!("reading {}/metrics", engine.url))?
+            .text()
+            .await
+            .with_context(|| format!("reading {}/metrics", engine.url))?;
+        hits += counter(&text, "vllm:prefix_cache_hits_total")?;
+        queries += counter(&text, "vllm:prefix_cache_queries_total")?;
+    }
+    if queries == 0.0 {
+        bail!("the engines counted no prefix-cache query");
+    }
+    Ok(hits / queries)
+}
+
+/// The sum of every sample of counter `name` in a Prometheus text.
+pub(crate) fn counter(text: &str, name: &str) -> Result<f64> {
+    let mut found = false;
+    let mut sum = 0.0;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        if !(rest.starts_with('{') || rest.starts_with(' ')) {
+            continue;
+        }
+        let value = rest
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+            .with_context(|| format!("a `{name}` sample without a number: {line}"))?;
+        sum += value;
+        found = true;
+    }
+    if !found {
+        bail!("no `{name}` in the metrics");
+    }
+    Ok(sum)
+}
+
+/// CPU seconds (user and system, every thread) and peak resident memory (KiB, summed) of every
+/// live process in process group `pgid`, from `/proc`.
+pub(crate) fn group_usage(pgid: u32) -> (f64, u64) {
+    let mut cpu_ticks = 0u64;
+    let mut hwm_kib = 0u64;
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return (0.0, 0);
+    };
+    for entry in dir.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // The fields after the command name's closing parenthesis: state is the 1st, pgrp the
+        // 3rd, utime the 12th and stime the 13th.
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        if fields.get(2).and_then(|g| g.parse::<u32>().ok()) != Some(pgid) {
+            continue;
+        }
+        let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        cpu_ticks += ticks(11) + ticks(12);
+        if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+            hwm_kib += status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    // Clock ticks are 100 a second on Linux.
+    (cpu_ticks as f64 / 100.0, hwm_kib)
+}

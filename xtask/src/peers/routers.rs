@@ -1,0 +1,231 @@
+//! The router configurations the bench compares, and how each is started in front of a fleet and
+//! known to be ready (every engine registered and healthy).
+
+use std::fmt::Write as _;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+use tokio::time::Instant;
+
+use super::fleet::{BLOCK_SIZE, Engine, MODEL};
+use crate::procs::Proc;
+
+/// How long a router may take to list every engine as healthy.
+const READY_BOUND: Duration = Duration::from_secs(60);
+
+/// One router configuration of the table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
+pub(crate) enum Config {
+    /// `kvroute serve`, default policy, the engines' vLLM KV events (ZMQ) feeding its index.
+    Kvroute,
+    /// `kvroute serve`, default policy, no events: the approximate mode predicts each engine's
+    /// cache from what it routed.
+    KvrouteApprox,
+    /// SGLang's Shepherd Model Gateway, `--policy cache_aware` (a radix tree over request text).
+    SmgCacheAware,
+    /// SGLang's Shepherd Model Gateway, `--policy prefix_hash`.
+    SmgPrefixHash,
+    /// vLLM's router, `--policy kv_aware` with `--kv-event-source` on the same ZMQ events.
+    VllmKvAware,
+    /// vLLM's router, `--policy cache_aware`.
+    VllmCacheAware,
+    /// SGLang's Shepherd Model Gateway, `--policy round_robin`: the baseline.
+    RoundRobin,
+}
+
+impl Config {
+    /// Every configuration, in the table's order.
+    pub(crate) const ALL: [Config; 7] = [
+        Config::Kvroute,
+        Config::KvrouteApprox,
+        Config::SmgCacheAware,
+        Config::SmgPrefixHash,
+        Config::VllmKvAware,
+        Config::VllmCacheAware,
+        Config::RoundRobin,
+    ];
+
+    /// The column header.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Config::Kvroute => "kvroute (events)",
+            Config::KvrouteApprox => "kvroute (approx.)",
+            Config::SmgCacheAware => "SMG cache_aware",
+            Config::SmgPrefixHash => "SMG prefix_hash",
+            Config::VllmKvAware => "vLLM router kv_aware",
+            Config::VllmCacheAware => "vLLM router cache_aware",
+            Config::RoundRobin => "round-robin (SMG)",
+        }
+    }
+
+    fn is_kvroute(self) -> bool {
+        matches!(self, Config::Kvroute | Config::KvrouteApprox)
+    }
+}
+
+/// What the routers are started from.
+pub(crate) struct Binaries {
+    pub(crate) kvroute: PathBuf,
+    pub(crate) smg: PathBuf,
+    pub(crate) vllm_router: PathBuf,
+    /// The bench's tokenizer file (kvroute reads it; the peers route on text).
+    pub(crate) tokenizer: PathBuf,
+}
+
+/// A running router.
+pub(crate) struct Router {
+    pub(crate) proc: Proc,
+    /// Its `/v1/completions` address.
+    pub(crate) completions: String,
+}
+
+/// A free loopback port (bound, then released for the child to take).
+pub(crate) fn free_port() -> Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// Starts `config` in front of `engines` and waits until it lists every engine as healthy.
+pub(crate) async fn start(
+    config: Config,
+    bin: &Binaries,
+    engines: &[Engine],
+    scratch: &Path,
+    log: &Path,
+    http: &reqwest::Client,
+) -> Result<Router> {
+    let port = free_port()?;
+    let base = format!("http://127.0.0.1:{port}");
+    let urls: Vec<&str> = engines.iter().map(|e| e.url.as_str()).collect();
+    let mut cmd;
+    if config.is_kvroute() {
+        let fleet = scratch.join(format!("fleet-{port}.toml"));
+        std::fs::write(&fleet, fleet_file(engines, config == Config::Kvroute))
+            .with_context(|| format!("writing {}", fleet.display()))?;
+        cmd = Command::new(&bin.kvroute);
+        cmd.args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .arg("--fleet")
+            .arg(&fleet)
+            .arg("--model")
+            .arg(format!("{MODEL},tokenizer={}", bin.tokenizer.display()))
+            .args(["--block-size", &BLOCK_SIZE.to_string()])
+            .env("RUST_LOG", "warn");
+        if config == Config::KvrouteApprox {
+            cmd.args(["--kv-mode", "approximate"]);
+        }
+    } else if matches!(config, Config::VllmKvAware | Config::VllmCacheAware) {
+        cmd = Command::new(&bin.vllm_router);
+        cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .arg("--worker-urls")
+            .args(&urls)
+            .args(["--prometheus-port", &free_port()?.to_string()])
+            .args(["--log-level", "warning"]);
+        if config == Config::VllmKvAware {
+            cmd.args(["--policy", "kv_aware"]);
+            for e in engines {
+                cmd.arg("--kv-event-source")
+                    .arg(format!("{}={}", e.url, e.kv_events))
+                    .arg("--kv-event-replay-source")
+                    .arg(format!("{}={}", e.url, e.kv_events_replay));
+            }
+            cmd.args(["--kv-event-block-size", &BLOCK_SIZE.to_string()])
+                .args(["--kv-event-model", MODEL]);
+        } else {
+            cmd.args(["--policy", "cache_aware"]);
+        }
+    } else {
+        let policy = match config {
+            Config::SmgCacheAware => "cache_aware",
+            Config::SmgPrefixHash => "prefix_hash",
+            _ => "round_robin",
+        };
+        cmd = Command::new(&bin.smg);
+        cmd.args(["launch", "--host", "127.0.0.1", "--port", &port.to_string()])
+            .arg("--worker-urls")
+            .args(&urls)
+            .args(["--policy", policy])
+            .args(["--prometheus-port", &free_port()?.to_string()])
+            .args(["--log-level", "warn", "--shutdown-grace-period-secs", "1"]);
+    }
+    let mut proc = Proc::spawn(config.label(), &mut cmd, log)?;
+    wait_ready(config, &mut proc, &base, engines.len(), http).await?;
+    Ok(Router {
+        proc,
+        completions: format!("{base}/v1/completions"),
+    })
+}
+
+/// kvroute's static fleet: one `[[workers]]` entry per engine, fronted by `kvroute serve`
+/// itself, with the engine's KV events or without.
+pub(crate) fn fleet_file(engines: &[Engine], events: bool) -> String {
+    let mut text = String::new();
+    for (i, e) in engines.iter().enumerate() {
+        let _ = writeln!(text, "[[workers]]");
+        let _ = writeln!(text, "id = {}", i + 1);
+        let _ = writeln!(text, "kv_block_size = {BLOCK_SIZE}");
+        let _ = writeln!(text, "engine = \"vllm\"");
+        let _ = writeln!(text, "engine_url = \"{}\"", e.url);
+        if events {
+            let _ = writeln!(text, "kv_events = \"{}\"", e.kv_events);
+            let _ = writeln!(text, "kv_events_replay = \"{}\"", e.kv_events_replay);
+        }
+        text.push('\n');
+    }
+    text
+}
+
+/// How many engines a router's status answer lists as ready: kvroute's `/health` `workers`,
+/// or the peers' `/workers` entries with `is_healthy: true`.
+pub(crate) fn ready_count(kvroute: bool, body: &Value) -> usize {
+    if kvroute {
+        return body["workers"].as_u64().unwrap_or(0) as usize;
+    }
+    body["workers"].as_array().map_or(0, |workers| {
+        workers
+            .iter()
+            .filter(|w| w["is_healthy"].as_bool() == Some(true))
+            .count()
+    })
+}
+
+async fn wait_ready(
+    config: Config,
+    proc: &mut Proc,
+    base: &str,
+    engines: usize,
+    http: &reqwest::Client,
+) -> Result<()> {
+    let path = if config.is_kvroute() {
+        "/health"
+    } else {
+        "/workers"
+    };
+    let started = Instant::now();
+    let mut last = String::from("no answer yet");
+    while started.elapsed() < READY_BOUND {
+        proc.check_alive()?;
+        match http.get(format!("{base}{path}")).send().await {
+            Ok(response) => {
+                let text = response.text().await.unwrap_or_default();
+                if let Ok(body) = serde_json::from_str::<Value>(&text)
+                    && ready_count(config.is_kvroute(), &body) == engines
+                {
+                    return Ok(());
+                }
+                last = text.chars().take(300).collect();
+            }
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!(
+        "{} did not list all {engines} engines as ready within {READY_BOUND:?} (last answer of \
+         {path}: {last}); {}",
+        config.label(),
+        proc.log_tail()
+    )
+}

@@ -1,0 +1,218 @@
+use std::time::Duration;
+
+use serde_json::json;
+
+use super::fleet::{self, Engine};
+use super::load::{self, Sample, Shape, SseScan};
+use super::routers::{self, Config};
+use super::*;
+
+fn args(list: &[&str]) -> Result<Args> {
+    let owned: Vec<String> = list.iter().map(|s| (*s).to_owned()).collect();
+    Args::parse(&owned)
+}
+
+#[test]
+fn defaults_cover_both_fleet_sizes_every_workload_and_every_router() {
+    let a = args(&[]).expect("valid");
+    assert_eq!(a.engines, vec![8, 32]);
+    assert_eq!(a.workloads.len(), 5);
+    assert_eq!(a.routers, Config::ALL.to_vec());
+    assert_eq!(a.rounds, 2);
+}
+
+#[test]
+fn quick_is_one_small_cell_with_every_router_once() {
+    let a = args(&["--quick"]).expect("valid");
+    assert_eq!(a.engines, vec![4]);
+    assert_eq!(a.workloads, vec!["multi-turn".to_owned()]);
+    assert_eq!(a.rounds, 1);
+    assert_eq!(a.routers, Config::ALL.to_vec());
+    assert!(a.duration <= 3.0);
+}
+
+#[test]
+fn bad_arguments_name_the_flag_and_the_range() {
+    let e = args(&["--engines", "0"]).unwrap_err().to_string();
+    assert!(e.contains("--engines must list 1 to 64"), "{e}");
+    let e = args(&["--workloads", "chat"]).unwrap_err().to_string();
+    assert!(e.contains("unknown workload `chat`"), "{e}");
+    let e = args(&["--speedup", "0"]).unwrap_err().to_string();
+    assert!(e.contains("--speedup must be 1 to 1000, got 0"), "{e}");
+    let e = args(&["--routers", "kvroute,smg-cache-aware"]).expect("valid");
+    assert_eq!(e.routers, vec![Config::Kvroute, Config::SmgCacheAware]);
+}
+
+fn shape(duration: f64) -> Shape {
+    Shape {
+        token_scale: 1.0 / 64.0,
+        speedup: 10.0,
+        max_duration: Duration::from_secs_f64(duration),
+        vocabulary: 100,
+    }
+}
+
+#[test]
+fn prompts_share_exactly_the_words_of_their_shared_blocks() {
+    // 8 words a block at this token scale; the second request extends the first's two blocks.
+    let trace = "\
+{\"timestamp\": 0, \"input_length\": 1024, \"output_length\": 64, \"hash_ids\": [1, 2]}
+{\"timestamp\": 500, \"input_length\": 1280, \"output_length\": 640, \"hash_ids\": [1, 2, 3]}
+{\"timestamp\": 1000, \"input_length\": 1024, \"output_length\": 64, \"hash_ids\": [1, 9]}
+";
+    let requests = load::requests(trace, shape(60.0)).expect("valid trace");
+    assert_eq!(requests.len(), 3);
+    let words = |i: usize| requests[i].prompt.split(' ').collect::<Vec<_>>();
+    assert_eq!(requests[0].prompt_tokens, 16);
+    assert_eq!(words(0).len(), 16);
+    assert_eq!(requests[1].prompt_tokens, 20);
+    assert_eq!(words(1).len(), 20);
+    assert_eq!(words(1)[..16], words(0)[..]);
+    // A different second block: the first 8 words agree, the next do not all agree.
+    assert_eq!(words(2)[..8], words(0)[..8]);
+    assert_ne!(words(2)[8..], words(0)[8..]);
+    assert_eq!(requests[1].max_tokens, 10);
+    assert_eq!(requests[0].max_tokens, 1);
+    // Arrivals divided by the speed-up.
+    assert_eq!(requests[1].at, Duration::from_millis(50));
+    // Every word is in the vocabulary.
+    assert!(
+        requests
+            .iter()
+            .flat_map(|r| r.prompt.split(' '))
+            .all(|w| w.strip_prefix('w').and_then(|n| n.parse::<u32>().ok()) < Some(100))
+    );
+}
+
+#[test]
+fn requests_after_the_duration_are_left_out_and_bad_lines_are_named() {
+    let trace = "\
+{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}
+{\"timestamp\": 90000, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}
+";
+    assert_eq!(load::requests(trace, shape(5.0)).expect("valid").len(), 1);
+    let e = load::requests("{\"timestamp\": 0}", shape(5.0))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("trace line 1: expected a number `input_length`"), "{e}");
+    let e = load::requests("", shape(5.0)).unwrap_err().to_string();
+    assert!(e.contains("no request"), "{e}");
+}
+
+#[test]
+fn the_stream_scan_keeps_the_last_usage_and_sees_done() {
+    let mut scan = SseScan::default();
+    scan.feed(b"data: {\"choices\":[{\"text\":\"w1\"}]}\n\n").unwrap();
+    assert!(scan.first_choice);
+    scan.feed(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10,")
+        .unwrap();
+    assert!(scan.usage.is_none());
+    scan.feed(b"\"prompt_tokens_details\":{\"cached_tokens\":4}}}\n\ndata: [DONE]\n\n")
+        .unwrap();
+    assert!(scan.done);
+    assert_eq!(
+        scan.usage.as_ref().unwrap()["prompt_tokens_details"]["cached_tokens"],
+        json!(4)
+    );
+    let mut scan = SseScan::default();
+    assert!(scan.feed(b"data: {\"error\":{\"message\":\"x\"}}\n").is_err());
+}
+
+#[test]
+fn figures_count_errors_and_weigh_hit_rates_by_tokens() {
+    let ok = |prompt, cached, ttft_ms| Sample {
+        error: None,
+        ttft: Some(Duration::from_millis(ttft_ms)),
+        e2e: Some(Duration::from_millis(ttft_ms * 2)),
+        prompt_tokens: prompt,
+        cached_tokens: cached,
+        completion_tokens: 10,
+    };
+    let samples = vec![
+        ok(100, 90, 10),
+        ok(300, 0, 30),
+        Sample {
+            error: Some("HTTP 503".to_owned()),
+            ..Sample::default()
+        },
+    ];
+    let f = load::figures(&samples, Duration::from_secs(2));
+    assert_eq!((f.requests, f.ok, f.errors), (3, 2, 1));
+    assert_eq!(f.first_error.as_deref(), Some("HTTP 503"));
+    assert_eq!(f.hit_rate_usage, Some(90.0 / 400.0));
+    assert_eq!(f.ttft_p50_ms, Some(10.0));
+    assert_eq!(f.ttft_p99_ms, Some(30.0));
+    assert_eq!(f.e2e_p99_ms, Some(60.0));
+    assert_eq!(f.output_tokens_per_s, 10.0);
+}
+
+#[test]
+fn engine_lines_parse_and_counters_sum_over_labels() {
+    let e = fleet::parse_line(
+        "engine i=0 url=http://127.0.0.1:5000 kv_events=tcp://127.0.0.1:5001 \
+         kv_events_replay=tcp://127.0.0.1:5002",
+    )
+    .expect("valid");
+    assert_eq!(
+        e,
+        Engine {
+            url: "http://127.0.0.1:5000".to_owned(),
+            kv_events: "tcp://127.0.0.1:5001".to_owned(),
+            kv_events_replay: "tcp://127.0.0.1:5002".to_owned(),
+        }
+    );
+    let err = fleet::parse_line("engine i=0 url=http://x").unwrap_err();
+    assert!(err.to_string().contains("no `kv_events=`"), "{err}");
+    let text = "\
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"sim\"} 30
+vllm:prefix_cache_hits_total{engine=\"1\",model_name=\"sim\"} 12.5
+vllm:prefix_cache_hits_created{engine=\"0\"} 99
+";
+    assert_eq!(
+        fleet::counter(text, "vllm:prefix_cache_hits_total").unwrap(),
+        42.5
+    );
+    assert!(fleet::counter(text, "vllm:prefix_cache_queries_total").is_err());
+}
+
+#[test]
+fn the_tokenizer_is_word_level_over_the_vocabulary() {
+    let dir = TempDir::new("kvroute-peers-test-tokenizer").unwrap();
+    let path = fleet::write_tokenizer(&dir.0).unwrap();
+    let tokenizer: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert_eq!(tokenizer["model"]["type"], "WordLevel");
+    assert_eq!(tokenizer["model"]["vocab"]["w0"], json!(1));
+    assert_eq!(
+        tokenizer["model"]["vocab"].as_object().unwrap().len(),
+        fleet::VOCABULARY as usize + 1
+    );
+    let mocker = fleet::write_mocker_config(&dir.0, 0.125, 40.0).unwrap();
+    let text = std::fs::read_to_string(mocker).unwrap();
+    assert!(text.contains("num_blocks = 3125"), "{text}");
+    assert!(text.contains("speedup = 40.0"), "{text}");
+}
+
+#[test]
+fn kvroute_fleet_files_carry_events_only_when_asked() {
+    let engines = vec![Engine {
+        url: "http://127.0.0.1:1".to_owned(),
+        kv_events: "tcp://127.0.0.1:2".to_owned(),
+        kv_events_replay: "tcp://127.0.0.1:3".to_owned(),
+    }];
+    let with: toml::Value = toml::from_str(&routers::fleet_file(&engines, true)).unwrap();
+    let worker = &with["workers"][0];
+    assert_eq!(worker["engine"].as_str(), Some("vllm"));
+    assert_eq!(worker["kv_events"].as_str(), Some("tcp://127.0.0.1:2"));
+    let without: toml::Value = toml::from_str(&routers::fleet_file(&engines, false)).unwrap();
+    assert!(without["workers"][0].get("kv_events").is_none());
+}
+
+#[test]
+fn readiness_counts_healthy_workers() {
+    assert_eq!(routers::ready_count(true, &json!({"workers": 3})), 3);
+    let peers = json!({"workers": [{"is_healthy": true}, {"is_healthy": false}, {"is_healthy": true}]});
+    assert_eq!(routers::ready_count(false, &peers), 2);
+    assert_eq!(routers::ready_count(false, &json!({})), 0);
+}
