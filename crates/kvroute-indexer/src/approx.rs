@@ -3,6 +3,16 @@
 //! When the router sends a request to a worker it records the request's blocks as *predicted*
 //! held there for a TTL. Predictions expire, and a size cap prunes the oldest down to a target
 //! ratio of the cap, both driven by the caller's clock (a `Duration` since any fixed origin).
+//!
+//! **Learning from the engines.** An engine's cache is smaller than the TTL assumes when it is
+//! busy: it evicts least-recently-used blocks as new ones are allocated. Each prediction carries
+//! the worker's allocation count when it was last used, so its *age* is how many new blocks the
+//! router has sent that worker since. Engines report how many prompt tokens they found cached;
+//! a report below the prediction says the first block not found was too old to be held, one above
+//! it says an older block still was. From these each worker's *effective capacity* (in blocks of
+//! age) is learnt, and matches stop at the first block older than it: the predicted cache follows
+//! what the engine reports. Ages grow along a prompt (a block is used whenever a later one of the
+//! same prefix is), so the cut is a binary search.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -39,6 +49,73 @@ impl Default for ApproxConfig {
     }
 }
 
+/// How far one report moves a worker's learnt capacity toward what it showed (0..=1).
+const LEARNING_RATE: f64 = 0.5;
+/// Reports within this many blocks of the prediction teach nothing (engines such as llama.cpp
+/// re-evaluate a prompt's last token, so a fully cached prompt may read one block short).
+const REPORT_SLACK_BLOCKS: u32 = 1;
+/// A missing block younger than this share of the learnt capacity means a lost cache, not an
+/// eviction.
+const LOST_FRACTION: f64 = 0.25;
+/// At most this many routed requests await their report; beyond it the oldest are forgotten.
+const MAX_PENDING_REPORTS: usize = 1 << 16;
+
+/// One predicted block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Prediction {
+    /// Expiry, in nanoseconds of the caller's clock.
+    deadline: u64,
+    /// The worker's allocation count when the block was last used.
+    stamp: u64,
+}
+
+/// What is learnt of one worker rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Learned {
+    /// New blocks the router has predicted there, ever.
+    allocated: u64,
+    /// Blocks of this age or more are evicted by now; unknown until a report says.
+    capacity: Option<f64>,
+}
+
+/// The ages a routed request's predicted blocks had when it was routed, awaiting its report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PendingReport {
+    worker: WorkerWithDpRank,
+    /// Runs of (age, blocks), along the prompt; ages never fall.
+    runs: Vec<(u64, u32)>,
+}
+
+impl PendingReport {
+    /// The age block `index` of the prompt had, if it was predicted.
+    fn age_at(&self, index: u32) -> Option<u64> {
+        let mut start = 0u32;
+        for &(age, len) in &self.runs {
+            if index < start + len {
+                return Some(age);
+            }
+            start += len;
+        }
+        None
+    }
+}
+
+/// What a report taught (see [`ApproxIndex::on_report`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub enum Learnt {
+    /// The report agreed with the prediction, or there was nothing to learn from it.
+    Nothing,
+    /// The engine held less than predicted: the worker's capacity went down to this (blocks).
+    Lowered(f64),
+    /// The engine held more than the learnt capacity allowed: it went up to this (blocks).
+    Raised(f64),
+    /// The engine no longer held blocks far younger than its capacity (or this was the first
+    /// shortfall, which cannot tell): it evidently lost its cache, restarted say. The capacity
+    /// stands (or starts at the missing block's age); the caller decides what to drop.
+    Lost,
+}
+
 /// An index fed by routing decisions instead of events.
 ///
 /// Predicted blocks are stored under their sequence hash as engine block id, so a prefix's parent
@@ -47,8 +124,12 @@ impl Default for ApproxConfig {
 pub struct ApproxIndex {
     index: KvIndex,
     config: ApproxConfig,
-    /// (worker, sequence hash) -> deadline in nanoseconds of the caller's clock.
-    deadlines: FastMap<(WorkerWithDpRank, u64), u64>,
+    /// (worker, sequence hash) -> its deadline and allocation stamp.
+    deadlines: FastMap<(WorkerWithDpRank, u64), Prediction>,
+    /// Per worker rank: allocations and the learnt capacity.
+    learned: FastMap<WorkerWithDpRank, Learned>,
+    /// Routed requests (by the caller's id) awaiting their engine's report.
+    pending: FastMap<u64, PendingReport>,
     /// Deadlines in the order they were set; stale entries are skipped when popped. Because the
     /// TTL is fixed this is also deadline order, so expiry and pruning pop from the front.
     queue: VecDeque<(u64, WorkerWithDpRank, u64)>,
@@ -63,6 +144,8 @@ impl ApproxIndex {
             index: KvIndex::new(),
             config,
             deadlines: FastMap::default(),
+            learned: FastMap::default(),
+            pending: FastMap::default(),
             queue: VecDeque::new(),
             store_scratch: KvCacheStoreData {
                 parent_hash: None,
@@ -77,12 +160,55 @@ impl ApproxIndex {
     /// Records that the request with blocks `local` was sent to `worker` at `now`: its blocks are
     /// predicted held there until `now + ttl`. Expires and prunes as needed first.
     pub fn record(&mut self, worker: WorkerWithDpRank, local: &[LocalBlockHash], now: Duration) {
+        self.record_request(worker, local, now, None);
+    }
+
+    /// [`Self::record`] for a request whose engine will report its cached tokens: keeps the
+    /// ages its predicted blocks had, under the caller's `request` id, for [`Self::on_report`]
+    /// (or [`Self::forget`] when no report comes).
+    pub fn record_request(
+        &mut self,
+        worker: WorkerWithDpRank,
+        local: &[LocalBlockHash],
+        now: Duration,
+        request: Option<u64>,
+    ) {
         self.expire(now);
         let deadline = nanos(now.saturating_add(self.config.ttl));
+        // First the ages the prompt's predicted blocks have now, and how many blocks are new.
+        let learned = self.learned.entry(worker).or_default();
+        let allocated = learned.allocated;
+        let mut runs: Vec<(u64, u32)> = Vec::new();
+        let mut fresh = 0u64;
+        let mut prev: Option<SequenceHash> = None;
+        let mut held = true;
+        for &block in local {
+            let seq = next_seq_hash(prev, block);
+            match self.deadlines.get(&(worker, seq.0)) {
+                Some(p) if held => {
+                    let age = allocated.saturating_sub(p.stamp);
+                    match runs.last_mut() {
+                        Some((a, n)) if *a == age => *n += 1,
+                        _ => runs.push((age, 1)),
+                    }
+                }
+                Some(_) => {}
+                None => {
+                    held = false;
+                    fresh += 1;
+                }
+            }
+            prev = Some(seq);
+        }
+        learned.allocated += fresh;
+        let stamp = learned.allocated;
         let mut prev: Option<SequenceHash> = None;
         for &block in local {
             let seq = next_seq_hash(prev, block);
-            let fresh = self.deadlines.insert((worker, seq.0), deadline).is_none();
+            let fresh = self
+                .deadlines
+                .insert((worker, seq.0), Prediction { deadline, stamp })
+                .is_none();
             if fresh {
                 self.store_scratch.parent_hash = prev.map(|p| ExternalSequenceBlockHash(p.0));
                 self.store_scratch.blocks.clear();
@@ -98,10 +224,78 @@ impl ApproxIndex {
             self.queue.push_back((deadline, worker, seq.0));
             prev = Some(seq);
         }
+        if let Some(request) = request {
+            if self.pending.len() >= MAX_PENDING_REPORTS {
+                // Callers forget what gets no report; a full table means one does not.
+                self.pending.clear();
+            }
+            self.pending.insert(request, PendingReport { worker, runs });
+        }
         if self.deadlines.len() > self.config.max_blocks {
             let target = (self.config.max_blocks as f64 * self.config.prune_target_ratio) as usize;
             self.pop_while(|_, live| live > target);
         }
+    }
+
+    /// The engine serving `request` (recorded with [`Self::record_request`]) found `reported`
+    /// of its prompt's blocks cached where this index predicted `predicted` (its match then,
+    /// after the capacity cut). Below the prediction, the first block not found was too old to
+    /// be held: the worker's capacity moves down toward its age ([`Learnt::Lost`] when the
+    /// block was far too young for that, or on the first shortfall). Above it, a block the
+    /// capacity cut was still held: the capacity moves up past its age. Unknown requests teach
+    /// nothing.
+    pub fn on_report(&mut self, request: u64, predicted: u32, reported: u32) -> Learnt {
+        let Some(pending) = self.pending.remove(&request) else {
+            return Learnt::Nothing;
+        };
+        let learned = self.learned.entry(pending.worker).or_default();
+        if reported.saturating_add(REPORT_SLACK_BLOCKS) < predicted {
+            let Some(age) = pending.age_at(reported) else {
+                return Learnt::Nothing;
+            };
+            let target = age as f64;
+            match learned.capacity {
+                // The first miss: the capacity starts there, but whether the engine evicted or
+                // lost everything (a restart) cannot be told yet.
+                None => {
+                    learned.capacity = Some(target.max(1.0));
+                    Learnt::Lost
+                }
+                // A block far younger than the capacity was gone: the engine lost its cache.
+                Some(c) if target < c * LOST_FRACTION => Learnt::Lost,
+                Some(c) if target >= c => Learnt::Nothing,
+                Some(c) => {
+                    let capacity = c + LEARNING_RATE * (target - c);
+                    learned.capacity = Some(capacity);
+                    Learnt::Lowered(capacity)
+                }
+            }
+        } else if reported > predicted.saturating_add(REPORT_SLACK_BLOCKS) {
+            let (Some(capacity), Some(age)) = (learned.capacity, pending.age_at(reported - 1))
+            else {
+                return Learnt::Nothing;
+            };
+            let target = age as f64 + 1.0;
+            if target <= capacity {
+                return Learnt::Nothing;
+            }
+            let capacity = capacity + LEARNING_RATE * (target - capacity);
+            learned.capacity = Some(capacity);
+            Learnt::Raised(capacity)
+        } else {
+            Learnt::Nothing
+        }
+    }
+
+    /// Forgets a recorded request whose report will not come (it failed, or the engine does
+    /// not report cached tokens).
+    pub fn forget(&mut self, request: u64) {
+        self.pending.remove(&request);
+    }
+
+    /// The worker rank's learnt capacity, in blocks of age, once a report has taught one.
+    pub fn capacity(&self, worker: WorkerWithDpRank) -> Option<f64> {
+        self.learned.get(&worker).and_then(|l| l.capacity)
     }
 
     /// Drops every prediction whose deadline is at or before `now`.
@@ -115,6 +309,8 @@ impl ApproxIndex {
         self.index.remove_worker(worker_id);
         self.deadlines.retain(|(w, _), _| w.worker_id != worker_id);
         self.queue.retain(|(_, w, _)| w.worker_id != worker_id);
+        self.learned.retain(|w, _| w.worker_id != worker_id);
+        self.pending.retain(|_, p| p.worker.worker_id != worker_id);
     }
 
     /// Forgets every prediction for `worker` except the blocks whose sequence hashes are in
@@ -141,9 +337,50 @@ impl ApproxIndex {
         drop.len()
     }
 
-    /// Overlap of `local` with the predictions (see [`KvIndex::find_matches`]).
+    /// Overlap of `local` with the predictions (see [`KvIndex::find_matches`]), each worker's
+    /// cut at its first block older than the worker's learnt capacity.
     pub fn find_matches(&self, local: &[LocalBlockHash]) -> OverlapScores {
-        self.index.find_matches(local)
+        let mut scores = self.index.find_matches(local);
+        let cuts: Vec<(WorkerWithDpRank, u32)> = scores
+            .scores
+            .iter()
+            .filter_map(|(&worker, &score)| {
+                let learned = self.learned.get(&worker)?;
+                let capacity = learned.capacity?;
+                let cut = self.held_blocks(worker, learned, capacity, local, score);
+                (cut < score).then_some((worker, cut))
+            })
+            .collect();
+        for (worker, cut) in cuts {
+            scores.scores.insert(worker, cut);
+        }
+        scores
+    }
+
+    /// How many of the first `score` blocks of `local` are younger than `capacity` on `worker`:
+    /// ages never fall along a prompt, so a binary search finds the first too old.
+    fn held_blocks(
+        &self,
+        worker: WorkerWithDpRank,
+        learned: &Learned,
+        capacity: f64,
+        local: &[LocalBlockHash],
+        score: u32,
+    ) -> u32 {
+        let n = (score as usize).min(local.len());
+        let mut seqs = Vec::with_capacity(n);
+        let mut prev: Option<SequenceHash> = None;
+        for &block in &local[..n] {
+            let seq = next_seq_hash(prev, block);
+            seqs.push(seq.0);
+            prev = Some(seq);
+        }
+        let too_old = |seq: &u64| {
+            self.deadlines
+                .get(&(worker, *seq))
+                .is_none_or(|p| learned.allocated.saturating_sub(p.stamp) as f64 >= capacity)
+        };
+        seqs.partition_point(|seq| !too_old(seq)) as u32
     }
 
     /// Predicted blocks currently live, over all workers.
@@ -154,7 +391,10 @@ impl ApproxIndex {
     /// The underlying index's accounting plus this mode's own tables.
     pub fn memory(&self) -> MemoryStats {
         let mut stats = self.index.memory();
-        stats.table_bytes += self.deadlines.capacity() * 33 + self.queue.capacity() * 24;
+        stats.table_bytes += self.deadlines.capacity() * 41
+            + self.queue.capacity() * 24
+            + self.learned.capacity() * 41
+            + self.pending.values().map(|p| 48 + p.runs.capacity() * 12).sum::<usize>();
         stats
     }
 
@@ -165,7 +405,7 @@ impl ApproxIndex {
                 break;
             }
             self.queue.pop_front();
-            if self.deadlines.get(&(worker, seq)) != Some(&deadline) {
+            if self.deadlines.get(&(worker, seq)).map(|p| p.deadline) != Some(deadline) {
                 continue; // Refreshed later; a newer queue entry stands for it.
             }
             self.deadlines.remove(&(worker, seq));

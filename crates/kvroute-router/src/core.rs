@@ -4,7 +4,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_indexer::{
-    ApproxIndex, ConcurrentIndex, EventGap, EventOrder, FastMap, GapTracker, KvIndex, OverlapScores,
+    ApproxIndex, ConcurrentIndex, EventGap, EventOrder, FastMap, GapTracker, KvIndex, Learnt,
+    OverlapScores,
 };
 use kvroute_protocols::kv_events::{LocalBlockHash, RouterEvent};
 use kvroute_protocols::{ProtocolError, WorkerId, WorkerLoadReport, WorkerWithDpRank};
@@ -411,7 +412,8 @@ impl<S: AffinityStore> KvRouterCore<S> {
             return Err(e.into());
         }
         if self.modes.get(&routed.worker.worker_id) == Some(&KvMode::Approximate) {
-            self.approx.record(routed.worker, &self.scratch.local, now);
+            self.approx
+                .record_request(routed.worker, &self.scratch.local, now, Some(req.id.0));
             self.last_prediction = Some(req.id);
         }
         if round_robin {
@@ -667,12 +669,15 @@ impl<S: AffinityStore> KvRouterCore<S> {
     }
 
     /// The engine serving request `id` reported `reported` of its prompt's tokens found in its
-    /// cache, where the router predicted `predicted`. For a worker in approximate mode, a report
-    /// far below the prediction (under half of it, and two blocks or more short) means the
-    /// engine no longer holds what the router believed (it restarted, or evicted it): every
-    /// prediction for that worker is dropped but this request's prompt, which the engine holds
-    /// now. Returns how many predicted blocks were dropped (0 when nothing was wrong, or the
-    /// worker publishes events, or the request is unknown).
+    /// cache, where the router predicted `predicted`. For a worker in approximate mode the report
+    /// teaches the prediction: the worker's effective capacity is learnt from it
+    /// ([`kvroute_indexer::ApproxIndex::on_report`]), so later matches stop where the engine's
+    /// cache evidently ends. A report far below the prediction (under half of it, two blocks or
+    /// more short) that is not an eviction the capacity explains means the engine lost what it
+    /// held (a restart): every prediction for that worker is dropped but this request's prompt,
+    /// which the engine holds now. Returns how many predicted blocks were
+    /// dropped (0 when nothing was wrong, or the worker publishes events, or the request is
+    /// unknown).
     pub fn on_cache_report(&mut self, id: RequestId, predicted: u64, reported: u64) -> usize {
         let Some(load) = self.scheduler.request_load(id) else {
             return 0;
@@ -680,10 +685,17 @@ impl<S: AffinityStore> KvRouterCore<S> {
         if self.modes.get(&load.worker.worker_id) != Some(&KvMode::Approximate) {
             return 0;
         }
+        let block = u64::from(self.config.block_size());
+        let blocks = |tokens: u64| u32::try_from(tokens / block).unwrap_or(u32::MAX);
+        let learnt = self
+            .approx
+            .on_report(id.0, blocks(predicted), blocks(reported));
+        if matches!(learnt, Learnt::Lowered(_) | Learnt::Raised(_)) {
+            // An eviction or a survival, now learnt: the predictions stand.
+            return 0;
+        }
         let short = predicted.saturating_sub(reported);
-        if short < 2 * u64::from(self.config.block_size())
-            || reported.saturating_mul(2) >= predicted
-        {
+        if short < 2 * block || reported.saturating_mul(2) >= predicted {
             return 0;
         }
         self.approx.retain_worker(load.worker, &load.block_hashes)
@@ -693,6 +705,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// commands (the engine-session `close`) to run now. Unknown ids return nothing.
     pub fn on_finished(&mut self, id: RequestId) -> Vec<SessionCommand> {
         let _ = self.scheduler.free(id);
+        self.approx.forget(id.0);
         self.active
             .remove(&id)
             .map(|a| a.after_response)
@@ -704,6 +717,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// session it opened, and its deferred close). Unknown ids return nothing.
     pub fn on_failed(&mut self, id: RequestId) -> Vec<SessionCommand> {
         let _ = self.scheduler.free(id);
+        self.approx.forget(id.0);
         let Some(active) = self.active.remove(&id) else {
             return Vec::new();
         };
