@@ -45,6 +45,8 @@
 //! [`ROUTER_LABEL`] = [`ROUTER_PREFILL`] or [`ROUTER_DECODE`] (first label); otherwise no sample
 //! has that label.
 
+pub(crate) mod text;
+
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
