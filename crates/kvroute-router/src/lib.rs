@@ -49,6 +49,7 @@
 //! assert_eq!(core.active_requests(), 0);
 //! ```
 
+mod background;
 mod config;
 mod core;
 mod error;
@@ -62,7 +63,11 @@ mod model;
 mod phase;
 mod policy;
 mod push;
+mod push_config;
 mod request;
+mod shared;
+mod snapshots;
+mod state;
 pub mod tokenizer;
 
 pub use config::{DEFAULT_REPORT_TTL, KvMode, RouterConfig};
@@ -70,7 +75,7 @@ pub use core::{
     CoreStats, Expired, IndexSnapshot, KvRouterCore, LaneSnapshot, SnapshotCut, SnapshotError,
     WorkerSnapshot,
 };
-pub use error::RouteError;
+pub use error::{KvRouterError, RouteError, StartError};
 pub use guard::{KvRoutedStream, RequestGuard};
 pub use load_sync::{DEFAULT_LOAD_SCOPE, LOAD_SUBJECT_PREFIX, LoadSyncConfig};
 pub use metrics::RouterMetrics;
@@ -81,10 +86,11 @@ pub use model::{Model, ModelConfig, ModelRegistry};
 pub use phase::{KvPhaseRouter, role_filtered};
 pub use policy::{Policy, UnknownPolicy};
 pub use push::{
-    KV_EVENTS_METADATA_KEY, KvPushRouter, KvPushRouterConfig, KvResponse, KvRouterError,
-    LoadSyncStats, QUERY_INSTANCE_ID, QueryAnswer, SharedAffinityStore, SnapshotStats, StartError,
+    KvPushRouter, KvResponse, LoadSyncStats, QUERY_INSTANCE_ID, QueryAnswer, SnapshotStats,
 };
+pub use push_config::{KV_EVENTS_METADATA_KEY, KvPushRouterConfig};
 pub use request::{PhaseTimings, PreparedRoute, RoutePreparer, RouteRequest, RouteSource, Routed};
+pub use state::SharedAffinityStore;
 
 // The types callers need to drive the core, so they need not depend on every lower crate.
 pub use kvroute_indexer::hash::HashSalt;

@@ -30,9 +30,10 @@ use kvroute_protocols::{
 };
 use kvroute_runtime::{LlmResponse, RequestError};
 
+use crate::error::{KvRouterError, send_lost_worker};
 use crate::guard::KvRoutedStream;
 use crate::phase::KvPhaseRouter;
-use crate::push::{KvPushRouter, KvResponse, KvRouterError, QueryAnswer};
+use crate::push::{KvPushRouter, KvResponse, QueryAnswer};
 use crate::request::Routed;
 
 /// The default number of migrations per request.
@@ -781,14 +782,5 @@ impl<R: Reroute> Migration<R> {
                 },
             }
         }
-    }
-}
-
-/// Whether a failed send lost its worker (so another worker may take the continuation).
-pub(crate) fn send_lost_worker(error: &kvroute_runtime::RouteError) -> bool {
-    match error {
-        kvroute_runtime::RouteError::Request { source, .. } => source.is_worker_unavailable(),
-        kvroute_runtime::RouteError::UnknownWorker { .. } => true,
-        _ => false,
     }
 }

@@ -16,8 +16,8 @@ use kvroute_scheduler::SelectError;
 use rand::SeedableRng;
 use tokio::sync::watch;
 
-use crate::error::RouteError;
-use crate::push::{KvPushRouter, KvResponse, KvRouterError};
+use crate::error::{KvRouterError, RouteError, send_lost_worker};
+use crate::push::{KvPushRouter, KvResponse};
 use crate::request::RouteRequest;
 
 /// The KV routers of the two phases.
@@ -74,7 +74,7 @@ fn phase_error(phase: RequestPhase, error: KvRouterError) -> PhaseRouteError {
             phase,
             message: e.to_string(),
         },
-        KvRouterError::Send { worker, source } if crate::migration::send_lost_worker(&source) => {
+        KvRouterError::Send { worker, source } if send_lost_worker(&source) => {
             PhaseRouteError::WorkerLost {
                 phase,
                 worker_id: worker.worker_id,

@@ -11,8 +11,7 @@ use kvroute_runtime::RequestError;
 use kvroute_scheduler::{FilterStage, SelectError};
 use serde_json::json;
 
-use crate::error::RouteError;
-use crate::push::KvRouterError;
+use crate::error::{KvRouterError, RouteError};
 use crate::tokenizer::TokenizerError;
 
 /// The `param` of an error about the pinned dp rank (before [`ApiError::with_dp_rank_param`]).
