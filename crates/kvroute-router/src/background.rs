@@ -17,9 +17,9 @@ use kvroute_runtime::{
 use kvroute_scheduler::WorkerSpec;
 use tokio::sync::watch;
 
-use crate::config::KvMode;
 use crate::push_config::KV_EVENTS_METADATA_KEY;
 use crate::shared::Inner;
+use kvroute_router_core::KvMode;
 
 /// Saves the index snapshot every `snapshot_interval`, unless another replica's is fresh.
 pub(crate) async fn snapshot_loop(inner: Arc<Inner>) {

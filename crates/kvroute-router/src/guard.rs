@@ -13,8 +13,8 @@ use kvroute_scheduler::RequestId;
 
 use crate::load_sync::Local;
 use crate::metrics::Outcome;
-use crate::request::Routed;
 use crate::shared::Inner;
+use kvroute_router_core::Routed;
 
 /// Tracks one routed request in the core until it ends: marks prefill complete at the first
 /// token, grows the output blocks as tokens arrive, and frees the request exactly once, on

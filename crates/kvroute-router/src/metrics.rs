@@ -56,8 +56,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::request::PhaseTimings;
 use kvroute_protocols::{WorkerLoadReport, WorkerWithDpRank};
+use kvroute_router_core::PhaseTimings;
 use kvroute_scheduler::WorkerLoad;
 use std::sync::atomic::AtomicU64;
 

@@ -34,7 +34,7 @@ use crate::error::{KvRouterError, send_lost_worker};
 use crate::guard::KvRoutedStream;
 use crate::phase::KvPhaseRouter;
 use crate::push::{KvPushRouter, KvResponse, QueryAnswer};
-use crate::request::Routed;
+use kvroute_router_core::Routed;
 
 /// The default number of migrations per request.
 pub const DEFAULT_MAX_MIGRATIONS: u32 = 3;

@@ -16,9 +16,10 @@ use kvroute_scheduler::SelectError;
 use rand::SeedableRng;
 use tokio::sync::watch;
 
-use crate::error::{KvRouterError, RouteError, send_lost_worker};
+use crate::error::{KvRouterError, send_lost_worker};
 use crate::push::{KvPushRouter, KvResponse};
-use crate::request::RouteRequest;
+use kvroute_router_core::RouteError;
+use kvroute_router_core::RouteRequest;
 
 /// The KV routers of the two phases.
 #[derive(Debug, Clone)]

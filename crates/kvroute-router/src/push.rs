@@ -30,17 +30,17 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::background::{discovery_loop, event_loop, expire_loop, report_loop, snapshot_loop};
-use crate::core::KvRouterCore;
 use crate::error::{KvRouterError, StartError};
 use crate::guard::{KvRoutedStream, RequestGuard};
 use crate::health::PassiveHealth;
 use crate::load_sync::{self, LoadSync, Local};
 use crate::metrics::RouterMetrics;
 use crate::push_config::KvPushRouterConfig;
-use crate::request::{RouteRequest, Routed};
 use crate::shared::{Inner, SnapshotCounters};
 use crate::snapshots::restore;
 use crate::state::{SharedAffinityStore, State};
+use kvroute_router_core::KvRouterCore;
+use kvroute_router_core::{RouteRequest, Routed};
 
 /// The annotation that turns a request into a routing query (`query_instance_id`, optionally
 /// with a `:value` suffix, as the reference).

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use kvroute_runtime::PushRouterConfig;
 
-use crate::config::{KvMode, RouterConfig};
 use crate::health::HealthConfig;
 use crate::load_sync::LoadSyncConfig;
+use kvroute_router_core::{KvMode, RouterConfig};
 
 /// The instance metadata key a worker sets to `"false"` when it publishes no KV events (the
 /// router then predicts its cache from routing decisions).

@@ -16,8 +16,8 @@ use crate::health::{HealthFailure, PassiveHealth, Verdict};
 use crate::load_sync::LoadSync;
 use crate::metrics::RouterMetrics;
 use crate::push_config::KvPushRouterConfig;
-use crate::request::RoutePreparer;
 use crate::state::State;
+use kvroute_router_core::RoutePreparer;
 
 /// What a [`KvPushRouter`](crate::KvPushRouter), its guards and its background tasks share.
 pub(crate) struct Inner {

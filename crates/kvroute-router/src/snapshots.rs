@@ -6,9 +6,9 @@ use std::time::Instant;
 
 use kvroute_runtime::SnapshotStore;
 
-use crate::core::{IndexSnapshot, KvRouterCore};
 use crate::shared::{Inner, SnapshotCounters};
 use crate::state::SharedAffinityStore;
+use kvroute_router_core::{IndexSnapshot, KvRouterCore};
 
 impl Inner {
     /// Saves a snapshot of the index as of the last applied event's position; see

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use kvroute_sessions::AffinityStore;
 use rand_chacha::ChaCha8Rng;
 
-use crate::core::KvRouterCore;
+use kvroute_router_core::KvRouterCore;
 
 /// A router's sticky-session store: any [`AffinityStore`], shared.
 pub type SharedAffinityStore = Arc<dyn AffinityStore>;

@@ -64,9 +64,10 @@ impl<S: AffinityStore> KvRouterCore<S> {
 
     // ----- load of other router replicas -----
 
-    /// Records the load of a request another router replica routed (see `load_sync`): it
-    /// counts on its worker exactly as a local one, but has no session and is never sent from
-    /// here. End it with [`Self::on_first_token`] and [`Self::on_finished`] like a local one.
+    /// Records the load of a request another router replica routed (kvroute-router's load
+    /// sync): it counts on its worker exactly as a local one, but has no session and is never
+    /// sent from here. End it with [`Self::on_first_token`] and [`Self::on_finished`] like a
+    /// local one.
     pub fn add_remote_request(
         &mut self,
         id: RequestId,
