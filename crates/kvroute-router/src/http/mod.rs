@@ -4,24 +4,24 @@
 //! `/health`, `/live` and `/metrics`.
 //!
 //! Build an [`AppState`] from a [`KvPushRouter`](crate::KvPushRouter), the served models
-//! ([`ModelRegistry`](crate::ModelRegistry)) and an
-//! [`HttpConfig`]; [`app`] turns it into an axum `Router`, [`serve`] runs it on a listener until
-//! a shutdown future resolves, then drains the requests in flight.
+//! ([`ModelRegistry`](crate::ModelRegistry)) and an [`HttpConfig`]; [`app`] turns it into an axum
+//! `Router`, [`serve`] runs it on a listener until a shutdown future resolves, then drains the
+//! requests in flight.
 //!
 //! A request goes: body (size-limited) → typed JSON ([`kvroute_protocols::from_json`], so a
 //! wrong type names its JSON path) → `nvext` validation → routing headers applied over `nvext`
 //! ([`kvroute_protocols::HeaderOverrides`]; an unparsable header is a 400) → model lookup (404)
 //! → tokens (`nvext.token_data`, else the chat template and tokenizer; too many is a 413) →
 //! admission (a bounded number in flight, a bounded wait: 429 or 503 with `Retry-After`) → the
-//! KV router, with migration ([`Migrator`](crate::Migrator)) → the response. The SSE body owns the routed
-//! stream, so a client that disconnects drops it, which cancels the request on its worker and
-//! frees its load.
+//! KV router, with migration ([`Migrator`](crate::Migrator)) → the response. The SSE body owns
+//! the routed stream, so a client that disconnects drops it, which cancels the request on its
+//! worker and frees its load.
 //!
 //! With [`AppState::with_disagg`] the frontend serves disaggregated while prefill workers are
 //! registered: the request goes through kvroute-prefill's `PrefillRouter` over a
-//! [`KvPhaseRouter`](crate::KvPhaseRouter) (prefill on a prefill worker, then decode), and `nvext.worker_id` names
-//! both workers. Otherwise (no prefill worker, optional disaggregation) it takes the migrating
-//! path above over the decode-phase router.
+//! [`KvPhaseRouter`](crate::KvPhaseRouter) (prefill on a prefill worker, then decode), and
+//! `nvext.worker_id` names both workers. Otherwise (no prefill worker, optional
+//! disaggregation) it takes the migrating path above over the decode-phase router.
 //!
 //! A query-only request (`nvext.annotations` holding `query_instance_id:`) is answered with the
 //! chosen worker in `nvext.worker_id` and the prompt's tokens in `nvext.token_ids`; nothing is
