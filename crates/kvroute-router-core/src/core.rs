@@ -702,9 +702,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
 
 mod events;
 mod load;
-mod snapshot;
-
-pub use snapshot::{IndexSnapshot, LaneSnapshot, SnapshotCut, SnapshotError, WorkerSnapshot};
+pub(crate) mod snapshot;
 
 #[cfg(test)]
 mod tests;

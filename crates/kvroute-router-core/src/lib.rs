@@ -56,10 +56,8 @@ mod policy;
 mod request;
 
 pub use config::{DEFAULT_REPORT_TTL, KvMode, RouterConfig};
-pub use core::{
-    CoreStats, Expired, IndexSnapshot, KvRouterCore, LaneSnapshot, SnapshotCut, SnapshotError,
-    WorkerSnapshot,
-};
+pub use core::snapshot::{IndexSnapshot, LaneSnapshot, SnapshotCut, SnapshotError, WorkerSnapshot};
+pub use core::{CoreStats, Expired, KvRouterCore};
 pub use error::RouteError;
 pub use policy::{Policy, UnknownPolicy};
 pub use request::{PhaseTimings, PreparedRoute, RoutePreparer, RouteRequest, RouteSource, Routed};

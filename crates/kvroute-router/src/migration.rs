@@ -451,7 +451,9 @@ impl Reroute for DisaggRoute {
     }
 }
 
-fn worker_ids<S: kvroute_sessions::AffinityStore>(core: &crate::KvRouterCore<S>) -> Vec<WorkerId> {
+fn worker_ids<S: kvroute_sessions::AffinityStore>(
+    core: &kvroute_router_core::KvRouterCore<S>,
+) -> Vec<WorkerId> {
     let mut ids: Vec<WorkerId> = core.workers().map(|w| w.worker_id).collect();
     ids.sort_unstable();
     ids.dedup();
