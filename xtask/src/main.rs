@@ -38,7 +38,8 @@ struct Cli {
 enum Command {
     /// The whole gate: fmt, clippy, tests, docs, benches compile, tidy, loom, short fuzz.
     Ci(ci::CiArgs),
-    /// Only the tidy checks (crate docs, workspace dependencies, layering).
+    /// Only the tidy checks (crate docs, workspace dependencies, layering, the core's I/O-free
+    /// dependencies, file size).
     Tidy,
     /// Run every fuzz target (or one) for a while. Needs the nightly toolchain and cargo-fuzz.
     Fuzz(fuzz::FuzzArgs),

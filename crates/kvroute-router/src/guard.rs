@@ -13,8 +13,8 @@ use kvroute_scheduler::RequestId;
 
 use crate::load_sync::Local;
 use crate::metrics::Outcome;
-use crate::push::Inner;
-use crate::request::Routed;
+use crate::shared::Inner;
+use kvroute_router_core::Routed;
 
 /// Tracks one routed request in the core until it ends: marks prefill complete at the first
 /// token, grows the output blocks as tokens arrive, and frees the request exactly once, on
@@ -30,12 +30,6 @@ pub struct RequestGuard {
     last_tokens: Option<Instant>,
     output_tokens: u64,
     done: bool,
-}
-
-impl std::fmt::Debug for Inner {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Inner").finish_non_exhaustive()
-    }
 }
 
 impl RequestGuard {

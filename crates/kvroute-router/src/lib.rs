@@ -1,10 +1,10 @@
-//! The kvroute router: composes the KV indexes, the scheduler and sticky sessions into one
-//! routing core, and serves it over kvroute-runtime.
+//! The kvroute router: serves the routing core of kvroute-router-core over kvroute-runtime and
+//! HTTP.
 //!
-//! Entry types: [`KvRouterCore`], the synchronous, deterministic core (time and the RNG come in
-//! as arguments), configured by [`RouterConfig`] with a [`Policy`]; it routes a [`RouteRequest`]
-//! into a [`Routed`] decision carrying the cost breakdown and per-phase timings, and tracks the
-//! request until [`KvRouterCore::on_finished`] or [`KvRouterCore::on_failed`].
+//! The core is re-exported here: [`KvRouterCore`], the synchronous, deterministic core (time and
+//! the RNG come in as arguments), configured by [`RouterConfig`] with a [`Policy`]; it routes a
+//! [`RouteRequest`] into a [`Routed`] decision carrying the cost breakdown and per-phase timings,
+//! and tracks the request until [`KvRouterCore::on_finished`] or [`KvRouterCore::on_failed`].
 //! [`KvPushRouter`] is the live layer: it feeds the core from the event plane and discovery,
 //! sends requests over the request plane, and wraps each response in a [`KvRoutedStream`] whose
 //! [`RequestGuard`] frees the request however it ends. [`metrics`] names every Prometheus metric.
@@ -12,13 +12,15 @@
 //! [`Migrator`] wraps [`KvPushRouter::generate`] so that a request whose worker dies mid-stream
 //! continues on another worker ([`MigratingStream`]), and kvroute-prefill's `PrefillRouter` so
 //! that a disaggregated one does too, prefilled again and decoded elsewhere
-//! ([`MigratingDisaggStream`]); [`KvPhaseRouter`] places each phase for the `PrefillRouter`. [`http`] is the OpenAI-compatible frontend (axum) over a
-//! [`Migrator`], with [`tokenizer`] and the served models ([`ModelRegistry`]).
+//! ([`MigratingDisaggStream`]); [`KvPhaseRouter`] places each phase for the `PrefillRouter`.
+//! [`http`] is the OpenAI-compatible frontend (axum) over a [`Migrator`], with [`tokenizer`] and
+//! the served models ([`ModelRegistry`]).
 //!
-//! The core ([`KvRouterCore`] and the types around it) must not use tokio, the transport or
-//! HTTP: `kvroute replay` drives it in virtual time against simulated engines, the live router
-//! behind a mutex. Only the live layers ([`KvPushRouter`], the guard, migration, [`http`])
-//! touch tokio, and only [`http`] knows axum.
+//! The core ([`KvRouterCore`] and the types around it) lives in its own crate, which depends on
+//! no async runtime, network, HTTP or tokenizer crate (a tidy check of its dependency closure):
+//! `kvroute replay` drives it in virtual time against simulated engines, the live router behind
+//! a mutex. Everything in this crate is a live layer ([`KvPushRouter`], the guard, migration,
+//! [`http`]) and may touch tokio; only [`http`] knows axum.
 //!
 //! # Example
 //!
@@ -49,8 +51,7 @@
 //! assert_eq!(core.active_requests(), 0);
 //! ```
 
-mod config;
-mod core;
+mod background;
 mod error;
 mod guard;
 pub mod health;
@@ -60,17 +61,14 @@ pub mod metrics;
 mod migration;
 mod model;
 mod phase;
-mod policy;
 mod push;
-mod request;
+mod push_config;
+mod shared;
+mod snapshots;
+mod state;
 pub mod tokenizer;
 
-pub use config::{DEFAULT_REPORT_TTL, KvMode, RouterConfig};
-pub use core::{
-    CoreStats, Expired, IndexSnapshot, KvRouterCore, LaneSnapshot, SnapshotCut, SnapshotError,
-    WorkerSnapshot,
-};
-pub use error::RouteError;
+pub use error::{KvRouterError, StartError};
 pub use guard::{KvRoutedStream, RequestGuard};
 pub use load_sync::{DEFAULT_LOAD_SCOPE, LOAD_SUBJECT_PREFIX, LoadSyncConfig};
 pub use metrics::RouterMetrics;
@@ -79,18 +77,19 @@ pub use migration::{
 };
 pub use model::{Model, ModelConfig, ModelRegistry};
 pub use phase::{KvPhaseRouter, role_filtered};
-pub use policy::{Policy, UnknownPolicy};
 pub use push::{
-    KV_EVENTS_METADATA_KEY, KvPushRouter, KvPushRouterConfig, KvResponse, KvRouterError,
-    LoadSyncStats, QUERY_INSTANCE_ID, QueryAnswer, SharedAffinityStore, SnapshotStats, StartError,
+    KvPushRouter, KvResponse, LoadSyncStats, QUERY_INSTANCE_ID, QueryAnswer, SnapshotStats,
 };
-pub use request::{PhaseTimings, PreparedRoute, RoutePreparer, RouteRequest, RouteSource, Routed};
+pub use push_config::{KV_EVENTS_METADATA_KEY, KvPushRouterConfig};
+pub use state::SharedAffinityStore;
 
-// The types callers need to drive the core, so they need not depend on every lower crate.
-pub use kvroute_indexer::hash::HashSalt;
-pub use kvroute_indexer::{ApproxConfig, EventGap};
+// The routing core (kvroute-router-core), and the lower crates' types it re-exports, so callers
+// of the router need not depend on every lower crate.
 pub use kvroute_prefill::{DisaggMode, PrefillRouterConfig};
-pub use kvroute_scheduler::{
-    CandidateCost, LoadError, RequestId, RequestLoad, SchedulerConfig, WorkerLoad, WorkerSpec,
+pub use kvroute_router_core::{
+    ApproxConfig, CandidateCost, CoreStats, DEFAULT_REPORT_TTL, EventGap, Expired, HashSalt,
+    InMemoryAffinityStore, IndexSnapshot, KvMode, KvRouterCore, LaneSnapshot, LoadError,
+    PhaseTimings, Policy, PreparedRoute, RequestId, RequestLoad, RouteError, RoutePreparer,
+    RouteRequest, RouteSource, Routed, RouterConfig, SchedulerConfig, SessionCommand, SnapshotCut,
+    SnapshotError, UnknownPolicy, WorkerLoad, WorkerLossMode, WorkerSnapshot, WorkerSpec,
 };
-pub use kvroute_sessions::{InMemoryAffinityStore, SessionCommand, WorkerLossMode};

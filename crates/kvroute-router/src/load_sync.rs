@@ -31,7 +31,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-use crate::push::Inner;
+use crate::state::State;
 
 /// The subject prefix of load messages (`load.<scope>.<router id>`).
 pub const LOAD_SUBJECT_PREFIX: &str = "load";
@@ -127,10 +127,14 @@ pub(crate) enum Local {
     Freed(RequestId),
 }
 
-/// The load-sync state of one replica.
+/// The load-sync state of one replica, with what it updates: the routing state it adds other
+/// replicas' requests to, and the router's clock.
 #[derive(Debug)]
 pub(crate) struct LoadSync {
     config: LoadSyncConfig,
+    state: Arc<Mutex<State>>,
+    /// When the router started: [`Self::now`] is the `now` its core sees.
+    epoch: Instant,
     tx: mpsc::UnboundedSender<Local>,
     rx: Mutex<Option<mpsc::UnboundedReceiver<Local>>>,
     remote: Mutex<HashMap<u64, RemoteRouter>>,
@@ -147,10 +151,13 @@ struct RemoteRouter {
 }
 
 impl LoadSync {
-    pub(crate) fn new(config: LoadSyncConfig) -> Self {
+    /// Load sync of the router whose routing state is `state` and which started at `epoch`.
+    pub(crate) fn new(config: LoadSyncConfig, state: Arc<Mutex<State>>, epoch: Instant) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         Self {
             config,
+            state,
+            epoch,
             tx,
             rx: Mutex::new(Some(rx)),
             remote: Mutex::new(HashMap::new()),
@@ -158,6 +165,11 @@ impl LoadSync {
             undecodable: AtomicU64::new(0),
             remote_predictions: AtomicU64::new(0),
         }
+    }
+
+    /// Time since the router started: the `now` its core sees.
+    fn now(&self) -> Duration {
+        self.epoch.elapsed()
     }
 
     /// Queues a change of this replica's load for publishing (in order).
@@ -186,7 +198,7 @@ impl LoadSync {
     }
 
     /// Frees the requests of replicas silent for longer than the configured silence.
-    pub(crate) fn expire_silent(&self, inner: &Inner) {
+    pub(crate) fn expire_silent(&self) {
         let now = Instant::now();
         let mut dropped = Vec::new();
         self.remote.lock().retain(|router, remote| {
@@ -201,7 +213,7 @@ impl LoadSync {
             }
             alive
         });
-        self.free(inner, &dropped);
+        self.free(&dropped);
     }
 
     /// Stops tracking remote requests already freed elsewhere (by a worker's load report), so
@@ -216,19 +228,19 @@ impl LoadSync {
         }
     }
 
-    fn free(&self, inner: &Inner, ids: &[RequestId]) {
+    fn free(&self, ids: &[RequestId]) {
         if ids.is_empty() {
             return;
         }
         self.remote_freed
             .fetch_add(ids.len() as u64, Ordering::Relaxed);
-        let mut state = inner.state.lock();
+        let mut state = self.state.lock();
         for id in ids {
             let _ = state.core.on_finished(*id);
         }
     }
 
-    fn apply(&self, inner: &Inner, message: LoadMessage) {
+    fn apply(&self, message: LoadMessage) {
         let router = message.router;
         if router == self.config.router_id {
             return;
@@ -266,8 +278,8 @@ impl LoadSync {
                     block_hashes,
                     expected_output_tokens,
                 };
-                let now = inner.now();
-                let mut state = inner.state.lock();
+                let now = self.now();
+                let mut state = self.state.lock();
                 // A worker this replica does not know (yet) carries no load here.
                 let _ = state.core.add_remote_request(id, &load, now);
                 if let Some(blocks) = predicted_blocks {
@@ -285,14 +297,14 @@ impl LoadSync {
                 let id = entry.requests.get(&request).copied();
                 drop(remote);
                 if let Some(id) = id {
-                    let _ = inner.state.lock().core.on_first_token(id);
+                    let _ = self.state.lock().core.on_first_token(id);
                 }
             }
             Kind::Freed { request } => {
                 let id = entry.requests.remove(&request);
                 drop(remote);
                 if let Some(id) = id {
-                    let _ = inner.state.lock().core.on_finished(id);
+                    let _ = self.state.lock().core.on_finished(id);
                 }
             }
             Kind::Alive { active } => {
@@ -306,7 +318,7 @@ impl LoadSync {
                     live
                 });
                 drop(remote);
-                self.free(inner, &gone);
+                self.free(&gone);
             }
         }
     }
@@ -327,10 +339,7 @@ fn splitmix(mut x: u64) -> u64 {
 }
 
 /// Publishes this replica's load changes in order, and its active list every heartbeat.
-pub(crate) async fn publish_loop(inner: Arc<Inner>, plane: Arc<dyn EventPlane>) {
-    let Some(sync) = inner.load_sync.as_ref() else {
-        return;
-    };
+pub(crate) async fn publish_loop(sync: Arc<LoadSync>, plane: Arc<dyn EventPlane>) {
     let Some(mut rx) = sync.rx.lock().take() else {
         return;
     };
@@ -371,13 +380,10 @@ pub(crate) async fn publish_loop(inner: Arc<Inner>, plane: Arc<dyn EventPlane>) 
 }
 
 /// Applies other replicas' load messages.
-pub(crate) async fn receive_loop(inner: Arc<Inner>, mut subscription: Subscription) {
-    let Some(sync) = inner.load_sync.as_ref() else {
-        return;
-    };
+pub(crate) async fn receive_loop(sync: Arc<LoadSync>, mut subscription: Subscription) {
     while let Some(message) = subscription.next().await {
         match serde_json::from_slice::<LoadMessage>(&message.payload) {
-            Ok(decoded) => sync.apply(&inner, decoded),
+            Ok(decoded) => sync.apply(decoded),
             Err(error) => {
                 sync.undecodable.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(subject = %message.subject, %error, "dropping an undecodable load message");

@@ -45,6 +45,8 @@
 //! [`ROUTER_LABEL`] = [`ROUTER_PREFILL`] or [`ROUTER_DECODE`] (first label); otherwise no sample
 //! has that label.
 
+pub(crate) mod text;
+
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
@@ -54,8 +56,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::request::PhaseTimings;
 use kvroute_protocols::{WorkerLoadReport, WorkerWithDpRank};
+use kvroute_router_core::PhaseTimings;
 use kvroute_scheduler::WorkerLoad;
 use std::sync::atomic::AtomicU64;
 
@@ -204,8 +206,17 @@ impl RouterMetrics {
         Self { registry, ..m }
     }
 
-    /// Registers every metric (clones sharing their values) in `registry`.
+    /// Registers every metric (clones sharing their values) in `registry`, by area, in the order
+    /// `/metrics` lists them.
     fn register_all(&self, registry: &mut Registry) {
+        self.register_health(registry);
+        self.register_requests(registry);
+        self.register_workers(registry);
+        self.register_cache_reports(registry);
+    }
+
+    /// Passive health and client authentication.
+    fn register_health(&self, registry: &mut Registry) {
         registry.register(
             "worker_failures",
             "Requests that failed on a worker at the transport, by reason",
@@ -231,6 +242,10 @@ impl RouterMetrics {
             "1 while passive health routes around the worker",
             self.worker_ejected.clone(),
         );
+    }
+
+    /// Requests, tokens, predicted cache hits and routing time.
+    fn register_requests(&self, registry: &mut Registry) {
         registry.register(
             "requests",
             "Requests routed to a worker",
@@ -286,6 +301,10 @@ impl RouterMetrics {
             "Time spent routing, by phase",
             self.overhead.clone(),
         );
+    }
+
+    /// Per-worker load, as tracked and as reported, and the load reports.
+    fn register_workers(&self, registry: &mut Registry) {
         registry.register(
             "worker_active_blocks",
             "Active KV blocks per worker rank, as the cost model sees them",
@@ -321,6 +340,10 @@ impl RouterMetrics {
             "Worker load reports received, by outcome",
             self.load_reports.clone(),
         );
+    }
+
+    /// The engines' cached-token reports against the router's predictions.
+    fn register_cache_reports(&self, registry: &mut Registry) {
         registry.register(
             "prediction_error_tokens",
             "Per request, cached prompt tokens the engine reported minus those the router predicted",

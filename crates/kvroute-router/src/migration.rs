@@ -30,10 +30,11 @@ use kvroute_protocols::{
 };
 use kvroute_runtime::{LlmResponse, RequestError};
 
+use crate::error::{KvRouterError, send_lost_worker};
 use crate::guard::KvRoutedStream;
 use crate::phase::KvPhaseRouter;
-use crate::push::{KvPushRouter, KvResponse, KvRouterError, QueryAnswer};
-use crate::request::Routed;
+use crate::push::{KvPushRouter, KvResponse, QueryAnswer};
+use kvroute_router_core::Routed;
 
 /// The default number of migrations per request.
 pub const DEFAULT_MAX_MIGRATIONS: u32 = 3;
@@ -450,7 +451,9 @@ impl Reroute for DisaggRoute {
     }
 }
 
-fn worker_ids<S: kvroute_sessions::AffinityStore>(core: &crate::KvRouterCore<S>) -> Vec<WorkerId> {
+fn worker_ids<S: kvroute_sessions::AffinityStore>(
+    core: &kvroute_router_core::KvRouterCore<S>,
+) -> Vec<WorkerId> {
     let mut ids: Vec<WorkerId> = core.workers().map(|w| w.worker_id).collect();
     ids.sort_unstable();
     ids.dedup();
@@ -781,14 +784,5 @@ impl<R: Reroute> Migration<R> {
                 },
             }
         }
-    }
-}
-
-/// Whether a failed send lost its worker (so another worker may take the continuation).
-pub(crate) fn send_lost_worker(error: &kvroute_runtime::RouteError) -> bool {
-    match error {
-        kvroute_runtime::RouteError::Request { source, .. } => source.is_worker_unavailable(),
-        kvroute_runtime::RouteError::UnknownWorker { .. } => true,
-        _ => false,
     }
 }

@@ -16,9 +16,10 @@ use kvroute_scheduler::SelectError;
 use rand::SeedableRng;
 use tokio::sync::watch;
 
-use crate::error::RouteError;
-use crate::push::{KvPushRouter, KvResponse, KvRouterError};
-use crate::request::RouteRequest;
+use crate::error::{KvRouterError, send_lost_worker};
+use crate::push::{KvPushRouter, KvResponse};
+use kvroute_router_core::RouteError;
+use kvroute_router_core::RouteRequest;
 
 /// The KV routers of the two phases.
 #[derive(Debug, Clone)]
@@ -74,7 +75,7 @@ fn phase_error(phase: RequestPhase, error: KvRouterError) -> PhaseRouteError {
             phase,
             message: e.to_string(),
         },
-        KvRouterError::Send { worker, source } if crate::migration::send_lost_worker(&source) => {
+        KvRouterError::Send { worker, source } if send_lost_worker(&source) => {
             PhaseRouteError::WorkerLost {
                 phase,
                 worker_id: worker.worker_id,

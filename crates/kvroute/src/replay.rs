@@ -2,7 +2,7 @@
 //! live router core, once per policy, compared in one table.
 //!
 //! Each policy gets a fresh fleet ([`kvroute_mocker::sim::Simulation`]) and a fresh
-//! [`kvroute_router::KvRouterCore`] with the same seed, so runs are independent and the same
+//! [`kvroute_router_core::KvRouterCore`] with the same seed, so runs are independent and the same
 //! inputs always give the same numbers; policies run on parallel threads only to save wall time.
 
 mod disagg;
@@ -28,7 +28,7 @@ use kvroute_mocker::MockerConfig;
 use kvroute_mocker::disagg::DecodeConfig;
 use kvroute_mocker::sim::{DisaggSimulation, SimReport, Simulation};
 use kvroute_mocker::trace::TraceRecord;
-use kvroute_router::{KvMode, KvRouterCore, WorkerSpec};
+use kvroute_router_core::{KvMode, KvRouterCore, WorkerSpec};
 use kvroute_workloads::synth::{self, Workload};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -551,7 +551,7 @@ fn finish_run(
 /// A router core over `workers` engines `0..`, registered as live mocker workers register.
 fn new_core(
     plan: &Plan,
-    config: kvroute_router::RouterConfig,
+    config: kvroute_router_core::RouterConfig,
     workers: usize,
 ) -> anyhow::Result<KvRouterCore> {
     let mut core = KvRouterCore::new(config).context("invalid router settings")?;

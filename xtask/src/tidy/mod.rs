@@ -1,8 +1,9 @@
 //! Tidy checks: facts about the tree that the compiler does not enforce (crate docs, manifests,
-//! layering, file size). Each check returns the list of problems it found; `cargo xtask tidy` (and
-//! the `tidy` step of `cargo xtask ci`) runs them all, and each is also a `#[test]` so plain
-//! `cargo test` runs them too.
+//! layering, the routing core's freedom from I/O crates, file size). Each check returns the list
+//! of problems it found; `cargo xtask tidy` (and the `tidy` step of `cargo xtask ci`) runs them
+//! all, and each is also a `#[test]` so plain `cargo test` runs them too.
 
+mod core_io;
 mod crate_docs;
 mod file_size;
 mod layering;
@@ -19,6 +20,7 @@ pub(crate) fn run_all(root: &Path) -> Result<()> {
     problems.extend(crate_docs::check(&metadata));
     problems.extend(manifests::check(&metadata));
     problems.extend(layering::check(&metadata));
+    problems.extend(core_io::check(&metadata));
     problems.extend(file_size::check(&metadata));
     if problems.is_empty() {
         eprintln!("tidy: ok");

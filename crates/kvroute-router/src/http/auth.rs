@@ -19,7 +19,8 @@ use axum::response::{IntoResponse, Response};
 use parking_lot::RwLock;
 use subtle::ConstantTimeEq;
 
-use super::{ApiError, AppState};
+use super::error::ApiError;
+use crate::push::KvPushRouter;
 
 /// Why a key file could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -177,14 +178,29 @@ fn bearer(request: &Request) -> Option<&[u8]> {
         .then(|| token.trim_ascii())
 }
 
+/// What [`require_key`] needs: the keys (none: authentication is off), and the router whose
+/// metrics count the outcomes.
+#[derive(Clone)]
+pub(crate) struct KeyCheck {
+    keys: Option<ApiKeys>,
+    router: KvPushRouter,
+}
+
+impl KeyCheck {
+    /// Checks `keys` (if any), counting outcomes in `router`'s metrics.
+    pub(crate) fn new(keys: Option<ApiKeys>, router: KvPushRouter) -> Self {
+        Self { keys, router }
+    }
+}
+
 /// The middleware in front of `/v1/*`: passes requests with a configured key, answers 401
 /// otherwise (without reading the body). Without keys configured every request passes.
 pub(crate) async fn require_key(
-    State(state): State<AppState>,
+    State(check): State<KeyCheck>,
     request: Request,
     next: Next,
 ) -> Response {
-    let Some(keys) = state.api_keys() else {
+    let Some(keys) = &check.keys else {
         return next.run(request).await;
     };
     let outcome = match bearer(&request) {
@@ -192,7 +208,7 @@ pub(crate) async fn require_key(
         Some(key) if keys.accepts(key) => AuthOutcome::Ok,
         Some(_) => AuthOutcome::Invalid,
     };
-    state.router().metrics().on_auth(outcome.label());
+    check.router.metrics().on_auth(outcome.label());
     match outcome {
         AuthOutcome::Ok => next.run(request).await,
         AuthOutcome::Missing => ApiError::unauthorized(

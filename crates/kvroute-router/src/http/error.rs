@@ -11,9 +11,9 @@ use kvroute_runtime::RequestError;
 use kvroute_scheduler::{FilterStage, SelectError};
 use serde_json::json;
 
-use crate::error::RouteError;
-use crate::push::KvRouterError;
+use crate::error::KvRouterError;
 use crate::tokenizer::TokenizerError;
+use kvroute_router_core::RouteError;
 
 /// The `param` of an error about the pinned dp rank (before [`ApiError::with_dp_rank_param`]).
 const DP_RANK_PARAM: &str = "nvext.dp_rank";

@@ -1,10 +1,10 @@
 //! The OpenAI request bodies the frontend accepts (the fields it uses, and those of
-//! [`UNSUPPORTED_PARAMETERS`] to refuse them; other unknown fields are ignored), and the response
-//! and chunk shapes it writes.
+//! [`UNSUPPORTED_PARAMETERS`] to refuse them; other unknown fields are ignored). The response and
+//! chunk shapes it writes are the response module's.
 
-use kvroute_protocols::{FinishReason, NvExt};
+use kvroute_protocols::NvExt;
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 // The request bodies list the shared parameters inline rather than through
 // `#[serde(flatten)]`: flattening buffers the fields and loses the JSON path of a type error
@@ -328,144 +328,4 @@ pub enum Prompt {
     Texts(Vec<String>),
     /// A batch of token id lists (only a batch of one is served).
     TokenBatches(Vec<Vec<u32>>),
-}
-
-/// Which endpoint a response is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Endpoint {
-    Chat,
-    Completion,
-}
-
-/// The fixed fields of every response and chunk of one request.
-#[derive(Debug, Clone)]
-pub(crate) struct ResponseMeta {
-    pub(crate) id: String,
-    pub(crate) created: u64,
-    pub(crate) model: String,
-    pub(crate) endpoint: Endpoint,
-}
-
-/// The OpenAI name of a finish reason (errors are reported as errors, not finish reasons).
-pub(crate) fn finish_reason_str(reason: &FinishReason) -> &'static str {
-    match reason {
-        FinishReason::Length => "length",
-        FinishReason::ContentFilter => "content_filter",
-        FinishReason::Eos
-        | FinishReason::Stop
-        | FinishReason::Cancelled
-        | FinishReason::Error(_) => "stop",
-    }
-}
-
-impl ResponseMeta {
-    /// A streaming chunk: a text delta (chat: the first carries the role), a finish reason.
-    pub(crate) fn chunk(
-        &self,
-        text: Option<&str>,
-        first: bool,
-        finish: Option<&str>,
-        nvext: Option<Value>,
-    ) -> Value {
-        let choice = match self.endpoint {
-            Endpoint::Chat => {
-                let mut delta = serde_json::Map::new();
-                if first {
-                    delta.insert("role".into(), json!("assistant"));
-                }
-                if let Some(t) = text {
-                    delta.insert("content".into(), json!(t));
-                }
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
-            }
-            Endpoint::Completion => {
-                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
-            }
-        };
-        let mut chunk = json!({
-            "id": self.id,
-            "object": self.chunk_object(),
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        });
-        if let Some(ext) = nvext {
-            chunk["nvext"] = ext;
-        }
-        chunk
-    }
-
-    /// The last streaming chunk when usage is asked for: no choices, the usage.
-    pub(crate) fn usage_chunk(&self, usage: Value) -> Value {
-        json!({
-            "id": self.id,
-            "object": self.chunk_object(),
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": usage,
-        })
-    }
-
-    /// A whole (non-streaming) response.
-    pub(crate) fn response(
-        &self,
-        text: &str,
-        finish: &str,
-        usage: Value,
-        nvext: Option<Value>,
-    ) -> Value {
-        let (object, choice) = match self.endpoint {
-            Endpoint::Chat => (
-                "chat.completion",
-                json!({
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": null,
-                    "finish_reason": finish,
-                }),
-            ),
-            Endpoint::Completion => (
-                "text_completion",
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish}),
-            ),
-        };
-        let mut out = json!({
-            "id": self.id,
-            "object": object,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": usage,
-        });
-        if let Some(ext) = nvext {
-            out["nvext"] = ext;
-        }
-        out
-    }
-
-    fn chunk_object(&self) -> &'static str {
-        match self.endpoint {
-            Endpoint::Chat => "chat.completion.chunk",
-            Endpoint::Completion => "text_completion",
-        }
-    }
-}
-
-/// OpenAI's `usage` object. `prompt_tokens_details.cached_tokens` is written only when a worker
-/// reported it (`cached_tokens` is `Some`): a missing report is not a zero.
-pub(crate) fn usage(
-    prompt_tokens: usize,
-    completion_tokens: usize,
-    cached_tokens: Option<usize>,
-) -> Value {
-    let mut usage = json!({
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    });
-    if let Some(cached) = cached_tokens {
-        usage["prompt_tokens_details"] = json!({"cached_tokens": cached});
-    }
-    usage
 }

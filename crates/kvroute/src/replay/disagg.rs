@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvroute_mocker::sim::{DisaggDispatcher, Dispatcher};
 use kvroute_mocker::{Engine, Request, RequestError, StepOutput};
 use kvroute_protocols::RouterConfigOverride;
-use kvroute_router::{KvRouterCore, RequestId, RouteRequest};
+use kvroute_router_core::{KvRouterCore, RequestId, RouteRequest};
 
 use crate::replay::dispatch::{RunState, feed};
 

@@ -13,7 +13,7 @@ use kvroute_mocker::sim::Dispatcher;
 use kvroute_mocker::{Engine, Request, RequestError, StepOutput};
 use kvroute_protocols::kv_events::{RouterEvent, StorageTier};
 use kvroute_protocols::{RoutingHints, SessionAction, SessionControl};
-use kvroute_router::{KvRouterCore, RequestId, RouteError, RouteRequest};
+use kvroute_router_core::{KvRouterCore, RequestId, RouteError, RouteRequest};
 use rand_chacha::ChaCha8Rng;
 
 use crate::replay::metrics::Recorder;

@@ -1,9 +1,9 @@
 //! The policies replay compares: the router core's own policies plus a cost-weight preset of its
-//! [`Policy::Kv`], all run by the same [`kvroute_router::KvRouterCore`] code.
+//! [`Policy::Kv`], all run by the same [`kvroute_router_core::KvRouterCore`] code.
 
 use std::fmt;
 
-use kvroute_router::{Policy, RouterConfig};
+use kvroute_router_core::{Policy, RouterConfig};
 
 /// A routing policy as named on the command line and in reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -15,7 +15,7 @@ use std::time::Duration;
 use kvroute_mocker::sim::Dispatcher;
 use kvroute_mocker::{Engine, Request, RequestError, StepOutput};
 use kvroute_protocols::kv_events::{RouterEvent, StorageTier};
-use kvroute_router::{KvRouterCore, RequestId, RequestLoad};
+use kvroute_router_core::{KvRouterCore, RequestId, RequestLoad};
 
 use crate::replay::dispatch::RunState;
 

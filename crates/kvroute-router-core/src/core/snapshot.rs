@@ -22,7 +22,7 @@ const MAGIC: &[u8; 8] = b"KVRSNAP2";
 pub struct IndexSnapshot {
     /// Tokens per KV block of the index: a router with another block size refuses it.
     pub block_size: u32,
-    /// The event-plane position ([`kvroute_runtime::Message::sequence`]) of the last KV event
+    /// The event-plane position (kvroute-runtime's `Message::sequence`) of the last KV event
     /// reflected: the events after it are read from the plane.
     pub sequence: u64,
     /// Each registered worker that publishes KV events.

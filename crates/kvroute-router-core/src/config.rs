@@ -26,7 +26,7 @@ pub struct RouterConfig {
     pub max_sessions: usize,
     /// A worker's load report older than this is forgotten (its `worker_reported_*` gauges
     /// disappear): the worker stopped reporting. Workers repeat their reports every second by
-    /// default ([`kvroute_runtime::DEFAULT_REPORT_HEARTBEAT`]).
+    /// default (kvroute-runtime's `DEFAULT_REPORT_HEARTBEAT`).
     pub report_ttl: Duration,
 }
 

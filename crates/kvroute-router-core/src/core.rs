@@ -4,14 +4,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_indexer::{
-    ApproxIndex, ConcurrentIndex, EventGap, EventOrder, FastMap, GapTracker, KvIndex, Learnt,
-    OverlapScores,
+    ApproxIndex, ConcurrentIndex, FastMap, GapTracker, KvIndex, Learnt, OverlapScores,
 };
-use kvroute_protocols::kv_events::{LocalBlockHash, RouterEvent};
-use kvroute_protocols::{ProtocolError, WorkerId, WorkerLoadReport, WorkerWithDpRank};
+use kvroute_protocols::kv_events::LocalBlockHash;
+use kvroute_protocols::{WorkerId, WorkerLoadReport, WorkerWithDpRank};
 use kvroute_scheduler::{
-    ConfigError, LoadError, NewRequest, RequestId, RequestLoad, Scheduler, SelectRequest,
-    TierOverlap, WorkerError, WorkerLoad, WorkerSpec,
+    ConfigError, LoadError, NewRequest, RequestId, Scheduler, SelectRequest, TierOverlap,
+    WorkerError, WorkerLoad, WorkerSpec,
 };
 use kvroute_sessions::{
     AffinityStore, InMemoryAffinityStore, Rollback, SessionCommand, SessionCoordinator,
@@ -225,117 +224,10 @@ impl<S: AffinityStore> KvRouterCore<S> {
         self.modes.get(&worker_id).copied()
     }
 
-    /// Applies one live KV event. Returns the ids lost before it, if any, which the caller
-    /// should fetch from the worker (`kv_events_range`) and pass to [`Self::apply_recovered`].
-    ///
-    /// Late events (an id at or below one already seen) are skipped: they were recovered or
-    /// dumped already. Events of workers in approximate mode are skipped, and so are events of
-    /// workers not registered (yet): when one joins, its blocks come from a dump or, on a plane
-    /// that keeps history, from its events since [`Self::expect_events_from`]'s base (the ones
-    /// skipped before it joined come back as a gap to repair).
-    pub fn apply_event(&mut self, event: &RouterEvent) -> Option<EventGap> {
-        let (admitted, gap) = self.admit(event);
-        if admitted {
-            // Bad events are counted by the index; it stays consistent.
-            self.index_mut(|index| {
-                let _ = index.apply_event_untracked(event);
-            });
-        }
-        gap
-    }
-
-    /// [`Self::apply_event`] without the write: an admitted event is queued on the shared index,
-    /// in order with every other change the core makes to it, and applied by the next
-    /// [`ConcurrentIndex::apply_queued`] (which the caller runs after letting go of whatever
-    /// lock guards this core), or by any change or consistent read of the index made first.
-    pub fn queue_event(&mut self, event: RouterEvent) -> Option<EventGap> {
-        let (admitted, gap) = self.admit(&event);
-        if admitted {
-            self.index.enqueue_untracked(event);
-        }
-        gap
-    }
-
-    /// Whether a live event is to be applied (its worker is registered in events mode and the
-    /// id is not late), and the gap before it; counts it.
-    fn admit(&mut self, event: &RouterEvent) -> (bool, Option<EventGap>) {
-        match self.modes.get(&event.worker_id) {
-            Some(KvMode::Events) => {}
-            Some(KvMode::Approximate) => {
-                self.stats.events_ignored += 1;
-                return (false, None);
-            }
-            None => {
-                self.stats.events_unregistered += 1;
-                return (false, None);
-            }
-        }
-        let key = WorkerWithDpRank::from_worker_id(event.worker_id);
-        let first = self.gaps.expected(key).is_none();
-        let gap = match self.gaps.observe(key, event.event.event_id) {
-            EventOrder::InOrder => {
-                if first {
-                    self.origin.insert(event.worker_id, event.event.event_id);
-                }
-                None
-            }
-            EventOrder::Gap(gap) => {
-                self.stats.gaps_detected += 1;
-                tracing::warn!(worker = event.worker_id, missing = ?gap.missing, "KV event gap");
-                Some(gap)
-            }
-            EventOrder::Late => {
-                self.stats.events_late += 1;
-                return (false, None);
-            }
-        };
-        self.stats.events_applied += 1;
-        (true, gap)
-    }
-
     /// Runs `f` on the exact index once every queued event is applied (see
     /// [`ConcurrentIndex::with_shard_mut`]).
     fn index_mut<R>(&self, f: impl FnOnce(&mut KvIndex) -> R) -> R {
         self.index.with_shard_mut(0, f)
-    }
-
-    /// Applies an event fetched to fill a gap (its id is not tracked).
-    pub fn apply_recovered(&mut self, event: &RouterEvent) {
-        if self.modes.get(&event.worker_id) == Some(&KvMode::Approximate) {
-            self.stats.events_ignored += 1;
-            return;
-        }
-        self.index_mut(|index| {
-            let _ = index.apply_event_untracked(event);
-        });
-        self.stats.events_recovered += 1;
-    }
-
-    /// Replaces everything known about `worker_id`'s cache with a dump of it (a worker that
-    /// joined, or one whose gap could not be filled): `events` are its blocks as `Stored` events
-    /// and `last_event_id` the newest event they reflect, after which live events resume.
-    pub fn apply_dump(
-        &mut self,
-        worker_id: WorkerId,
-        last_event_id: Option<u64>,
-        events: &[RouterEvent],
-    ) {
-        let applied = self.index_mut(|index| {
-            index.remove_worker(worker_id);
-            let mut applied = 0;
-            for event in events.iter().filter(|e| e.worker_id == worker_id) {
-                let _ = index.apply_event_untracked(event);
-                applied += 1;
-            }
-            applied
-        });
-        self.gaps.forget_worker(worker_id);
-        self.origin.insert(worker_id, 0);
-        self.stats.events_recovered += applied;
-        if let Some(last) = last_event_id {
-            self.gaps
-                .observe(WorkerWithDpRank::from_worker_id(worker_id), last);
-        }
     }
 
     // ----- routing -----
@@ -763,112 +655,6 @@ impl<S: AffinityStore> KvRouterCore<S> {
         }
     }
 
-    // ----- load the workers report -----
-
-    /// Records what a (worker, dp rank) reports of its own load at `now` and, when it reports
-    /// its request counts, holds the load tracked on it against them
-    /// ([`Scheduler::reconcile_reported`]): if the engine holds fewer requests than are
-    /// tracked, the oldest requests other replicas routed there (older than the scheduler's
-    /// `report_grace`) are freed, as many as the excess, and returned. A request this core
-    /// routed is never freed here, whatever the report says: its guard ends it.
-    ///
-    /// A report that does not validate is an error and changes nothing; one from a (worker,
-    /// dp rank) not registered here is skipped and counted (like its events).
-    pub fn on_load_report(
-        &mut self,
-        report: &WorkerLoadReport,
-        now: Duration,
-    ) -> Result<Vec<RequestId>, ProtocolError> {
-        report.validate()?;
-        let worker = report.worker();
-        if self.scheduler.worker_load(worker).is_none() {
-            self.stats.load_reports_unregistered += 1;
-            return Ok(Vec::new());
-        }
-        self.stats.load_reports_applied += 1;
-        self.reports.insert(worker, (*report, now));
-        let Some(reported) = report.requests() else {
-            return Ok(Vec::new());
-        };
-        let active = &self.active;
-        let freed = self
-            .scheduler
-            .reconcile_reported(worker, reported, now, |id| active.contains_key(&id))
-            .unwrap_or_default();
-        if !freed.is_empty() {
-            tracing::info!(
-                %worker,
-                reported,
-                freed = freed.len(),
-                "freed other replicas' requests the worker no longer holds"
-            );
-        }
-        Ok(freed)
-    }
-
-    /// The last load `worker` reported of itself, if it reported any since it was registered
-    /// and within the configured `report_ttl` (as of the last [`Self::expire`]).
-    pub fn reported_load(&self, worker: WorkerWithDpRank) -> Option<&WorkerLoadReport> {
-        self.reports.get(&worker).map(|(report, _)| report)
-    }
-
-    // ----- load of other router replicas -----
-
-    /// Records the load of a request another router replica routed (see `load_sync`): it
-    /// counts on its worker exactly as a local one, but has no session and is never sent from
-    /// here. End it with [`Self::on_first_token`] and [`Self::on_finished`] like a local one.
-    pub fn add_remote_request(
-        &mut self,
-        id: RequestId,
-        load: &RequestLoad,
-        now: Duration,
-    ) -> Result<(), LoadError> {
-        self.scheduler.add_request_with_cached_tokens(
-            &NewRequest {
-                id,
-                worker: load.worker,
-                isl_tokens: load.prefill_tokens,
-                block_hashes: &load.block_hashes,
-                overlap_blocks: 0,
-                expected_output_tokens: load.expected_output_tokens,
-            },
-            0,
-            now,
-        )
-    }
-
-    /// The prompt blocks (local hashes, in order) the last [`Self::route`] predicted cached on
-    /// its worker from now on, when that route was request `id`'s and its worker is in
-    /// approximate mode; `None` otherwise (another decision came since, or the worker publishes
-    /// events). A live router sends them to its replicas, which record the same prediction with
-    /// [`Self::record_remote_prediction`], so that N routers predict as one.
-    pub fn predicted_blocks(&self, id: RequestId) -> Option<&[LocalBlockHash]> {
-        (self.last_prediction == Some(id)).then_some(self.scratch.local.as_slice())
-    }
-
-    /// Records a prediction another router replica made (see [`Self::predicted_blocks`]): the
-    /// prompt `blocks` are now expected cached on `worker`, for this core's prediction TTL from
-    /// `now`. Ignored (returns false) unless `worker` is registered here in approximate mode.
-    pub fn record_remote_prediction(
-        &mut self,
-        worker: WorkerWithDpRank,
-        blocks: &[LocalBlockHash],
-        now: Duration,
-    ) -> bool {
-        if self.modes.get(&worker.worker_id) != Some(&KvMode::Approximate)
-            || self.scheduler.worker_load(worker).is_none()
-        {
-            return false;
-        }
-        self.approx.record(worker, blocks, now);
-        true
-    }
-
-    /// What a request in flight adds to its worker's load, to share with other replicas.
-    pub fn request_load(&self, id: RequestId) -> Option<RequestLoad> {
-        self.scheduler.request_load(id)
-    }
-
     // ----- observation -----
 
     /// Requests routed and not yet ended.
@@ -929,9 +715,9 @@ impl<S: AffinityStore> KvRouterCore<S> {
     }
 }
 
-mod snapshot;
-
-pub use snapshot::{IndexSnapshot, LaneSnapshot, SnapshotCut, SnapshotError, WorkerSnapshot};
+mod events;
+mod load;
+pub(crate) mod snapshot;
 
 #[cfg(test)]
 mod tests;
