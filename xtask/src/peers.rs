@@ -46,6 +46,8 @@ use routers::{Binaries, Config};
 
 /// The bench's name after `cargo xtask bench`.
 pub(crate) const NAME: &str = "peers";
+/// The share of sessions of the non-agentic workloads by default.
+const DEFAULT_SCALE: f64 = 0.15;
 
 /// Options of `cargo xtask bench peers`.
 #[derive(Debug, Parser, PartialEq)]
@@ -72,10 +74,12 @@ pub(crate) struct Args {
     /// Rounds; each runs every configuration once, in the other order from the round before.
     #[arg(long, default_value_t = 2, value_name = "N")]
     rounds: u32,
-    /// Sessions of each workload, as a share of its full size (`kvroute replay
-    /// --workload-scale`).
-    #[arg(long, default_value_t = 0.08, value_name = "SHARE")]
-    workload_scale: f64,
+    /// Sessions of every workload, as a share of its full size (`kvroute replay
+    /// --workload-scale`) [default: 1 for the agentic workloads, whose few long sessions arrive
+    /// slowly, 0.15 for the others, so that each run offers the router tens of requests a
+    /// second on two cores].
+    #[arg(long, value_name = "SHARE")]
+    workload_scale: Option<f64>,
     /// Prompt and output tokens, as a share of the trace's (the engines' KV capacity is scaled
     /// alike).
     #[arg(long, default_value_t = 0.125, value_name = "SHARE")]
@@ -108,7 +112,7 @@ impl Args {
             parsed.engines = vec![4];
             parsed.workloads = vec!["multi-turn".to_owned()];
             parsed.rounds = 1;
-            parsed.workload_scale = parsed.workload_scale.min(0.03);
+            parsed.workload_scale = Some(parsed.workload_scale.unwrap_or(0.03).min(0.03));
             parsed.duration = parsed.duration.min(3.0);
         }
         parsed.check()?;
@@ -127,7 +131,7 @@ impl Args {
             bail!("--rounds must be 1 to 10, got {}", self.rounds);
         }
         for (name, value, low, high) in [
-            ("--workload-scale", self.workload_scale, 0.001, 1.0),
+            ("--workload-scale", self.workload_scale.unwrap_or(1.0), 0.001, 1.0),
             ("--token-scale", self.token_scale, 0.01, 1.0),
             ("--speedup", self.speedup, 1.0, 1000.0),
             ("--duration", self.duration, 0.5, 600.0),
@@ -137,6 +141,14 @@ impl Args {
             }
         }
         Ok(())
+    }
+
+    /// The share of `workload`'s sessions its trace holds.
+    fn scale(&self, workload: &str) -> f64 {
+        self.workload_scale.unwrap_or(match workload {
+            "agentic" | "agentic-tools" => 1.0,
+            _ => DEFAULT_SCALE,
+        })
     }
 
     fn shape(&self) -> Shape {
@@ -249,7 +261,7 @@ fn write_traces(kvroute: &Path, args: &Args, dir: &Path) -> Result<BTreeMap<Stri
         run_command(
             Command::new(kvroute)
                 .args(["replay", "--workload", workload])
-                .args(["--workload-scale", &args.workload_scale.to_string()])
+                .args(["--workload-scale", &args.scale(workload).to_string()])
                 .args(["--seed", &args.seed.to_string()])
                 .arg("--write-trace")
                 .arg(&path),
@@ -441,7 +453,16 @@ fn report(args: &Args, results: &Results) -> String {
         "\nkvroute bench peers: workload scale {}, token scale {}, speed-up {}x, {} s of each \
          trace, seed {}, {} round(s); latencies in real milliseconds (multiply by the speed-up \
          for the modelled H100's); figures are means over rounds.\n",
-        args.workload_scale, args.token_scale, args.speedup, args.duration, args.seed, args.rounds
+        args.workloads
+            .iter()
+            .map(|w| format!("{w} {}", args.scale(w)))
+            .collect::<Vec<_>>()
+            .join(", "),
+        args.token_scale,
+        args.speedup,
+        args.duration,
+        args.seed,
+        args.rounds
     );
     for &engines in &args.engines {
         let _ = writeln!(

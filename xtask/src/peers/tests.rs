@@ -19,6 +19,10 @@ fn defaults_cover_both_fleet_sizes_every_workload_and_every_router() {
     assert_eq!(a.workloads.len(), 5);
     assert_eq!(a.routers, Config::ALL.to_vec());
     assert_eq!(a.rounds, 2);
+    assert_eq!(a.scale("agentic"), 1.0);
+    assert_eq!(a.scale("rag"), 0.15);
+    let b = args(&["--workload-scale", "0.5"]).expect("valid");
+    assert_eq!(b.scale("agentic"), 0.5);
 }
 
 #[test]
