@@ -118,7 +118,7 @@ pub(crate) struct ReplayArgs {
     /// How late a replica learns another's requests and a worker's KV events (the event plane's
     /// latency; NATS on one host measured 0.2 ms p50, 1.4 ms p99).
     #[arg(long, default_value = "1ms", value_name = "DURATION")]
-    router_sync_delay: crate::serve::HumanDuration,
+    router_sync_delay: crate::cli::HumanDuration,
     /// Seed of every random choice (router tie-breaks, the random policy, generated tokens).
     #[arg(long, default_value_t = 0, value_name = "S")]
     seed: u64,

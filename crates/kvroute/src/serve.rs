@@ -3,16 +3,16 @@
 //! Workers are found by registration (they connect to the registry this process runs, see
 //! `kvroute worker --router`), from a static fleet file, or through NATS (`--nats`: workers
 //! register in a KV bucket and publish their KV events to JetStream, so several routers share
-//! one fleet; see [`nats`]). Without NATS their KV events arrive over the request plane: a
-//! [`KvEventBridge`] subscribes to each listed worker and feeds the router's in-process event
-//! plane, so no broker is needed. Unless `[router] disagg = "off"`, the KV
-//! router of the decode phase serves decode and aggregated workers and another serves prefill
-//! workers; while a prefill worker is registered, requests are served disaggregated. On SIGINT or SIGTERM the frontend stops
-//! accepting, lets in-flight requests finish (up to the drain timeout), then exits.
+//! one fleet; see [`crate::cli::nats`]). Without NATS their KV events arrive over the request
+//! plane: a [`KvEventBridge`] subscribes to each listed worker and feeds the router's in-process
+//! event plane, so no broker is needed. Unless `[router] disagg = "off"`, the KV router of the
+//! decode phase serves decode and aggregated workers and another serves prefill workers; while a
+//! prefill worker is registered, requests are served disaggregated. On SIGINT or SIGTERM the
+//! frontend stops accepting, lets in-flight requests finish (up to the drain timeout), then exits.
 
 mod config;
 mod fleet;
-pub(crate) mod nats;
+mod proxy;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -29,8 +29,8 @@ use kvroute_runtime::{
     SnapshotStore, WorkerRole, membership_filtered,
 };
 
+pub(crate) use config::ServeOptions;
 use config::{Discovery, FleetSource, ServeConfig};
-pub(crate) use config::{HumanDuration, ServeOptions};
 
 use crate::signal;
 
@@ -135,7 +135,7 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
             registry_listen,
             auth,
         } => {
-            let shared = nats::connect(url, namespace, *lease_ttl, auth).await?;
+            let shared = crate::cli::nats::connect(url, namespace, *lease_ttl, auth).await?;
             // Anyone allowed onto NATS can write a registration: with a fleet secret, only the
             // ones proving it are served.
             let watch = match &secret {
@@ -153,7 +153,7 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
                     .await
                     .with_context(|| format!("binding the worker registry on {listen}"))?;
                     let local = registry.discovery().watch();
-                    let proxy = nats::proxy_registrations(local.clone(), shared.discovery.clone());
+                    let proxy = proxy::proxy_registrations(local.clone(), shared.discovery.clone());
                     let bridge = KvEventBridge::start(
                         local,
                         Arc::new(shared.plane.clone()),

@@ -36,9 +36,9 @@ use kvroute_runtime::{
 use parking_lot::Mutex;
 
 use crate::adapter::{Adapter, EngineSpec};
+use crate::cli::HumanDuration;
 use crate::load::{LoadSampler, spawn_load_sampler};
 use crate::mocker_args::MockerArgs;
-use crate::serve::HumanDuration;
 use crate::signal;
 
 /// `kvroute worker` arguments.
@@ -141,7 +141,7 @@ pub(crate) struct WorkerArgs {
     lease_ttl: HumanDuration,
     /// Credentials and TLS for NATS, as `kvroute serve`'s.
     #[command(flatten)]
-    nats_auth: crate::serve::nats::NatsAuth,
+    nats_auth: crate::cli::nats::NatsAuth,
     /// The fleet's shared secret, the same file as the router's `--fleet-secret-file`: the
     /// worker proves it when it registers and serves only routers that prove it.
     #[arg(long, value_name = "FILE")]
@@ -377,7 +377,7 @@ async fn run_worker<E: LlmEngine>(
     let nats = match &args.nats {
         None => None,
         Some(url) => {
-            let shared = crate::serve::nats::connect(
+            let shared = crate::cli::nats::connect(
                 url,
                 &args.nats_namespace,
                 args.lease_ttl.0,

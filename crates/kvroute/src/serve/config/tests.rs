@@ -272,17 +272,6 @@ fn bad_values_name_the_key_the_flag_and_what_was_expected() {
 }
 
 #[test]
-fn durations_take_a_unit() {
-    let parse = |s: &str| s.parse::<HumanDuration>().map(|d| d.0);
-    assert_eq!(parse("250ms"), Ok(Duration::from_millis(250)));
-    assert_eq!(parse("5s"), Ok(Duration::from_secs(5)));
-    assert_eq!(parse("2m"), Ok(Duration::from_secs(120)));
-    assert_eq!(parse("1h"), Ok(Duration::from_secs(3600)));
-    assert!(parse("1.5s").is_err());
-    assert!(parse("s").is_err());
-}
-
-#[test]
 fn the_example_config_file_is_valid() {
     let text = include_str!("../../../../../docs/examples/serve.toml");
     let options = ServeOptions::from_toml(text).expect("docs/examples/serve.toml parses");
