@@ -417,6 +417,7 @@ impl ServeOptions {
     }
 }
 
+mod defaults;
 mod validate;
 
 #[cfg(test)]
