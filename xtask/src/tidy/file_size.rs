@@ -16,7 +16,6 @@ const ALLOWED_OVER: &[&str] = &[
     "crates/kvroute-router/src/core.rs",
     "crates/kvroute-router/src/http/handlers.rs",
     "crates/kvroute-router/src/push.rs",
-    "crates/kvroute/src/worker.rs",
 ];
 
 /// Crates outside the rule (tooling, not product code).
