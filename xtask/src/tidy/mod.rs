@@ -40,5 +40,5 @@ fn metadata(root: &Path) -> Result<Metadata> {
 
 #[cfg(test)]
 fn workspace_metadata() -> Metadata {
-    metadata(&crate::project_root()).expect("cargo metadata on this workspace")
+    metadata(&crate::cmd::project_root()).expect("cargo metadata on this workspace")
 }
