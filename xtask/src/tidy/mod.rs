@@ -1,10 +1,11 @@
 //! Tidy checks: facts about the tree that the compiler does not enforce (crate docs, manifests,
-//! layering, file size). Each check returns the list of problems it found; `cargo xtask tidy` (and
-//! the `tidy` step of `cargo xtask ci`) runs them all, and each is also a `#[test]` so plain
-//! `cargo test` runs them too.
+//! layering, file and function size). Each check returns the list of problems it found; `cargo
+//! xtask tidy` (and the `tidy` step of `cargo xtask ci`) runs them all, and each is also a
+//! `#[test]` so plain `cargo test` runs them too.
 
 mod crate_docs;
 mod file_size;
+mod fn_size;
 mod layering;
 mod manifests;
 
@@ -20,6 +21,7 @@ pub(crate) fn run_all(root: &Path) -> Result<()> {
     problems.extend(manifests::check(&metadata));
     problems.extend(layering::check(&metadata));
     problems.extend(file_size::check(&metadata));
+    problems.extend(fn_size::check(&metadata));
     if problems.is_empty() {
         eprintln!("tidy: ok");
         return Ok(());
