@@ -71,7 +71,9 @@ pub(crate) fn run(root: &Path, args: &CiArgs) -> Result<()> {
     step("tidy", &mut || tidy::run_all(root))?;
     step("test", &mut || run_tests(root, &python))?;
     step("e2e", &mut || run_e2e(root, &python))?;
-    step("peers", &mut || crate::peers::run(root, &["--quick".to_owned()]))?;
+    step("peers", &mut || {
+        crate::peers::run(root, &["--quick".to_owned()])
+    })?;
     step("examples", &mut || examples::run_all(root))?;
     step("package", &mut || package::run(root))?;
     step("doc", &mut || {
@@ -99,11 +101,11 @@ pub(crate) fn run(root: &Path, args: &CiArgs) -> Result<()> {
     Ok(())
 }
 
-/// The bench crates with a workspace of their own (see `OWN_WORKSPACE_BENCHES`): formatted,
+/// The bench crates with a workspace of their own (see `bench::OWN_WORKSPACE_BENCHES`): formatted,
 /// compiling and lint-free with their own lockfile, so the comparison with the reference never
 /// rots while its dependencies stay out of the main build.
 fn check_own_workspace_benches(root: &Path) -> Result<()> {
-    for (_, dir, _) in crate::OWN_WORKSPACE_BENCHES {
+    for (_, dir, _) in crate::bench::OWN_WORKSPACE_BENCHES {
         let manifest = root.join(dir).join("Cargo.toml");
         let manifest = manifest
             .to_str()

@@ -37,3 +37,11 @@ pub(crate) fn home_cache() -> PathBuf {
     let home = std::env::var_os("HOME").unwrap_or_else(|| ".".into());
     Path::new(&home).join(".cache").join("kvroute")
 }
+
+/// The workspace root (the parent of `xtask/`).
+pub(crate) fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}

@@ -25,9 +25,9 @@ use clap::Parser;
 use serde_json::Value;
 
 use crate::cmd::{cargo, home_cache, run_command};
+use crate::procs::{Proc, TempDir};
 use crate::python;
 use load::{Figures, Pacing, Scenario, Window, Workload};
-use crate::procs::{Proc, TempDir};
 
 /// The bench's name after `cargo xtask bench`.
 pub(crate) const NAME: &str = "frontend-vs-reference";

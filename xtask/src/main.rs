@@ -5,6 +5,7 @@
 //! xtask depends on no kvroute crate: it drives them through `cargo`, so it builds fast and never
 //! needs the code under test to compile before it can report what is broken.
 
+mod bench;
 mod ci;
 mod cmd;
 mod examples;
@@ -19,12 +20,10 @@ mod soak;
 mod table;
 mod tidy;
 
-use std::path::{Path, PathBuf};
-
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use crate::cmd::{cargo, run_command};
+use crate::cmd::project_root;
 
 /// kvroute's project automation.
 #[derive(Parser)]
@@ -103,84 +102,13 @@ fn main() -> Result<()> {
         Command::Ci(args) => ci::run(&root, &args),
         Command::Tidy => tidy::run_all(&root),
         Command::Fuzz(args) => fuzz::run(&root, &args),
-        Command::Bench { which, args } => bench(&root, &which, &args),
+        Command::Bench { which, args } => bench::run(&root, &which, &args),
         Command::Soak {
             kind,
             minutes,
             seed,
         } => soak::run(&root, kind, minutes, seed),
     }
-}
-
-/// The workspace root (the parent of `xtask/`).
-fn project_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives one level below the workspace root")
-        .to_path_buf()
-}
-
-/// Bench binaries (harness = false) that print figures; `cargo xtask bench NAME` runs them in
-/// release mode with the caller's arguments.
-const BENCHES: &[(&str, &str, &str)] = &[
-    ("indexer", "kvroute-workloads", "trace_replay"),
-    ("indexer-soak", "kvroute-indexer", "churn_soak"),
-    ("mocker", "kvroute-mocker", "simulate"),
-    ("request-plane", "kvroute-runtime", "request_plane"),
-    ("router-overhead", "kvroute", "router_overhead"),
-    ("engine-adapter", "kvroute", "engine_adapter"),
-    ("nats-scaleout", "kvroute", "nats_scaleout"),
-];
-
-/// Bench binaries in a workspace of their own under `benches/` (they depend on the reference's
-/// crates, which stay out of the main workspace): name, manifest directory, bench target.
-pub(crate) const OWN_WORKSPACE_BENCHES: &[(&str, &str, &str)] = &[(
-    "indexer-compare",
-    "benches/indexer-compare",
-    "indexer_compare",
-)];
-
-fn bench(root: &Path, which: &str, args: &[String]) -> Result<()> {
-    if which == replay_vs_reference::NAME {
-        return replay_vs_reference::run(root, args);
-    }
-    if which == frontend_vs_reference::NAME {
-        return frontend_vs_reference::run(root, args);
-    }
-    if which == peers::NAME {
-        return peers::run(root, args);
-    }
-    if let Some((_, dir, bench)) = OWN_WORKSPACE_BENCHES.iter().find(|(n, _, _)| *n == which) {
-        let manifest = root.join(dir).join("Cargo.toml");
-        let mut cmd = std::process::Command::new(cargo());
-        cmd.current_dir(root)
-            .args(["bench", "--quiet", "--locked", "--manifest-path"])
-            .arg(manifest)
-            .args(["--bench", bench, "--"])
-            .args(args);
-        return run_command(&mut cmd);
-    }
-    let Some((_, package, bench)) = BENCHES.iter().find(|(name, _, _)| *name == which) else {
-        let known: Vec<_> = BENCHES
-            .iter()
-            .chain(OWN_WORKSPACE_BENCHES)
-            .map(|(name, _, _)| *name)
-            .chain([
-                replay_vs_reference::NAME,
-                frontend_vs_reference::NAME,
-                peers::NAME,
-            ])
-            .collect();
-        anyhow::bail!(
-            "unknown bench `{which}`: expected one of {}",
-            known.join(", ")
-        );
-    };
-    let mut cmd = std::process::Command::new(cargo());
-    cmd.current_dir(root)
-        .args(["bench", "--quiet", "-p", package, "--bench", bench, "--"])
-        .args(args);
-    run_command(&mut cmd)
 }
 
 #[cfg(test)]

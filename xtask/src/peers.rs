@@ -58,7 +58,12 @@ const DEFAULT_SCALE: f64 = 0.15;
 )]
 pub(crate) struct Args {
     /// Fleet sizes (engines), comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "8,32", value_name = "N,...")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "8,32",
+        value_name = "N,..."
+    )]
     engines: Vec<usize>,
     /// Workloads (`kvroute replay --workload` names), comma-separated.
     #[arg(
@@ -121,17 +126,28 @@ impl Args {
 
     fn check(&self) -> Result<()> {
         if self.engines.is_empty() || self.engines.iter().any(|&n| !(1..=64).contains(&n)) {
-            bail!("--engines must list 1 to 64 engines each, got {:?}", self.engines);
+            bail!(
+                "--engines must list 1 to 64 engines each, got {:?}",
+                self.engines
+            );
         }
         const NAMES: [&str; 5] = ["agentic", "agentic-tools", "multi-turn", "rag", "bursty"];
         if let Some(bad) = self.workloads.iter().find(|w| !NAMES.contains(&w.as_str())) {
-            bail!("unknown workload `{bad}`: expected one of {}", NAMES.join(", "));
+            bail!(
+                "unknown workload `{bad}`: expected one of {}",
+                NAMES.join(", ")
+            );
         }
         if !(1..=10).contains(&self.rounds) {
             bail!("--rounds must be 1 to 10, got {}", self.rounds);
         }
         for (name, value, low, high) in [
-            ("--workload-scale", self.workload_scale.unwrap_or(1.0), 0.001, 1.0),
+            (
+                "--workload-scale",
+                self.workload_scale.unwrap_or(1.0),
+                0.001,
+                1.0,
+            ),
             ("--token-scale", self.token_scale, 0.01, 1.0),
             ("--speedup", self.speedup, 1.0, 1000.0),
             ("--duration", self.duration, 0.5, 600.0),
@@ -276,7 +292,8 @@ fn write_traces(kvroute: &Path, args: &Args, dir: &Path) -> Result<BTreeMap<Stri
 async fn bench(setup: &Setup, args: &Args) -> Result<Results> {
     let http = load::client()?;
     let shape = args.shape();
-    let total = args.engines.len() * args.workloads.len() * args.rounds as usize * args.routers.len();
+    let total =
+        args.engines.len() * args.workloads.len() * args.rounds as usize * args.routers.len();
     let mut step = 0;
     let mut results = Results::new();
     for &engines in &args.engines {
@@ -479,7 +496,9 @@ fn report(args: &Args, results: &Results) -> String {
             let _ = write!(out, "| {workload} |");
             let cell = results.get(&(engines, workload.clone()));
             for config in &args.routers {
-                let runs = cell.and_then(|c| c.get(config)).map_or(&[][..], Vec::as_slice);
+                let runs = cell
+                    .and_then(|c| c.get(config))
+                    .map_or(&[][..], Vec::as_slice);
                 let _ = write!(
                     out,
                     " {} / {} |",
@@ -556,7 +575,11 @@ fn check_quick(results: &Results) -> Result<()> {
         for (config, runs) in cell {
             for run in runs {
                 if let Some(e) = &run.failed {
-                    problems.push(format!("{}: did not run: {}", config.label(), first_line(e)));
+                    problems.push(format!(
+                        "{}: did not run: {}",
+                        config.label(),
+                        first_line(e)
+                    ));
                 } else if run.figures.ok != run.figures.requests || run.figures.requests == 0 {
                     problems.push(format!(
                         "{} on {engines} engines, {workload}: served {} of {} requests{}",

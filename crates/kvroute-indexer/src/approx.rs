@@ -394,7 +394,11 @@ impl ApproxIndex {
         stats.table_bytes += self.deadlines.capacity() * 41
             + self.queue.capacity() * 24
             + self.learned.capacity() * 41
-            + self.pending.values().map(|p| 48 + p.runs.capacity() * 12).sum::<usize>();
+            + self
+                .pending
+                .values()
+                .map(|p| 48 + p.runs.capacity() * 12)
+                .sum::<usize>();
         stats
     }
 

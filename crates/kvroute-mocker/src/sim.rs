@@ -5,7 +5,8 @@
 //! Events at the same instant are processed in a fixed order (engines by index, then arrivals), so
 //! the same inputs always give the same report.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::time::Duration;
 
 use crate::config::{ConfigError, MockerConfig};
@@ -301,19 +302,8 @@ impl DisaggSimulation {
         I: IntoIterator<Item = Arrival>,
         D: DisaggDispatcher + ?Sized,
     {
-        use std::cmp::Reverse;
-        use std::collections::BinaryHeap;
-
         let mut arrivals = ArrivalFeed::new(arrivals);
-        let mut report = SimReport::default();
-        // The client's request (full output budget) and its arrival, until it leaves decode.
-        let mut pending: HashMap<RequestId, (Request, Duration)> = HashMap::new();
-        // Transfers in flight: (ready at, sequence number, decode engine, request id).
-        let mut transfers: BinaryHeap<Reverse<(Duration, u64, usize, RequestId)>> =
-            BinaryHeap::new();
-        let mut next_transfer = 0u64;
-        let mut ttft = Vec::new();
-        let mut e2e = Vec::new();
+        let mut run = DisaggRun::default();
         let mut out = StepOutput::default();
         let before_prefill: Vec<_> = self.prefill.iter().map(Engine::stats).collect();
         let before_decode: Vec<_> = self.decode.iter().map(Engine::stats).collect();
@@ -324,7 +314,7 @@ impl DisaggSimulation {
                 .chain(&self.decode)
                 .filter_map(Engine::next_wakeup)
                 .min();
-            let next_transfer_at = transfers.peek().map(|Reverse((at, ..))| *at);
+            let next_transfer_at = run.transfers.peek().map(|Reverse((at, ..))| *at);
             let Some(now) = [next_engine, next_transfer_at, arrivals.next_at()]
                 .into_iter()
                 .flatten()
@@ -340,15 +330,15 @@ impl DisaggSimulation {
                 &mut self.prefill,
                 now,
                 &mut out,
-                &mut report,
+                &mut run.report,
                 |worker, out| {
                     dispatcher.observe(worker, out);
                     for finished in &out.finished {
-                        let Some((request, _)) = pending.get(&finished.request_id) else {
+                        let Some((request, _)) = run.pending.get(&finished.request_id) else {
                             continue;
                         };
                         if finished.reason != crate::request::FinishReason::Length {
-                            pending.remove(&finished.request_id);
+                            run.pending.remove(&finished.request_id);
                             continue;
                         }
                         let picked = dispatcher.pick_decode(now, request, decode);
@@ -364,13 +354,13 @@ impl DisaggSimulation {
                             config.speedup,
                         );
                         let ready = finished.at.max(now) + transfer;
-                        transfers.push(Reverse((
+                        run.transfers.push(Reverse((
                             ready,
-                            next_transfer,
+                            run.next_transfer,
                             picked,
                             finished.request_id,
                         )));
-                        next_transfer += 1;
+                        run.next_transfer += 1;
                     }
                 },
             );
@@ -384,56 +374,30 @@ impl DisaggSimulation {
                 &mut self.decode,
                 now,
                 &mut out,
-                &mut report,
+                &mut run.report,
                 |worker, out| {
                     for token in out.tokens.iter().filter(|t| t.index == 0) {
-                        if let Some((_, arrived)) = pending.get(&token.request_id) {
-                            ttft.push(token.at.saturating_sub(*arrived));
+                        if let Some((_, arrived)) = run.pending.get(&token.request_id) {
+                            run.ttft.push(token.at.saturating_sub(*arrived));
                         }
                     }
                     for finished in &out.finished {
-                        if let Some((_, arrived)) = pending.remove(&finished.request_id) {
-                            e2e.push(finished.at.saturating_sub(arrived));
+                        if let Some((_, arrived)) = run.pending.remove(&finished.request_id) {
+                            run.e2e.push(finished.at.saturating_sub(arrived));
                         }
                     }
                     dispatcher.observe_decode(worker, out);
                 },
             );
-            while let Some(Reverse((_, _, worker, id))) = transfers
-                .peek()
-                .copied()
-                .filter(|Reverse((at, ..))| *at <= now)
-            {
-                transfers.pop();
-                let Some((request, _)) = pending.get(&id) else {
-                    continue;
-                };
-                if let Err(error) = self.decode[worker].add_prefilled_request(now, request.clone())
-                {
-                    pending.remove(&id);
-                    report.rejected += 1;
-                    dispatcher.rejected_decode(now, worker, id, &error);
-                }
-            }
-            while let Some(arrival) = arrivals.next_due(now)? {
-                report.arrived += 1;
-                let picked = dispatcher.pick(now, &arrival.request, &self.prefill);
-                let id = arrival.request.id;
-                let prefill = Request {
-                    max_output_tokens: 1,
-                    ..arrival.request.clone()
-                };
-                match engine_at(&mut self.prefill, picked)?.add_request(now, prefill) {
-                    Ok(()) => {
-                        pending.insert(id, (arrival.request, now));
-                    }
-                    Err(error) => {
-                        report.rejected += 1;
-                        dispatcher.rejected(now, picked, id, &error);
-                    }
-                }
-            }
+            run.finish_transfers(now, &mut self.decode, dispatcher);
+            run.admit_due(now, &mut arrivals, &mut self.prefill, dispatcher)?;
         }
+        let DisaggRun {
+            mut report,
+            ttft,
+            e2e,
+            ..
+        } = run;
         report.completed = e2e.len() as u64;
         add_stats(
             &mut report,
@@ -445,6 +409,80 @@ impl DisaggSimulation {
         report.ttft = LatencySummary::from_samples(ttft);
         report.e2e = LatencySummary::from_samples(e2e);
         Ok(report)
+    }
+}
+
+/// The state of one [`DisaggSimulation::run`].
+#[derive(Default)]
+struct DisaggRun {
+    report: SimReport,
+    /// The client's request (full output budget) and its arrival, until it leaves decode.
+    pending: HashMap<RequestId, (Request, Duration)>,
+    /// Transfers in flight: (ready at, sequence number, decode engine, request id).
+    transfers: BinaryHeap<Reverse<(Duration, u64, usize, RequestId)>>,
+    next_transfer: u64,
+    ttft: Vec<Duration>,
+    e2e: Vec<Duration>,
+}
+
+impl DisaggRun {
+    /// Hands each transfer finished by `now` to its decode engine.
+    fn finish_transfers<D: DisaggDispatcher + ?Sized>(
+        &mut self,
+        now: Duration,
+        decode: &mut [Engine],
+        dispatcher: &mut D,
+    ) {
+        while let Some(Reverse((_, _, worker, id))) = self
+            .transfers
+            .peek()
+            .copied()
+            .filter(|Reverse((at, ..))| *at <= now)
+        {
+            self.transfers.pop();
+            let Some((request, _)) = self.pending.get(&id) else {
+                continue;
+            };
+            if let Err(error) = decode[worker].add_prefilled_request(now, request.clone()) {
+                self.pending.remove(&id);
+                self.report.rejected += 1;
+                dispatcher.rejected_decode(now, worker, id, &error);
+            }
+        }
+    }
+
+    /// Sends each arrival due by `now` to the prefill engine the dispatcher picks, with an
+    /// output budget of one token.
+    fn admit_due<I, D>(
+        &mut self,
+        now: Duration,
+        arrivals: &mut ArrivalFeed<I>,
+        prefill: &mut [Engine],
+        dispatcher: &mut D,
+    ) -> Result<(), SimError>
+    where
+        I: Iterator<Item = Arrival>,
+        D: DisaggDispatcher + ?Sized,
+    {
+        while let Some(arrival) = arrivals.next_due(now)? {
+            self.report.arrived += 1;
+            let picked = dispatcher.pick(now, &arrival.request, prefill);
+            let id = arrival.request.id;
+            let request = Request {
+                max_output_tokens: 1,
+                ..arrival.request.clone()
+            };
+            match engine_at(prefill, picked)?.add_request(now, request) {
+                Ok(()) => {
+                    self.pending.insert(id, (arrival.request, now));
+                }
+                Err(error) => {
+                    self.report.rejected += 1;
+                    dispatcher.rejected(now, picked, id, &error);
+                }
+            }
+        }
+        Ok(())
     }
 }
 

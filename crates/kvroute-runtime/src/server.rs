@@ -299,29 +299,26 @@ async fn run_streams<E: Engine>(
     shared: &Arc<Shared<E>>,
 ) -> Result<(), String> {
     let max = shared.config.max_frame_bytes;
-    let mut tasks: JoinSet<u64> = JoinSet::new();
-    let mut streams: HashMap<u64, StreamEntry> = HashMap::new();
+    let mut streams = Streams {
+        tx,
+        shared,
+        max,
+        tasks: JoinSet::new(),
+        running: HashMap::new(),
+    };
     // Every stream still running when this returns is killed: its engine stream is dropped with
     // the JoinSet, and its context says so for engines that watch it.
     let result = loop {
-        let raw = tokio::select! {
-            raw = reader.next() => raw,
-            Some(done) = tasks.join_next(), if !tasks.is_empty() => {
-                match done {
-                    Ok(id) => {
-                        streams.remove(&id);
-                    }
-                    // A panicked engine stream: find it by task id and fail it for the caller.
-                    Err(e) => {
-                        let id = streams.iter().find(|(_, s)| s.task.id() == e.id()).map(|(id, _)| *id);
-                        if let Some(id) = id {
-                            streams.remove(&id);
-                            send_error(tx, id, WireErrorCode::Engine, "the engine stream panicked".to_owned(), max).await;
-                        }
-                    }
-                }
+        let next = tokio::select! {
+            raw = reader.next() => Next::Frame(raw),
+            Some(done) = streams.tasks.join_next(), if !streams.tasks.is_empty() => Next::Ended(done),
+        };
+        let raw = match next {
+            Next::Ended(done) => {
+                streams.ended(done).await;
                 continue;
             }
+            Next::Frame(raw) => raw,
         };
         let raw = match raw {
             None => break Ok(()),
@@ -336,58 +333,68 @@ async fn run_streams<E: Engine>(
             Ok(f) => f,
             Err(e) => break Err(format!("refusing frame: {e}")),
         };
+        if let Err(e) = streams.handle(f).await {
+            break Err(e);
+        }
+    };
+    for entry in streams.running.values() {
+        entry.context.kill();
+    }
+    result
+}
+
+/// What [`run_streams`] waits for next: a frame from the peer or the end of a stream's task.
+enum Next {
+    Frame(Option<Result<bytes::BytesMut, std::io::Error>>),
+    Ended(Result<u64, tokio::task::JoinError>),
+}
+
+/// One connection's running streams (engine requests and feeds), and where their frames go.
+struct Streams<'a, E: Engine> {
+    tx: &'a mpsc::Sender<Bytes>,
+    shared: &'a Arc<Shared<E>>,
+    max: usize,
+    tasks: JoinSet<u64>,
+    running: HashMap<u64, StreamEntry>,
+}
+
+impl<E: Engine> Streams<'_, E> {
+    /// Forgets a stream whose task ended.
+    async fn ended(&mut self, done: Result<u64, tokio::task::JoinError>) {
+        match done {
+            Ok(id) => {
+                self.running.remove(&id);
+            }
+            // A panicked engine stream: find it by task id and fail it for the caller.
+            Err(e) => {
+                let id = self
+                    .running
+                    .iter()
+                    .find(|(_, s)| s.task.id() == e.id())
+                    .map(|(id, _)| *id);
+                if let Some(id) = id {
+                    self.running.remove(&id);
+                    let message = "the engine stream panicked".to_owned();
+                    send_error(self.tx, id, WireErrorCode::Engine, message, self.max).await;
+                }
+            }
+        }
+    }
+
+    /// Serves one frame; an error ends the connection with that message.
+    #[inline]
+    async fn handle(&mut self, f: Frame) -> Result<(), String> {
+        let (tx, max) = (self.tx, self.max);
         match f.kind {
-            Kind::Request => {
-                if streams.contains_key(&f.stream) {
-                    break Err(format!("stream id {} is already in use", f.stream));
-                }
-                let limit = shared.config.max_streams_per_connection;
-                if streams.len() >= limit {
-                    let message =
-                        format!("this connection already runs {limit} streams, the most allowed");
-                    send_error(tx, f.stream, WireErrorCode::TooManyStreams, message, max).await;
-                    continue;
-                }
-                let decoded = frame::decode::<(String, E::Request)>(&f.body, max);
-                let (request_id, request) = match decoded {
-                    Ok(pair) => pair,
-                    Err(message) => {
-                        send_error(tx, f.stream, WireErrorCode::BadRequest, message, max).await;
-                        continue;
-                    }
-                };
-                let context = RequestContext::new(request_id);
-                let task = tasks.spawn(run_stream(
-                    shared.clone(),
-                    f.stream,
-                    request,
-                    context.clone(),
-                    tx.clone(),
-                ));
-                streams.insert(f.stream, StreamEntry { context, task });
-            }
-            Kind::Cancel => {
-                let kind = match frame::cancel_kind(&f.body) {
-                    Ok(kind) => kind,
-                    Err(message) => break Err(format!("bad cancel frame: {message}")),
-                };
-                match kind {
-                    CancelKind::Stop => {
-                        if let Some(entry) = streams.get(&f.stream) {
-                            entry.context.stop_generating();
-                        }
-                    }
-                    CancelKind::Kill => {
-                        if let Some(entry) = streams.remove(&f.stream) {
-                            entry.context.kill();
-                            entry.task.abort();
-                        }
-                    }
-                }
-            }
+            Kind::Request => self.request(f).await?,
+            Kind::Cancel => self.cancel(&f)?,
             Kind::SessionControl => {
                 let reply = match frame::decode::<SessionControl>(&f.body, max) {
-                    Ok(control) => shared.engine.session_control(control).map_err(engine_error),
+                    Ok(control) => self
+                        .shared
+                        .engine
+                        .session_control(control)
+                        .map_err(engine_error),
                     Err(message) => Err(WireError {
                         code: WireErrorCode::BadRequest,
                         message,
@@ -398,7 +405,7 @@ async fn run_streams<E: Engine>(
             Kind::EventsRange => {
                 let reply = match (
                     frame::decode::<(u64, u64)>(&f.body, max),
-                    &shared.config.kv_events,
+                    &self.shared.config.kv_events,
                 ) {
                     (Err(message), _) => Err(WireError {
                         code: WireErrorCode::BadRequest,
@@ -417,83 +424,143 @@ async fn run_streams<E: Engine>(
                 send_reply(tx, f.stream, reply, max).await;
             }
             Kind::KvDump => {
-                let reply = match &shared.config.kv_events {
+                let reply = match &self.shared.config.kv_events {
                     None => Err(no_kv_events()),
-                    Some(publisher) => Ok(publisher.dump_with(|| shared.engine.kv_dump())),
+                    Some(publisher) => Ok(publisher.dump_with(|| self.shared.engine.kv_dump())),
                 };
                 send_reply(tx, f.stream, reply, max).await;
             }
-            Kind::SubscribeKvEvents => {
-                if streams.contains_key(&f.stream) {
-                    break Err(format!("stream id {} is already in use", f.stream));
-                }
-                let feed = match (
-                    frame::decode::<Option<u64>>(&f.body, max),
-                    &shared.config.kv_events,
-                ) {
-                    (Err(message), _) => Err(WireError {
-                        code: WireErrorCode::BadRequest,
-                        message,
-                    }),
-                    (Ok(_), None) => Err(no_kv_events()),
-                    (Ok(from), Some(publisher)) => {
-                        publisher.subscribe(from).map_err(|e| WireError {
-                            code: WireErrorCode::EventsUnavailable,
-                            message: e.to_string(),
-                        })
-                    }
-                };
-                match feed {
-                    Err(e) => send_error(tx, f.stream, e.code, e.message, max).await,
-                    Ok((backlog, live)) => {
-                        let context = RequestContext::new("kv-events");
-                        let task = tasks.spawn(run_kv_feed(
-                            f.stream,
-                            backlog,
-                            live,
-                            context.clone(),
-                            tx.clone(),
-                            max,
-                        ));
-                        streams.insert(f.stream, StreamEntry { context, task });
-                    }
-                }
-            }
-            Kind::SubscribeLoadReports => {
-                if streams.contains_key(&f.stream) {
-                    break Err(format!("stream id {} is already in use", f.stream));
-                }
-                match &shared.config.load_reports {
-                    None => {
-                        let e = WireError {
-                            code: WireErrorCode::Unsupported,
-                            message: "this worker sends no load reports".to_owned(),
-                        };
-                        send_error(tx, f.stream, e.code, e.message, max).await;
-                    }
-                    Some(reporter) => {
-                        let context = RequestContext::new("load-reports");
-                        let task = tasks.spawn(run_report_feed(
-                            f.stream,
-                            reporter.clone(),
-                            context.clone(),
-                            tx.clone(),
-                            max,
-                        ));
-                        streams.insert(f.stream, StreamEntry { context, task });
-                    }
-                }
-            }
+            Kind::SubscribeKvEvents => self.subscribe_kv_events(f).await?,
+            Kind::SubscribeLoadReports => self.subscribe_load_reports(f).await?,
             Kind::Ping => {
                 let _ = tx.send(frame::encode_raw(Kind::Pong, f.stream, &[])).await;
             }
-            other => break Err(format!("a worker does not accept {other:?} frames")),
+            other => return Err(format!("a worker does not accept {other:?} frames")),
         }
-    };
-    for entry in streams.values() {
-        entry.context.kill();
+        Ok(())
     }
-    result
+
+    /// A stream id a new stream may take; in use, it ends the connection.
+    fn check_free(&self, stream: u64) -> Result<(), String> {
+        if self.running.contains_key(&stream) {
+            return Err(format!("stream id {stream} is already in use"));
+        }
+        Ok(())
+    }
+
+    /// A request for the engine: runs it as a stream of its own, unless the connection runs
+    /// the most streams allowed or the request cannot be decoded.
+    #[inline]
+    async fn request(&mut self, f: Frame) -> Result<(), String> {
+        self.check_free(f.stream)?;
+        let (tx, max) = (self.tx, self.max);
+        let limit = self.shared.config.max_streams_per_connection;
+        if self.running.len() >= limit {
+            let message = format!("this connection already runs {limit} streams, the most allowed");
+            send_error(tx, f.stream, WireErrorCode::TooManyStreams, message, max).await;
+            return Ok(());
+        }
+        let decoded = frame::decode::<(String, E::Request)>(&f.body, max);
+        let (request_id, request) = match decoded {
+            Ok(pair) => pair,
+            Err(message) => {
+                send_error(tx, f.stream, WireErrorCode::BadRequest, message, max).await;
+                return Ok(());
+            }
+        };
+        let context = RequestContext::new(request_id);
+        let task = self.tasks.spawn(run_stream(
+            self.shared.clone(),
+            f.stream,
+            request,
+            context.clone(),
+            tx.clone(),
+        ));
+        self.running.insert(f.stream, StreamEntry { context, task });
+        Ok(())
+    }
+
+    /// Stops a stream's generation, or kills it.
+    fn cancel(&mut self, f: &Frame) -> Result<(), String> {
+        let kind = frame::cancel_kind(&f.body).map_err(|m| format!("bad cancel frame: {m}"))?;
+        match kind {
+            CancelKind::Stop => {
+                if let Some(entry) = self.running.get(&f.stream) {
+                    entry.context.stop_generating();
+                }
+            }
+            CancelKind::Kill => {
+                if let Some(entry) = self.running.remove(&f.stream) {
+                    entry.context.kill();
+                    entry.task.abort();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Streams the KV events from the one asked for (the publisher's backlog, then live).
+    async fn subscribe_kv_events(&mut self, f: Frame) -> Result<(), String> {
+        self.check_free(f.stream)?;
+        let (tx, max) = (self.tx, self.max);
+        let feed = match (
+            frame::decode::<Option<u64>>(&f.body, max),
+            &self.shared.config.kv_events,
+        ) {
+            (Err(message), _) => Err(WireError {
+                code: WireErrorCode::BadRequest,
+                message,
+            }),
+            (Ok(_), None) => Err(no_kv_events()),
+            (Ok(from), Some(publisher)) => publisher.subscribe(from).map_err(|e| WireError {
+                code: WireErrorCode::EventsUnavailable,
+                message: e.to_string(),
+            }),
+        };
+        match feed {
+            Err(e) => send_error(tx, f.stream, e.code, e.message, max).await,
+            Ok((backlog, live)) => {
+                let context = RequestContext::new("kv-events");
+                let task = self.tasks.spawn(run_kv_feed(
+                    f.stream,
+                    backlog,
+                    live,
+                    context.clone(),
+                    tx.clone(),
+                    max,
+                ));
+                self.running.insert(f.stream, StreamEntry { context, task });
+            }
+        }
+        Ok(())
+    }
+
+    /// Streams the worker's load reports.
+    async fn subscribe_load_reports(&mut self, f: Frame) -> Result<(), String> {
+        self.check_free(f.stream)?;
+        let (tx, max) = (self.tx, self.max);
+        match &self.shared.config.load_reports {
+            None => {
+                let e = WireError {
+                    code: WireErrorCode::Unsupported,
+                    message: "this worker sends no load reports".to_owned(),
+                };
+                send_error(tx, f.stream, e.code, e.message, max).await;
+            }
+            Some(reporter) => {
+                let context = RequestContext::new("load-reports");
+                let task = self.tasks.spawn(run_report_feed(
+                    f.stream,
+                    reporter.clone(),
+                    context.clone(),
+                    tx.clone(),
+                    max,
+                ));
+                self.running.insert(f.stream, StreamEntry { context, task });
+            }
+        }
+        Ok(())
+    }
 }
 
 async fn run_stream<E: Engine>(

@@ -24,14 +24,14 @@ use kvroute_protocols::{DpRank, RoutingConstraints, WorkerId};
 use rand::Rng;
 
 use crate::config::{
-    CostWeights, DEFAULT_BATCH_BUDGET_TOKENS, LoadThresholds, PrefillThreshold,
+    CacheHitWeights, CostWeights, DEFAULT_BATCH_BUDGET_TOKENS, LoadThresholds, PrefillThreshold,
     effective_temperature,
 };
 use crate::decision::{CandidateCost, Decision, FilterStage, SelectError, SelectRequest};
 use crate::fxhash::FxHashMap;
 use crate::scheduler::Scheduler;
 use crate::scratch::Mark;
-use crate::workers::Slot;
+use crate::workers::{Slot, Workers};
 
 /// Required-taint mask of a request; `None` when a required taint is unknown to every worker.
 fn required_mask(
@@ -281,6 +281,44 @@ impl Scheduler {
 
     /// Fills `scratch.candidates` with the cost of every eligible slot.
     fn score(&mut self, req: &SelectRequest<'_>, w: &CostWeights) {
+        let generation = self.mark(req, w);
+        let workers = &self.workers;
+        let s = &mut self.scratch;
+        let has_preferences = req
+            .constraints
+            .is_some_and(|c| !c.preferred_taints.is_empty());
+        let scale = fleet_prefill_scale(workers, &s.eligible, w);
+        s.prefill_load_scale = scale;
+        let terms = CostTerms {
+            req,
+            w,
+            preferred: &s.preferred,
+            has_preferences,
+            block_size: f64::from(self.config.block_size),
+            tiers: self.config.cache_hit_weights,
+            prompt_blocks: req.block_hashes.len() as f64,
+            scale,
+            floor_prefill: floor_prefill(workers, &s.eligible, w),
+        };
+        s.candidates.clear();
+        for &idx in &s.eligible {
+            let Some(slot) = workers.slot(idx) else {
+                continue;
+            };
+            let mark = s.marks[idx as usize];
+            let mark = if mark.generation == generation {
+                mark
+            } else {
+                Mark::default()
+            };
+            s.candidates.push(terms.cost(slot, mark));
+        }
+    }
+
+    /// Stamps, per slot, this request's overlap, lower-tier and already-active blocks with a new
+    /// generation (returned), and collects the preferred taints some worker carries.
+    #[inline]
+    fn mark(&mut self, req: &SelectRequest<'_>, w: &CostWeights) -> u32 {
         let workers = &self.workers;
         let s = &mut self.scratch;
         let n_slots = workers.slots.len();
@@ -322,9 +360,6 @@ impl Scheduler {
             }
         }
         s.preferred.clear();
-        let has_preferences = req
-            .constraints
-            .is_some_and(|c| !c.preferred_taints.is_empty());
         if let Some(c) = req.constraints {
             for (name, &weight) in &c.preferred_taints {
                 // A preferred taint that no worker carries matches nobody.
@@ -333,90 +368,106 @@ impl Scheduler {
                 }
             }
         }
+        generation
+    }
+}
 
-        let block_size = f64::from(self.config.block_size);
-        let tiers = self.config.cache_hit_weights;
-        let prompt_blocks = req.block_hashes.len() as f64;
-        // The fleet's prefill backlog, only when the scale depends on it.
-        let scale = if w.loaded_prefill_load_scale == w.prefill_load_scale {
-            w.prefill_load_scale
-        } else {
-            let (outstanding, budget) = s.eligible.iter().filter_map(|&i| workers.slot(i)).fold(
-                (0u64, 0u64),
-                |(p, b), slot| {
-                    let budget = slot
-                        .max_batched_tokens
-                        .unwrap_or(DEFAULT_BATCH_BUDGET_TOKENS);
-                    (p + slot.load.prefill_tokens, b + budget)
-                },
-            );
-            w.prefill_scale_at(outstanding as f64 / budget.max(1) as f64)
-        };
-        s.prefill_load_scale = scale;
-        // The eligible workers' least outstanding prefill, only when the credit decays with it.
-        let floor_prefill = if w.overlap_credit_decay > 0.0 && w.track_prefill_tokens {
-            s.eligible
-                .iter()
-                .filter_map(|&i| workers.slot(i))
-                .map(|slot| slot.load.prefill_tokens)
-                .min()
-                .unwrap_or(0)
-        } else {
-            0
-        };
-        s.candidates.clear();
-        for &idx in &s.eligible {
-            let Some(slot) = workers.slot(idx) else {
-                continue;
-            };
-            let mark = s.marks[idx as usize];
-            let mark = if mark.generation == generation {
-                mark
-            } else {
-                Mark::default()
-            };
-            let (overlap_blocks, active) = (mark.overlap, mark.active);
-            let prefill_blocks = if w.track_prefill_tokens {
-                (slot.load.prefill_tokens + req.isl_tokens) as f64 / block_size
-            } else {
-                0.0
-            };
-            let excess = slot.load.prefill_tokens.saturating_sub(floor_prefill) as f64 / block_size;
-            let credit = w.credit(overlap_blocks, req.block_hashes.len())
-                * w.credit_decay_at(excess, req.block_hashes.len());
-            // Exactly 0.0 without lower-tier blocks (or with zero weights), so the cost is then
-            // bit for bit the device-only one.
-            let lower_credit =
-                tiers.host * f64::from(mark.host) + tiers.disk * f64::from(mark.disk);
-            let credited_prefill_blocks =
-                (prefill_blocks - (credit * f64::from(overlap_blocks) + lower_credit)).max(0.0);
-            let already_active = f64::from(active).min(prompt_blocks);
-            let decode_blocks = slot.load.decode_blocks() + (prompt_blocks - already_active);
-            let taint_multiplier = if has_preferences {
-                let bias: f64 = s
-                    .preferred
-                    .iter()
-                    .filter(|(bit, _)| slot.taints & bit != 0)
-                    .map(|(_, w)| w)
-                    .sum();
-                (-bias.tanh()).exp()
-            } else {
-                1.0
-            };
-            let cost = (scale * credited_prefill_blocks + decode_blocks) * taint_multiplier;
-            s.candidates.push(CandidateCost {
-                worker: slot.key,
-                overlap_blocks,
-                host_blocks: mark.host,
-                disk_blocks: mark.disk,
-                weighted_overlap_blocks: f64::from(overlap_blocks) + lower_credit,
-                credit,
-                prefill_blocks,
-                credited_prefill_blocks,
-                decode_blocks,
-                taint_multiplier,
-                cost,
+/// The prefill scale: the fleet's prefill backlog (of the eligible slots) is read only when the
+/// scale depends on it.
+#[inline]
+fn fleet_prefill_scale(workers: &Workers, eligible: &[u32], w: &CostWeights) -> f64 {
+    if w.loaded_prefill_load_scale == w.prefill_load_scale {
+        return w.prefill_load_scale;
+    }
+    let (outstanding, budget) =
+        eligible
+            .iter()
+            .filter_map(|&i| workers.slot(i))
+            .fold((0u64, 0u64), |(p, b), slot| {
+                let budget = slot
+                    .max_batched_tokens
+                    .unwrap_or(DEFAULT_BATCH_BUDGET_TOKENS);
+                (p + slot.load.prefill_tokens, b + budget)
             });
+    w.prefill_scale_at(outstanding as f64 / budget.max(1) as f64)
+}
+
+/// The eligible workers' least outstanding prefill, only when the credit decays with it.
+#[inline]
+fn floor_prefill(workers: &Workers, eligible: &[u32], w: &CostWeights) -> u64 {
+    if w.overlap_credit_decay > 0.0 && w.track_prefill_tokens {
+        eligible
+            .iter()
+            .filter_map(|&i| workers.slot(i))
+            .map(|slot| slot.load.prefill_tokens)
+            .min()
+            .unwrap_or(0)
+    } else {
+        0
+    }
+}
+
+/// What every candidate's cost in one selection shares.
+struct CostTerms<'a> {
+    req: &'a SelectRequest<'a>,
+    w: &'a CostWeights,
+    /// Preferred taints some worker carries, as (bit, weight).
+    preferred: &'a [(u64, f64)],
+    has_preferences: bool,
+    block_size: f64,
+    tiers: CacheHitWeights,
+    prompt_blocks: f64,
+    scale: f64,
+    floor_prefill: u64,
+}
+
+impl CostTerms<'_> {
+    /// The cost of `slot`, given its marks for this request.
+    #[inline]
+    fn cost(&self, slot: &Slot, mark: Mark) -> CandidateCost {
+        let (req, w) = (self.req, self.w);
+        let (block_size, tiers, prompt_blocks) = (self.block_size, self.tiers, self.prompt_blocks);
+        let (overlap_blocks, active) = (mark.overlap, mark.active);
+        let prefill_blocks = if w.track_prefill_tokens {
+            (slot.load.prefill_tokens + req.isl_tokens) as f64 / block_size
+        } else {
+            0.0
+        };
+        let excess =
+            slot.load.prefill_tokens.saturating_sub(self.floor_prefill) as f64 / block_size;
+        let credit = w.credit(overlap_blocks, req.block_hashes.len())
+            * w.credit_decay_at(excess, req.block_hashes.len());
+        // Exactly 0.0 without lower-tier blocks (or with zero weights), so the cost is then
+        // bit for bit the device-only one.
+        let lower_credit = tiers.host * f64::from(mark.host) + tiers.disk * f64::from(mark.disk);
+        let credited_prefill_blocks =
+            (prefill_blocks - (credit * f64::from(overlap_blocks) + lower_credit)).max(0.0);
+        let already_active = f64::from(active).min(prompt_blocks);
+        let decode_blocks = slot.load.decode_blocks() + (prompt_blocks - already_active);
+        let taint_multiplier = if self.has_preferences {
+            let bias: f64 = self
+                .preferred
+                .iter()
+                .filter(|(bit, _)| slot.taints & bit != 0)
+                .map(|(_, w)| w)
+                .sum();
+            (-bias.tanh()).exp()
+        } else {
+            1.0
+        };
+        let cost = (self.scale * credited_prefill_blocks + decode_blocks) * taint_multiplier;
+        CandidateCost {
+            worker: slot.key,
+            overlap_blocks,
+            host_blocks: mark.host,
+            disk_blocks: mark.disk,
+            weighted_overlap_blocks: f64::from(overlap_blocks) + lower_credit,
+            credit,
+            prefill_blocks,
+            credited_prefill_blocks,
+            decode_blocks,
+            taint_multiplier,
+            cost,
         }
     }
 }

@@ -9,6 +9,7 @@
 //! files; the cores it drives stay free of I/O. anyhow is used here and nowhere below.
 
 mod adapter;
+mod cli;
 mod demo;
 mod engine_sim;
 mod load;

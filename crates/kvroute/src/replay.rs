@@ -118,7 +118,7 @@ pub(crate) struct ReplayArgs {
     /// How late a replica learns another's requests and a worker's KV events (the event plane's
     /// latency; NATS on one host measured 0.2 ms p50, 1.4 ms p99).
     #[arg(long, default_value = "1ms", value_name = "DURATION")]
-    router_sync_delay: crate::serve::HumanDuration,
+    router_sync_delay: crate::cli::HumanDuration,
     /// Seed of every random choice (router tie-breaks, the random policy, generated tokens).
     #[arg(long, default_value_t = 0, value_name = "S")]
     seed: u64,
@@ -292,10 +292,10 @@ fn generator(args: &ReplayArgs) -> anyhow::Result<Option<Workload>> {
     }))
 }
 
-/// Runs `kvroute replay`.
-pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
-    let plan = Plan::new(args)?;
-    let (trace, source) = match (generator(args)?, &args.trace) {
+/// The trace to replay, generated (`--workload`) or read (`--trace`), and how the report names
+/// it; `None` when the generated trace was only to be written (`--write-trace`).
+fn load_trace(args: &ReplayArgs) -> anyhow::Result<Option<(Trace, String)>> {
+    Ok(Some(match (generator(args)?, &args.trace) {
         (Some(generator), _) => {
             let requests = generator.generate(args.seed);
             if let Some(path) = &args.write_trace {
@@ -306,7 +306,7 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
                     args.workload.as_deref().unwrap_or_default(),
                     path.display()
                 );
-                return Ok(());
+                return Ok(None);
             }
             let source = format!(
                 "workload {} (seed {}, scale {})",
@@ -318,6 +318,14 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
         }
         (None, Some(path)) => (workload::load(path)?, path.display().to_string()),
         (None, None) => bail!("expected --trace FILE or --workload NAME"),
+    }))
+}
+
+/// Runs `kvroute replay`.
+pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
+    let plan = Plan::new(args)?;
+    let Some((trace, source)) = load_trace(args)? else {
+        return Ok(());
     };
     let records = &trace.records;
     let oracle = Oracle::compute(

@@ -3,35 +3,38 @@
 //! Workers are found by registration (they connect to the registry this process runs, see
 //! `kvroute worker --router`), from a static fleet file, or through NATS (`--nats`: workers
 //! register in a KV bucket and publish their KV events to JetStream, so several routers share
-//! one fleet; see [`nats`]). Without NATS their KV events arrive over the request plane: a
-//! [`KvEventBridge`] subscribes to each listed worker and feeds the router's in-process event
-//! plane, so no broker is needed. Unless `[router] disagg = "off"`, the KV
-//! router of the decode phase serves decode and aggregated workers and another serves prefill
-//! workers; while a prefill worker is registered, requests are served disaggregated. On SIGINT or SIGTERM the frontend stops
-//! accepting, lets in-flight requests finish (up to the drain timeout), then exits.
+//! one fleet; see [`crate::cli::nats`]). Without NATS their KV events arrive over the request
+//! plane: a [`KvEventBridge`] subscribes to each listed worker and feeds the router's in-process
+//! event plane, so no broker is needed. Unless `[router] disagg = "off"`, the KV router of the
+//! decode phase serves decode and aggregated workers and another serves prefill workers; while a
+//! prefill worker is registered, requests are served disaggregated. On SIGINT or SIGTERM the
+//! frontend stops accepting, lets in-flight requests finish (up to the drain timeout), then exits.
 
 mod config;
 mod fleet;
-pub(crate) mod nats;
+mod proxy;
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use kvroute_router::http::{self, ApiKeys, AppState, Disagg, ServerTls};
 use kvroute_router::{
-    DEFAULT_LOAD_SCOPE, InMemoryAffinityStore, KvPhaseRouter, KvPushRouter, LoadSyncConfig,
-    ModelRegistry, PrefillRouterConfig, SharedAffinityStore, role_filtered,
+    DEFAULT_LOAD_SCOPE, InMemoryAffinityStore, KvPhaseRouter, KvPushRouter, KvPushRouterConfig,
+    LoadSyncConfig, ModelRegistry, PrefillRouterConfig, SharedAffinityStore, role_filtered,
 };
 use kvroute_runtime::{
     ClientConfig, Discovery as _, EventPlane, FleetSecret, FleetTls, InProcessDiscovery,
-    InProcessEventPlane, KvEventBridge, KvEventBridgeConfig, RegistryChecks, RegistryServer,
-    SnapshotStore, WorkerRole, membership_filtered,
+    InProcessEventPlane, InstanceSet, KvEventBridge, KvEventBridgeConfig, RegistryChecks,
+    RegistryServer, SnapshotStore, WorkerRole, membership_filtered,
 };
 
+pub(crate) use config::ServeOptions;
 use config::{Discovery, FleetSource, ServeConfig};
-pub(crate) use config::{HumanDuration, ServeOptions};
 
+use crate::cli::nats;
 use crate::signal;
 
 /// `kvroute serve` arguments.
@@ -90,25 +93,7 @@ fn registry_checks(config: &ServeConfig, secret: Option<&FleetSecret>) -> Regist
 
 async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
     let models = ModelRegistry::load(&config.models).context("loading the served models")?;
-    let secret = match &config.fleet_secret_file {
-        Some(path) => Some(
-            FleetSecret::from_file(path)
-                .context("loading the fleet secret (--fleet-secret-file)")?,
-        ),
-        None => {
-            tracing::warn!(
-                "no fleet secret: any process that reaches the worker registry can join the \
-                 fleet and receive prompts (pass --fleet-secret-file)"
-            );
-            None
-        }
-    };
-    let fleet_tls = match &config.fleet_tls {
-        Some([ca, cert, key]) => {
-            Some(FleetTls::load(ca, cert, key).context("loading the fleet's TLS files")?)
-        }
-        None => None,
-    };
+    let (secret, fleet_tls) = load_fleet_security(&config)?;
     // The router proves the secret to every worker it connects to, and talks only to those
     // that prove it back (and, with the fleet's TLS, that hold its CA's certificate).
     config.router.push.client.fleet_secret = secret.clone();
@@ -121,73 +106,18 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
         },
         ..KvEventBridgeConfig::default()
     };
-    // The registry (kept alive for the whole run) or the static fleet; both give a watch.
-    let mut static_fleet = None;
-    let mut nats = None;
-    // Beside NATS, a registry's workers are registered in NATS by this router and their KV
-    // events bridged to JetStream (both stop with the process).
-    let mut _proxied = None;
-    let (instances, registry) = match &config.discovery {
-        Discovery::Nats {
-            url,
-            namespace,
-            lease_ttl,
-            registry_listen,
-            auth,
-        } => {
-            let shared = nats::connect(url, namespace, *lease_ttl, auth).await?;
-            // Anyone allowed onto NATS can write a registration: with a fleet secret, only the
-            // ones proving it are served.
-            let watch = match &secret {
-                Some(secret) => membership_filtered(shared.discovery.watch(), secret.clone()),
-                None => shared.discovery.watch(),
-            };
-            let registry = match registry_listen {
-                None => None,
-                Some(listen) => {
-                    let registry = RegistryServer::bind_with_checks(
-                        listen,
-                        InProcessDiscovery::new(*lease_ttl),
-                        registry_checks(&config, secret.as_ref()).with_tls(fleet_tls.clone()),
-                    )
-                    .await
-                    .with_context(|| format!("binding the worker registry on {listen}"))?;
-                    let local = registry.discovery().watch();
-                    let proxy = nats::proxy_registrations(local.clone(), shared.discovery.clone());
-                    let bridge = KvEventBridge::start(
-                        local,
-                        Arc::new(shared.plane.clone()),
-                        bridge_config.clone(),
-                    );
-                    _proxied = Some((AbortOnDrop(proxy), bridge));
-                    Some(registry)
-                }
-            };
-            nats = Some(shared);
-            (watch, registry)
-        }
-        Discovery::Static { fleet } => {
-            let workers = match fleet {
-                FleetSource::File(path) => fleet::read_file(path)?,
-                FleetSource::Inline(workers) => workers.clone(),
-            };
-            fleet::check_against_router(&workers, config.router.core.block_size(), &config.models)?;
-            let fleet = fleet::Fleet::start(workers, secret.clone(), fleet_tls.clone()).await?;
-            let watch = fleet.discovery.watch();
-            static_fleet = Some(fleet);
-            (watch, None)
-        }
-        Discovery::Registration { listen, lease_ttl } => {
-            let registry = RegistryServer::bind_with_checks(
-                listen,
-                InProcessDiscovery::new(*lease_ttl),
-                registry_checks(&config, secret.as_ref()).with_tls(fleet_tls.clone()),
-            )
-            .await
-            .with_context(|| format!("binding the worker registry on {listen}"))?;
-            (registry.discovery().watch(), Some(registry))
-        }
+    let security = FleetSecurity {
+        secret: secret.as_ref(),
+        tls: fleet_tls.as_ref(),
+        bridge: &bridge_config,
     };
+    let Workers {
+        instances,
+        registry,
+        nats,
+        static_fleet,
+        _proxied,
+    } = Workers::find(&config, &security).await?;
     // With NATS the workers publish their KV events to JetStream themselves; otherwise the
     // bridge subscribes to each worker and feeds an in-process plane.
     let (plane, _bridge): (Arc<dyn EventPlane>, _) = match &nats {
@@ -199,92 +129,14 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
             (plane, Some(bridge))
         }
     };
-    // Router replicas on NATS share their active load and their sticky sessions; each router
-    // gets its own replica id. Without NATS a router keeps both to itself.
-    // The prefill and decode routers of one process serve different workers: each shares load
-    // only with the other processes' router of its phase.
-    let replica = |scope: &'static str| {
-        let id: u64 = rand::random();
-        let mut router = config.router.clone();
-        if nats.is_some() {
-            router.load_sync = Some(LoadSyncConfig::new(id).with_scope(scope));
-        }
-        (id, router)
-    };
-    let sessions = |id: u64| {
-        let nats = nats.clone();
-        let max_sessions = config.router.core.max_sessions;
-        async move {
-            let store: SharedAffinityStore = match &nats {
-                Some(shared) => Arc::new(shared.session_store(id, max_sessions).await?),
-                None => Arc::new(InMemoryAffinityStore::new(max_sessions)),
-            };
-            anyhow::Ok(store)
-        }
-    };
-    // On NATS the replicas that index the same workers share one index snapshot (a restarted
-    // router loads it and reads only the KV events after it).
-    let snapshots = |name: &'static str| {
-        let nats = nats.clone();
-        async move {
-            let store: Option<Arc<dyn SnapshotStore>> = match &nats {
-                Some(shared) => Some(Arc::new(shared.snapshot_store(name).await?)),
-                None => None,
-            };
-            anyhow::Ok(store)
-        }
-    };
-    let mut replica_routers = Vec::new();
-    let state = match config.disagg {
-        None => {
-            let (id, router_config) = replica(DEFAULT_LOAD_SCOPE);
-            let router = KvPushRouter::start_shared(
-                router_config,
-                instances,
-                plane,
-                sessions(id).await?,
-                snapshots("aggregated").await?,
-            )
-            .await
-            .context("starting the KV router")?;
-            replica_routers.push(router.clone());
-            AppState::new(router, models, config.http.clone())
-        }
-        Some(mode) => {
-            let start = |roles: &'static [WorkerRole], name: &'static str| {
-                let (id, router_config) = replica(name);
-                let instances = role_filtered(instances.clone(), roles);
-                let plane = plane.clone();
-                let store = sessions(id);
-                let snapshots = snapshots(name);
-                async move {
-                    KvPushRouter::start_shared(
-                        router_config,
-                        instances,
-                        plane,
-                        store.await?,
-                        snapshots.await?,
-                    )
-                    .await
-                    .map_err(anyhow::Error::from)
-                }
-            };
-            let prefill = start(&[WorkerRole::Prefill], "prefill")
-                .await
-                .context("starting the KV router of the prefill phase")?;
-            let decode = start(&[WorkerRole::Decode, WorkerRole::Aggregated], "decode")
-                .await
-                .context("starting the KV router of the decode phase")?;
-            // One set of replica metrics (the names carry no phase label): the decode phase's,
-            // which serves every aggregated request too.
-            replica_routers.push(decode.clone());
-            let disagg = Disagg::new(
-                KvPhaseRouter::new(prefill, decode.clone()),
-                instances,
-                PrefillRouterConfig::default().with_mode(mode),
-            );
-            AppState::new(decode, models, config.http.clone()).with_disagg(disagg)
-        }
+    let (router, disagg) = start_routers(&config, instances, plane, nats.as_ref()).await?;
+    // One set of replica metrics (the names carry no phase label): the router of the decode
+    // phase, when disaggregated, which serves every aggregated request too.
+    let replica_routers = vec![router.clone()];
+    let state = AppState::new(router, models, config.http.clone());
+    let state = match disagg {
+        None => state,
+        Some(disagg) => state.with_disagg(disagg),
     };
     let state = match &nats {
         Some(shared) => {
@@ -299,41 +151,7 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
         }
         None => state,
     };
-    let tls = match &config.tls {
-        Some((cert, key)) => {
-            let tls = ServerTls::load(cert, key).context("loading the TLS certificate")?;
-            tracing::info!(cert = %cert.display(), "serving HTTPS");
-            Some(tls)
-        }
-        None => None,
-    };
-    let keys = match &config.api_key_file {
-        Some(path) => {
-            let keys =
-                ApiKeys::load(path).context("loading the client API keys (--api-key-file)")?;
-            tracing::info!(path = %path.display(), keys = keys.len(), "clients must send an API key on /v1/*");
-            Some(keys)
-        }
-        None => None,
-    };
-    if keys.is_some() || tls.is_some() || fleet_tls.is_some() {
-        tokio::spawn(reload_on_sighup(
-            keys.clone(),
-            tls.clone(),
-            fleet_tls.clone(),
-        ));
-    }
-    let state = match keys {
-        Some(keys) => state.with_api_keys(keys),
-        None => {
-            tracing::warn!(
-                listen = %config.listen,
-                "serving unauthenticated requests: anyone who reaches this address is served \
-                 (pass --api-key-file to require a key)"
-            );
-            state
-        }
-    };
+    let (state, tls) = secure_frontend(&config, state, fleet_tls.as_ref())?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding the HTTP frontend on {}", config.listen))?;
@@ -387,6 +205,285 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
     drop(static_fleet);
     tracing::info!("stopped");
     failure.map_or(Ok(()), Err)
+}
+
+/// The fleet's secret (warning when there is none) and mutual TLS files, loaded.
+fn load_fleet_security(
+    config: &ServeConfig,
+) -> anyhow::Result<(Option<FleetSecret>, Option<FleetTls>)> {
+    let secret = match &config.fleet_secret_file {
+        Some(path) => Some(
+            FleetSecret::from_file(path)
+                .context("loading the fleet secret (--fleet-secret-file)")?,
+        ),
+        None => {
+            tracing::warn!(
+                "no fleet secret: any process that reaches the worker registry can join the \
+                 fleet and receive prompts (pass --fleet-secret-file)"
+            );
+            None
+        }
+    };
+    let fleet_tls = match &config.fleet_tls {
+        Some([ca, cert, key]) => {
+            Some(FleetTls::load(ca, cert, key).context("loading the fleet's TLS files")?)
+        }
+        None => None,
+    };
+    Ok((secret, fleet_tls))
+}
+
+/// What the router's side of the fleet proves and trusts.
+struct FleetSecurity<'a> {
+    secret: Option<&'a FleetSecret>,
+    tls: Option<&'a FleetTls>,
+    /// How KV event bridges connect to workers (with the secret and TLS above).
+    bridge: &'a KvEventBridgeConfig,
+}
+
+/// How the workers are found, and what must live as long as the service.
+struct Workers {
+    /// The listed workers (with a fleet secret on NATS, only those proving it).
+    instances: tokio::sync::watch::Receiver<InstanceSet>,
+    /// The worker registry, with registration or beside NATS.
+    registry: Option<RegistryServer>,
+    /// The NATS connection.
+    nats: Option<nats::Shared>,
+    /// The static fleet.
+    static_fleet: Option<fleet::Fleet>,
+    /// Beside NATS, a registry's workers are registered in NATS by this router and their KV
+    /// events bridged to JetStream (both stop with the process).
+    _proxied: Option<(AbortOnDrop, KvEventBridge)>,
+}
+
+impl Workers {
+    /// Opens the discovery `config` names: NATS, a static fleet or the registry (kept alive
+    /// for the whole run).
+    async fn find(config: &ServeConfig, security: &FleetSecurity<'_>) -> anyhow::Result<Self> {
+        let found = match &config.discovery {
+            Discovery::Nats {
+                url,
+                namespace,
+                lease_ttl,
+                registry_listen,
+                auth,
+            } => {
+                let shared = crate::cli::nats::connect(url, namespace, *lease_ttl, auth).await?;
+                // Anyone allowed onto NATS can write a registration: with a fleet secret, only
+                // the ones proving it are served.
+                let instances = match security.secret {
+                    Some(secret) => membership_filtered(shared.discovery.watch(), secret.clone()),
+                    None => shared.discovery.watch(),
+                };
+                let (registry, _proxied) = match registry_listen {
+                    None => (None, None),
+                    Some(listen) => {
+                        let registry = bind_registry(config, security, listen, *lease_ttl).await?;
+                        let local = registry.discovery().watch();
+                        let proxy =
+                            proxy::proxy_registrations(local.clone(), shared.discovery.clone());
+                        let bridge = KvEventBridge::start(
+                            local,
+                            Arc::new(shared.plane.clone()),
+                            security.bridge.clone(),
+                        );
+                        (Some(registry), Some((AbortOnDrop(proxy), bridge)))
+                    }
+                };
+                Workers {
+                    instances,
+                    registry,
+                    nats: Some(shared),
+                    static_fleet: None,
+                    _proxied,
+                }
+            }
+            Discovery::Static { fleet } => {
+                let workers = match fleet {
+                    FleetSource::File(path) => fleet::read_file(path)?,
+                    FleetSource::Inline(workers) => workers.clone(),
+                };
+                fleet::check_against_router(
+                    &workers,
+                    config.router.core.block_size(),
+                    &config.models,
+                )?;
+                let fleet =
+                    fleet::Fleet::start(workers, security.secret.cloned(), security.tls.cloned())
+                        .await?;
+                Workers {
+                    instances: fleet.discovery.watch(),
+                    registry: None,
+                    nats: None,
+                    static_fleet: Some(fleet),
+                    _proxied: None,
+                }
+            }
+            Discovery::Registration { listen, lease_ttl } => {
+                let registry = bind_registry(config, security, listen, *lease_ttl).await?;
+                Workers {
+                    instances: registry.discovery().watch(),
+                    registry: Some(registry),
+                    nats: None,
+                    static_fleet: None,
+                    _proxied: None,
+                }
+            }
+        };
+        Ok(found)
+    }
+}
+
+/// Binds the worker registry on `listen`, with [`registry_checks`] and the fleet's TLS.
+async fn bind_registry(
+    config: &ServeConfig,
+    security: &FleetSecurity<'_>,
+    listen: &SocketAddr,
+    lease_ttl: Duration,
+) -> anyhow::Result<RegistryServer> {
+    RegistryServer::bind_with_checks(
+        listen,
+        InProcessDiscovery::new(lease_ttl),
+        registry_checks(config, security.secret).with_tls(security.tls.cloned()),
+    )
+    .await
+    .with_context(|| format!("binding the worker registry on {listen}"))
+}
+
+/// Starts the KV router, or, with disaggregation, the routers of both phases; returns the one
+/// the frontend sends requests to (the decode phase's when disaggregated) and the
+/// disaggregation around both.
+///
+/// Router replicas on NATS share their active load and their sticky sessions; each router
+/// gets its own replica id. Without NATS a router keeps both to itself. The prefill and decode
+/// routers of one process serve different workers: each shares load only with the other
+/// processes' router of its phase.
+async fn start_routers(
+    config: &ServeConfig,
+    instances: tokio::sync::watch::Receiver<InstanceSet>,
+    plane: Arc<dyn EventPlane>,
+    nats: Option<&nats::Shared>,
+) -> anyhow::Result<(KvPushRouter, Option<Disagg>)> {
+    let replicas = Replicas { config, nats };
+    match config.disagg {
+        None => {
+            let (router_config, store, snapshots) =
+                replicas.prepare(DEFAULT_LOAD_SCOPE, "aggregated").await?;
+            let router =
+                KvPushRouter::start_shared(router_config, instances, plane, store, snapshots)
+                    .await
+                    .context("starting the KV router")?;
+            Ok((router, None))
+        }
+        Some(mode) => {
+            let start = |roles: &'static [WorkerRole], name: &'static str| {
+                let instances = role_filtered(instances.clone(), roles);
+                let plane = plane.clone();
+                async move {
+                    let (router_config, store, snapshots) = replicas.prepare(name, name).await?;
+                    KvPushRouter::start_shared(router_config, instances, plane, store, snapshots)
+                        .await
+                        .map_err(anyhow::Error::from)
+                }
+            };
+            let prefill = start(&[WorkerRole::Prefill], "prefill")
+                .await
+                .context("starting the KV router of the prefill phase")?;
+            let decode = start(&[WorkerRole::Decode, WorkerRole::Aggregated], "decode")
+                .await
+                .context("starting the KV router of the decode phase")?;
+            let disagg = Disagg::new(
+                KvPhaseRouter::new(prefill, decode.clone()),
+                instances,
+                PrefillRouterConfig::default().with_mode(mode),
+            );
+            Ok((decode, Some(disagg)))
+        }
+    }
+}
+
+/// What each router replica of this process starts with.
+#[derive(Clone, Copy)]
+struct Replicas<'a> {
+    config: &'a ServeConfig,
+    nats: Option<&'a nats::Shared>,
+}
+
+impl Replicas<'_> {
+    /// A new replica's configuration (sharing load with the other processes' routers of
+    /// `scope`), its session store and, on NATS, the index snapshot `snapshot` shared by the
+    /// replicas that index the same workers (a restarted router loads it and reads only the KV
+    /// events after it).
+    async fn prepare(
+        self,
+        scope: &'static str,
+        snapshot: &'static str,
+    ) -> anyhow::Result<(
+        KvPushRouterConfig,
+        SharedAffinityStore,
+        Option<Arc<dyn SnapshotStore>>,
+    )> {
+        let id: u64 = rand::random();
+        let mut router = self.config.router.clone();
+        if self.nats.is_some() {
+            router.load_sync = Some(LoadSyncConfig::new(id).with_scope(scope));
+        }
+        let max_sessions = self.config.router.core.max_sessions;
+        let store: SharedAffinityStore = match self.nats {
+            Some(shared) => Arc::new(shared.session_store(id, max_sessions).await?),
+            None => Arc::new(InMemoryAffinityStore::new(max_sessions)),
+        };
+        let snapshots: Option<Arc<dyn SnapshotStore>> = match self.nats {
+            Some(shared) => Some(Arc::new(shared.snapshot_store(snapshot).await?)),
+            None => None,
+        };
+        Ok((router, store, snapshots))
+    }
+}
+
+/// The frontend's TLS certificate and client API keys, loaded (with the fleet's TLS files,
+/// re-read on SIGHUP); `state` requires the keys when there are any.
+fn secure_frontend(
+    config: &ServeConfig,
+    state: AppState,
+    fleet_tls: Option<&FleetTls>,
+) -> anyhow::Result<(AppState, Option<ServerTls>)> {
+    let tls = match &config.tls {
+        Some((cert, key)) => {
+            let tls = ServerTls::load(cert, key).context("loading the TLS certificate")?;
+            tracing::info!(cert = %cert.display(), "serving HTTPS");
+            Some(tls)
+        }
+        None => None,
+    };
+    let keys = match &config.api_key_file {
+        Some(path) => {
+            let keys =
+                ApiKeys::load(path).context("loading the client API keys (--api-key-file)")?;
+            tracing::info!(path = %path.display(), keys = keys.len(), "clients must send an API key on /v1/*");
+            Some(keys)
+        }
+        None => None,
+    };
+    if keys.is_some() || tls.is_some() || fleet_tls.is_some() {
+        tokio::spawn(reload_on_sighup(
+            keys.clone(),
+            tls.clone(),
+            fleet_tls.cloned(),
+        ));
+    }
+    let state = match keys {
+        Some(keys) => state.with_api_keys(keys),
+        None => {
+            tracing::warn!(
+                listen = %config.listen,
+                "serving unauthenticated requests: anyone who reaches this address is served \
+                 (pass --api-key-file to require a key)"
+            );
+            state
+        }
+    };
+    Ok((state, tls))
 }
 
 /// Aborts a background task when dropped.

@@ -94,13 +94,25 @@ pub(crate) async fn start(
     log: &Path,
 ) -> Result<Fleet> {
     let mut cmd = Command::new(kvroute);
-    cmd.args(["engine-sim", "--dialect", "vllm", "--kv-events", "--engines"])
-        .arg(engines.to_string())
-        .args(["--model", MODEL, "--max-model-len", "1000000", "--tokenizer"])
-        .arg(tokenizer)
-        .arg("--mocker-config")
-        .arg(mocker)
-        .env("RUST_LOG", "warn");
+    cmd.args([
+        "engine-sim",
+        "--dialect",
+        "vllm",
+        "--kv-events",
+        "--engines",
+    ])
+    .arg(engines.to_string())
+    .args([
+        "--model",
+        MODEL,
+        "--max-model-len",
+        "1000000",
+        "--tokenizer",
+    ])
+    .arg(tokenizer)
+    .arg("--mocker-config")
+    .arg(mocker)
+    .env("RUST_LOG", "warn");
     let (proc, lines) =
         Proc::spawn_with_ready_lines("engine-sim", &mut cmd, log, engines, START_BOUND).await?;
     let engines = lines
@@ -182,7 +194,11 @@ pub(crate) fn group_usage(pgid: u32) -> (f64, u64) {
         return (0.0, 0);
     };
     for entry in dir.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
             continue;
         };
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
@@ -197,7 +213,12 @@ pub(crate) fn group_usage(pgid: u32) -> (f64, u64) {
         if fields.get(2).and_then(|g| g.parse::<u32>().ok()) != Some(pgid) {
             continue;
         }
-        let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        let ticks = |i: usize| {
+            fields
+                .get(i)
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
         cpu_ticks += ticks(11) + ticks(12);
         if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
             hwm_kib += status

@@ -117,7 +117,11 @@ pub(crate) fn requests(trace: &str, shape: Shape) -> Result<Vec<Request>> {
         // A prompt longer than its hash ids cover (not in well-formed traces) gets fresh words.
         let mut fill = 0u64;
         while (words.len() as u64) < prompt_tokens {
-            words.push(word(word_index(u64::MAX - n as u64, fill, shape.vocabulary)));
+            words.push(word(word_index(
+                u64::MAX - n as u64,
+                fill,
+                shape.vocabulary,
+            )));
             fill += 1;
         }
         out.push(Request {

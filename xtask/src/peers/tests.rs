@@ -98,7 +98,10 @@ fn requests_after_the_duration_are_left_out_and_bad_lines_are_named() {
     let e = load::requests("{\"timestamp\": 0}", shape(5.0))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("trace line 1: expected a number `input_length`"), "{e}");
+    assert!(
+        e.contains("trace line 1: expected a number `input_length`"),
+        "{e}"
+    );
     let e = load::requests("", shape(5.0)).unwrap_err().to_string();
     assert!(e.contains("no request"), "{e}");
 }
@@ -106,7 +109,8 @@ fn requests_after_the_duration_are_left_out_and_bad_lines_are_named() {
 #[test]
 fn the_stream_scan_keeps_the_last_usage_and_sees_done() {
     let mut scan = SseScan::default();
-    scan.feed(b"data: {\"choices\":[{\"text\":\"w1\"}]}\n\n").unwrap();
+    scan.feed(b"data: {\"choices\":[{\"text\":\"w1\"}]}\n\n")
+        .unwrap();
     assert!(scan.first_choice);
     scan.feed(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10,")
         .unwrap();
@@ -119,7 +123,10 @@ fn the_stream_scan_keeps_the_last_usage_and_sees_done() {
         json!(4)
     );
     let mut scan = SseScan::default();
-    assert!(scan.feed(b"data: {\"error\":{\"message\":\"x\"}}\n").is_err());
+    assert!(
+        scan.feed(b"data: {\"error\":{\"message\":\"x\"}}\n")
+            .is_err()
+    );
 }
 
 #[test]
@@ -216,7 +223,8 @@ fn kvroute_fleet_files_carry_events_only_when_asked() {
 #[test]
 fn readiness_counts_healthy_workers() {
     assert_eq!(routers::ready_count(true, &json!({"workers": 3})), 3);
-    let peers = json!({"workers": [{"is_healthy": true}, {"is_healthy": false}, {"is_healthy": true}]});
+    let peers =
+        json!({"workers": [{"is_healthy": true}, {"is_healthy": false}, {"is_healthy": true}]});
     assert_eq!(routers::ready_count(false, &peers), 2);
     assert_eq!(routers::ready_count(false, &json!({})), 0);
 }

@@ -151,7 +151,10 @@ fn a_report_above_the_cut_raises_the_capacity() {
     assert_eq!(approx.capacity(w), Some(8.0));
     // 8 fresh blocks elsewhere: conversation 1 is age 12 now, cut to nothing...
     approx.record_request(w, &blocks(&(300..308).collect::<Vec<_>>()), secs(5), None);
-    assert_eq!(approx.find_matches(&blocks(&[100, 101, 102, 103])).score(w), 0);
+    assert_eq!(
+        approx.find_matches(&blocks(&[100, 101, 102, 103])).score(w),
+        0
+    );
     // ...but the engine had all 4 blocks: the capacity moves halfway past age 12.
     approx.record_request(w, &blocks(&[100, 101, 102, 103]), secs(6), Some(11));
     assert_eq!(approx.on_report(11, 0, 4), Learnt::Raised(10.5));

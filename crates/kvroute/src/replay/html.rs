@@ -211,28 +211,7 @@ fn chart(spec: &Chart, series: &[Series]) -> String {
         svg,
         "<rect x=\"{LEFT}\" y=\"{TOP}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#999\"/>"
     );
-    // Ticks: decades on a log axis, five even steps otherwise.
-    let x_ticks: Vec<(f64, String)> = if spec.x_log {
-        (x0 as i32..=x1 as i32)
-            .map(|e| {
-                let v = 10f64.powi(e);
-                (
-                    v,
-                    if v >= 1.0 {
-                        format!("{v:.0}")
-                    } else {
-                        format!("{v}")
-                    },
-                )
-            })
-            .collect()
-    } else {
-        nice_ticks(x0, x1)
-            .into_iter()
-            .map(|v| (v, short(v)))
-            .collect()
-    };
-    for (v, label) in x_ticks {
+    for (v, label) in x_ticks(spec.x_log, x0, x1) {
         let x = px(v);
         let _ = writeln!(
             svg,
@@ -297,6 +276,31 @@ fn chart(spec: &Chart, series: &[Series]) -> String {
     }
     svg.push_str("</svg>\n");
     svg
+}
+
+/// The x axis's ticks over `[x0, x1]` (in axis units: decades on a log axis), with labels:
+/// decades on a log axis, five even steps otherwise.
+fn x_ticks(log: bool, x0: f64, x1: f64) -> Vec<(f64, String)> {
+    if log {
+        (x0 as i32..=x1 as i32)
+            .map(|e| {
+                let v = 10f64.powi(e);
+                (
+                    v,
+                    if v >= 1.0 {
+                        format!("{v:.0}")
+                    } else {
+                        format!("{v}")
+                    },
+                )
+            })
+            .collect()
+    } else {
+        nice_ticks(x0, x1)
+            .into_iter()
+            .map(|v| (v, short(v)))
+            .collect()
+    }
 }
 
 /// Ticks at round numbers (1, 2 or 5 times a power of ten apart), about five over `[lo, hi]`.

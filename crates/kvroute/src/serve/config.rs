@@ -13,7 +13,8 @@ use kvroute_router::{DisaggMode, KvPushRouterConfig, ModelConfig};
 use serde::Deserialize;
 
 use super::fleet::FleetWorker;
-use super::nats::NatsAuth;
+use crate::cli::HumanDuration;
+use crate::cli::nats::NatsAuth;
 
 /// Every option of `kvroute serve`, as the config file and as flags. `None` means "not given
 /// here": a flag overrides the file, the file overrides the default.
@@ -245,37 +246,6 @@ impl FromStr for ModelOptions {
     }
 }
 
-/// A duration written as a number with a unit: `250ms`, `5s`, `2m`, `1h`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct HumanDuration(pub(crate) Duration);
-
-impl FromStr for HumanDuration {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        let s = s.trim();
-        let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-        let (number, unit) = s.split_at(split);
-        let expected = || format!("expected a duration like 250ms, 5s, 2m or 1h, got {s:?}");
-        let n: u64 = number.parse().map_err(|_| expected())?;
-        let duration = match unit {
-            "ms" => Duration::from_millis(n),
-            "s" => Duration::from_secs(n),
-            "m" => Duration::from_secs(n.saturating_mul(60)),
-            "h" => Duration::from_secs(n.saturating_mul(3600)),
-            _ => return Err(expected()),
-        };
-        Ok(HumanDuration(duration))
-    }
-}
-
-impl<'de> Deserialize<'de> for HumanDuration {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let text = String::deserialize(d)?;
-        text.parse().map_err(serde::de::Error::custom)
-    }
-}
-
 /// An option whose value cannot be used.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("invalid option `{key}` (flag --{flag}): expected {expected}, got {got}")]
@@ -447,6 +417,7 @@ impl ServeOptions {
     }
 }
 
+mod defaults;
 mod validate;
 
 #[cfg(test)]

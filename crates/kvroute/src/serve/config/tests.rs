@@ -271,15 +271,89 @@ fn bad_values_name_the_key_the_flag_and_what_was_expected() {
     check("", &["--queue-timeout", "soon"], Err("expected a duration"));
 }
 
+/// The default every `--help` text states, as the constant or the router's configuration has it.
 #[test]
-fn durations_take_a_unit() {
-    let parse = |s: &str| s.parse::<HumanDuration>().map(|d| d.0);
-    assert_eq!(parse("250ms"), Ok(Duration::from_millis(250)));
-    assert_eq!(parse("5s"), Ok(Duration::from_secs(5)));
-    assert_eq!(parse("2m"), Ok(Duration::from_secs(120)));
-    assert_eq!(parse("1h"), Ok(Duration::from_secs(3600)));
-    assert!(parse("1.5s").is_err());
-    assert!(parse("s").is_err());
+fn defaults_in_help_are_the_constants() {
+    let config = ServeOptions::default()
+        .validate()
+        .expect("the defaults validate");
+    let scheduler = &config.router.core.scheduler;
+    let secs = |d: Duration| crate::cli::HumanDuration(d).to_string();
+    let mib = |bytes: usize| {
+        assert!(
+            bytes.is_multiple_of(1 << 20),
+            "{bytes} is a whole number of MiB"
+        );
+        format!("{} MiB", bytes >> 20)
+    };
+    let expected: &[(&str, String)] = &[
+        ("listen", defaults::LISTEN.to_owned()),
+        ("max_in_flight", defaults::MAX_IN_FLIGHT.to_string()),
+        ("max_queued", defaults::MAX_QUEUED.to_string()),
+        ("queue_timeout", secs(defaults::QUEUE_TIMEOUT)),
+        ("retry_after", secs(defaults::RETRY_AFTER)),
+        ("max_body_bytes", mib(defaults::MAX_BODY_BYTES)),
+        (
+            "max_body_memory_bytes",
+            mib(defaults::MAX_BODY_MEMORY_BYTES),
+        ),
+        ("header_timeout", secs(defaults::HEADER_TIMEOUT)),
+        ("body_timeout", secs(defaults::BODY_TIMEOUT)),
+        ("max_prompt_tokens", defaults::MAX_PROMPT_TOKENS.to_string()),
+        ("keep_alive", secs(defaults::KEEP_ALIVE)),
+        ("drain_timeout", secs(crate::cli::DEFAULT_DRAIN_TIMEOUT)),
+        ("block_size", defaults::BLOCK_SIZE.to_string()),
+        ("policy", kvroute_router::Policy::default().to_string()),
+        ("temperature", scheduler.temperature.to_string()),
+        (
+            "host_cache_hit_weight",
+            scheduler.cache_hit_weights.host.to_string(),
+        ),
+        (
+            "disk_cache_hit_weight",
+            scheduler.cache_hit_weights.disk.to_string(),
+        ),
+        ("max_migrations", config.http.max_migrations.to_string()),
+        ("kv_mode", "events".to_owned()),
+        ("disagg", "optional".to_owned()),
+        ("registry_listen", defaults::REGISTRY_LISTEN.to_owned()),
+        ("lease_ttl", secs(crate::cli::DEFAULT_LEASE_TTL)),
+        ("namespace", crate::cli::DEFAULT_NATS_NAMESPACE.to_owned()),
+        ("snapshot_interval", secs(config.router.snapshot_interval)),
+    ];
+    assert_eq!(
+        config.router.default_kv_mode,
+        kvroute_router::KvMode::Events
+    );
+    assert_eq!(config.disagg, Some(kvroute_router::DisaggMode::Optional));
+    let command = <ServeOptions as clap::Args>::augment_args(clap::Command::new("serve"));
+    for (id, default) in expected {
+        let arg = command
+            .get_arguments()
+            .find(|a| a.get_id() == *id)
+            .unwrap_or_else(|| panic!("no argument {id}"));
+        let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
+        assert!(
+            help.contains(&format!("(default {default}")),
+            "--{} says {help:?}, but its default is {default}",
+            arg.get_long().unwrap_or(id)
+        );
+    }
+}
+
+/// `docs/examples/serve.toml` says every value it shows is the default unless noted: validated,
+/// it is the configuration of no options at all.
+#[test]
+fn the_example_config_file_shows_the_defaults() {
+    let text = include_str!("../../../../../docs/examples/serve.toml");
+    let example = ServeOptions::from_toml(text)
+        .expect("docs/examples/serve.toml parses")
+        .validate()
+        .expect("docs/examples/serve.toml validates");
+    let default = ServeOptions::default()
+        .validate()
+        .expect("the defaults validate");
+    assert_eq!(format!("{example:#?}"), format!("{default:#?}"));
 }
 
 #[test]
