@@ -16,6 +16,7 @@ mod http;
 mod kv_events;
 mod metrics;
 mod openai;
+mod state;
 
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -31,8 +32,8 @@ use kvroute_runtime::KvEventPublisher;
 
 use crate::mocker_args::MockerArgs;
 use crate::signal;
-use http::{Sim, TextSide};
 use metrics::{CacheShape, Counters};
+use state::{Sim, TextSide};
 
 /// `kvroute engine-sim` arguments.
 #[derive(Debug, clap::Args)]

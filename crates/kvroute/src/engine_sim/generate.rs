@@ -19,9 +19,10 @@ use kvroute_runtime::{Engine as _, RequestContext, ResponseStream};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
-use super::http::{Sim, error_response};
 use super::kv_events::RequestBlocks;
+use super::openai::error_response;
 use super::openai::{Envelope, Usage};
+use super::state::Sim;
 
 /// One request, ready to run.
 pub(super) struct Job {

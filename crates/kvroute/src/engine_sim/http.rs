@@ -2,7 +2,7 @@
 //! endpoints; [`super::generate`] runs the completions.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use axum::Router;
 use axum::body::Bytes;
@@ -10,39 +10,17 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use kvroute_mocker::live::LiveMocker;
-use kvroute_router::tokenizer::{ChatTemplate, TemplateMessage, Tokenizer};
+use kvroute_router::tokenizer::TemplateMessage;
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
 use super::generate::{self, Job};
-use super::kv_events::BlockTokens;
-use super::metrics::{self, CacheShape, Counters};
+use super::metrics;
 use super::openai::{
     ChatMessage, ChatRequest, CompletionRequest, Envelope, Kind, Prompt, TokenizeRequest,
-    error_body,
+    error_response,
 };
-
-/// Turning text into tokens and back, shared by every engine of the process.
-pub(super) struct TextSide {
-    pub(super) tokenizer: Arc<dyn Tokenizer>,
-    pub(super) template: ChatTemplate,
-}
-
-/// One simulated engine and what its API needs.
-pub(super) struct Sim {
-    pub(super) engine: LiveMocker,
-    pub(super) model: String,
-    pub(super) text: Arc<TextSide>,
-    pub(super) cache: CacheShape,
-    pub(super) max_model_len: u32,
-    pub(super) counters: Counters,
-    /// The tokens of live blocks, with `--kv-events`.
-    pub(super) blocks: Option<Arc<BlockTokens>>,
-    pub(super) next_id: AtomicU64,
-    /// When the engine started, seconds since the epoch (`created` of `/v1/models`).
-    pub(super) started: u64,
-}
+use super::state::Sim;
 
 /// The engine's routes.
 pub(super) fn app(sim: Arc<Sim>) -> Router {
@@ -54,15 +32,6 @@ pub(super) fn app(sim: Arc<Sim>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .with_state(sim)
-}
-
-/// vLLM's error response.
-pub(super) fn error_response(status: StatusCode, kind: &str, message: &str) -> Response {
-    (
-        status,
-        axum::Json(error_body(message, kind, status.as_u16())),
-    )
-        .into_response()
 }
 
 /// A request the engine refuses, answered with vLLM's error body.

@@ -2,6 +2,8 @@
 //! as vLLM ignores unknown ones) and response shapes (checked against vLLM 0.33.0's
 //! `entrypoints/openai/{completion,chat_completion}/protocol.py`).
 
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -229,4 +231,13 @@ impl Envelope {
 /// vLLM's error body (`ErrorResponse`).
 pub(super) fn error_body(message: &str, kind: &str, code: u16) -> Value {
     json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
+}
+
+/// vLLM's error response.
+pub(super) fn error_response(status: StatusCode, kind: &str, message: &str) -> Response {
+    (
+        status,
+        axum::Json(error_body(message, kind, status.as_u16())),
+    )
+        .into_response()
 }
