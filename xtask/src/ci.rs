@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::cmd::{cargo, cargo_cmd, home_cache, run_command};
+use crate::cmd::{cargo, cargo_cmd, run_command};
 use crate::{examples, fuzz, package, python, tidy};
 
 /// Options of `cargo xtask ci`.
@@ -45,7 +45,7 @@ pub(crate) fn run(root: &Path, args: &CiArgs) -> Result<()> {
     let mut python = None;
     step("nats-server", &mut ensure_nats_server)?;
     step("python", &mut || {
-        python = Some(python::ensure(root, &venv_dir(root))?);
+        python = Some(python::ensure(root, &python::venv_dir(root))?);
         Ok(())
     })?;
     let python = python.context("the python step set no interpreter")?;
@@ -212,15 +212,6 @@ fn target_dir(root: &Path) -> std::path::PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR") {
         Some(dir) => root.join(dir),
         None => root.join("target"),
-    }
-}
-
-/// The test venv: beside the target directory when it is outside the clone (CI keeps both),
-/// else in `~/.cache/kvroute`.
-pub(crate) fn venv_dir(root: &Path) -> std::path::PathBuf {
-    match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(_) => target_dir(root).join("..").join("venv"),
-        None => home_cache().join("venv"),
     }
 }
 

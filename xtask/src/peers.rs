@@ -193,7 +193,7 @@ pub(crate) struct Run {
 /// Runs the bench.
 pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
     let args = Args::parse(args)?;
-    let venv = crate::ci::venv_dir(root);
+    let venv = python::venv_dir(root);
     let python = python::ensure(root, &venv)?;
     let bin_dir = python
         .parent()

@@ -17,10 +17,19 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-use crate::cmd::run_command;
+use crate::cmd::{home_cache, run_command};
 
 /// The variable the tests read the venv's interpreter from.
 pub(crate) const PYTHON_ENV: &str = "KVROUTE_PYTHON";
+
+/// The test venv: beside the target directory when that is outside the clone
+/// (`CARGO_TARGET_DIR`; CI keeps both), else in `~/.cache/kvroute`.
+pub(crate) fn venv_dir(root: &Path) -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => root.join(dir).join("..").join("venv"),
+        None => home_cache().join("venv"),
+    }
+}
 
 /// The requirement files, relative to the workspace root: (path, installed with `--no-deps`).
 const REQUIREMENTS: &[(&str, bool)] = &[

@@ -9,13 +9,13 @@
 //!   the routers' load must return to zero. Needs `nats-server` on PATH and the test venv (made
 //!   here, as `cargo xtask ci` makes it). Not part of `cargo xtask ci`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, ExitStatus};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 
-use crate::cmd::{cargo, home_cache, run_command};
+use crate::cmd::{cargo, run_command};
 use crate::{python, table};
 
 /// The longest soak `cargo xtask soak` runs (4 hours).
@@ -93,15 +93,6 @@ fn mock(root: &Path, minutes: u64) -> Result<()> {
     run_command(&mut cmd)
 }
 
-/// The test venv, where `cargo xtask ci` keeps it: beside the target directory when that is
-/// outside the clone (`CARGO_TARGET_DIR`), else in `~/.cache/kvroute`.
-fn venv_dir(root: &Path) -> PathBuf {
-    match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(dir) => root.join(dir).join("..").join("venv"),
-        None => home_cache().join("venv"),
-    }
-}
-
 /// Builds kvroute in release mode and runs the chaos script against it, its logs under the
 /// target directory (`chaos-soak/<unix time>-seed<S>`).
 fn chaos(root: &Path, minutes: u64, seed: u64) -> Result<()> {
@@ -116,7 +107,7 @@ fn chaos(root: &Path, minutes: u64, seed: u64) -> Result<()> {
              nats-server`, or a release binary from https://github.com/nats-io/nats-server)"
         );
     }
-    let python = python::ensure(root, &venv_dir(root))?;
+    let python = python::ensure(root, &python::venv_dir(root))?;
     eprintln!("building kvroute (release)");
     run_command(Command::new(cargo()).current_dir(root).args([
         "build",
