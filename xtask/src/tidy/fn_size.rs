@@ -63,7 +63,7 @@ pub(super) fn check(metadata: &Metadata) -> Vec<String> {
 
 /// Every `.rs` file under `dir`, except unit tests (`tests.rs`, or anything under a `tests/`
 /// directory).
-fn source_files(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
+pub(super) fn source_files(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
     if !dir.is_dir() {
         return Ok(());
     }
@@ -145,7 +145,7 @@ pub(super) fn functions(source: &str) -> Vec<Function> {
 }
 
 /// The byte ranges of the braced items that follow a `#[cfg(test)]` attribute.
-fn test_ranges(code: &str) -> Vec<std::ops::Range<usize>> {
+pub(super) fn test_ranges(code: &str) -> Vec<std::ops::Range<usize>> {
     let mut ranges = Vec::new();
     for (at, _) in code.match_indices("#[cfg(test)]") {
         let Some(open) = body_or_end(code, at) else {
@@ -176,7 +176,7 @@ fn body_or_end(code: &str, from: usize) -> Option<usize> {
 }
 
 /// The index of the `}` closing the `{` at `open`.
-fn matching_brace(code: &str, open: usize) -> Option<usize> {
+pub(super) fn matching_brace(code: &str, open: usize) -> Option<usize> {
     let mut depth = 0usize;
     for (i, b) in code.bytes().enumerate().skip(open) {
         match b {
@@ -200,7 +200,7 @@ fn line_of(code: &str, at: usize) -> usize {
 
 /// `source` with every comment and the contents of every string and character literal replaced
 /// by spaces (newlines kept), so that braces in them do not count and lines stay where they were.
-fn blank_comments_and_literals(source: &str) -> String {
+pub(super) fn blank_comments_and_literals(source: &str) -> String {
     let chars: Vec<char> = source.chars().collect();
     let mut out = String::with_capacity(source.len());
     let mut i = 0;
@@ -333,13 +333,13 @@ fn char_literal(chars: &[char], i: usize) -> bool {
 /// The words (identifiers and keywords) of blanked code, with their byte offsets; any other
 /// character is a word of its own.
 #[derive(Clone, Copy)]
-struct Words<'a> {
+pub(super) struct Words<'a> {
     code: &'a str,
     at: usize,
 }
 
 impl<'a> Words<'a> {
-    fn new(code: &'a str) -> Self {
+    pub(super) fn new(code: &'a str) -> Self {
         Self { code, at: 0 }
     }
 

@@ -1,12 +1,14 @@
 //! Tidy checks: facts about the tree that the compiler does not enforce (crate docs, manifests,
-//! layering, the routing core's freedom from I/O crates, file and function size). Each check
-//! returns the list of problems it found; `cargo xtask tidy` (and the `tidy` step of `cargo xtask
-//! ci`) runs them all, and each is also a `#[test]` so plain `cargo test` runs them too.
+//! layering, the routing core's freedom from I/O crates, file and function size, no import circle
+//! between a crate's files). Each check returns the list of problems it found; `cargo xtask tidy`
+//! (and the `tidy` step of `cargo xtask ci`) runs them all, and each is also a `#[test]` so plain
+//! `cargo test` runs them too.
 
 mod core_io;
 mod crate_docs;
 mod file_size;
 mod fn_size;
+mod import_cycles;
 mod layering;
 mod manifests;
 
@@ -24,6 +26,7 @@ pub(crate) fn run_all(root: &Path) -> Result<()> {
     problems.extend(core_io::check(&metadata));
     problems.extend(file_size::check(&metadata));
     problems.extend(fn_size::check(&metadata));
+    problems.extend(import_cycles::check(&metadata));
     if problems.is_empty() {
         eprintln!("tidy: ok");
         return Ok(());
