@@ -94,11 +94,15 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = 40.0, value_name = "X")]
     speedup: f64,
     /// Each run replays the trace's requests that arrive within this many (real) seconds.
-    #[arg(long, default_value_t = 6.0, value_name = "SECONDS")]
+    #[arg(long, default_value_t = 4.0, value_name = "SECONDS")]
     duration: f64,
     /// The workloads' seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// An extra argument for both `kvroute serve` configurations (repeatable), to try a policy
+    /// or a weight against the same runs: `--kvroute-arg=--policy --kvroute-arg=kv`.
+    #[arg(long = "kvroute-arg", value_name = "ARG", allow_hyphen_values = true)]
+    kvroute_args: Vec<String>,
     /// CI's smoke test: 4 engines, `multi-turn` only, one round of every configuration, short.
     #[arg(long)]
     quick: bool,
@@ -313,7 +317,8 @@ async fn bench(setup: &Setup, args: &Args) -> Result<Results> {
                 for config in order {
                     step += 1;
                     eprint!("[{step}/{total}] round {round}: {} ... ", config.label());
-                    let run = one_run(setup, &http, config, engines, workload, &requests).await;
+                    let run =
+                        one_run(setup, args, &http, config, engines, workload, &requests).await;
                     eprintln!("{}", run_summary(&run));
                     results
                         .entry((engines, workload.clone()))
@@ -332,13 +337,14 @@ async fn bench(setup: &Setup, args: &Args) -> Result<Results> {
 /// of the bench.
 async fn one_run(
     setup: &Setup,
+    args: &Args,
     http: &reqwest::Client,
     config: Config,
     engines: usize,
     workload: &str,
     requests: &Arc<Vec<load::Request>>,
 ) -> Run {
-    match try_run(setup, http, config, engines, workload, requests).await {
+    match try_run(setup, args, http, config, engines, workload, requests).await {
         Ok(run) => run,
         Err(e) => Run {
             figures: Figures::default(),
@@ -350,6 +356,7 @@ async fn one_run(
 
 async fn try_run(
     setup: &Setup,
+    args: &Args,
     http: &reqwest::Client,
     config: Config,
     engines: usize,
@@ -367,6 +374,7 @@ async fn try_run(
     .await?;
     let mut router = routers::start(
         config,
+        &args.kvroute_args,
         &setup.binaries,
         &fleet.engines,
         &setup.scratch,
@@ -469,7 +477,7 @@ fn report(args: &Args, results: &Results) -> String {
         out,
         "\nkvroute bench peers: workload scale {}, token scale {}, speed-up {}x, {} s of each \
          trace, seed {}, {} round(s); latencies in real milliseconds (multiply by the speed-up \
-         for the modelled H100's); figures are means over rounds.\n",
+         for the modelled H100's); figures are means over rounds{}.\n",
         args.workloads
             .iter()
             .map(|w| format!("{w} {}", args.scale(w)))
@@ -479,7 +487,12 @@ fn report(args: &Args, results: &Results) -> String {
         args.speedup,
         args.duration,
         args.seed,
-        args.rounds
+        args.rounds,
+        if args.kvroute_args.is_empty() {
+            String::new()
+        } else {
+            format!("; kvroute serve given `{}`", args.kvroute_args.join(" "))
+        }
     );
     for &engines in &args.engines {
         let _ = writeln!(

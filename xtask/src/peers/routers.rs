@@ -92,6 +92,7 @@ pub(crate) fn free_port() -> Result<u16> {
 /// Starts `config` in front of `engines` and waits until it lists every engine as healthy.
 pub(crate) async fn start(
     config: Config,
+    kvroute_args: &[String],
     bin: &Binaries,
     engines: &[Engine],
     scratch: &Path,
@@ -117,6 +118,7 @@ pub(crate) async fn start(
         if config == Config::KvrouteApprox {
             cmd.args(["--kv-mode", "approximate"]);
         }
+        cmd.args(kvroute_args);
     } else if matches!(config, Config::VllmKvAware | Config::VllmCacheAware) {
         cmd = Command::new(&bin.vllm_router);
         cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
