@@ -317,8 +317,13 @@ async fn bench(setup: &Setup, args: &Args) -> Result<Results> {
                 for config in order {
                     step += 1;
                     eprint!("[{step}/{total}] round {round}: {} ... ", config.label());
-                    let run =
-                        one_run(setup, args, &http, config, engines, workload, &requests).await;
+                    let cell = Cell {
+                        config,
+                        engines,
+                        workload,
+                        round,
+                    };
+                    let run = one_run(setup, args, &http, &cell, &requests).await;
                     eprintln!("{}", run_summary(&run));
                     results
                         .entry((engines, workload.clone()))
@@ -335,16 +340,22 @@ async fn bench(setup: &Setup, args: &Args) -> Result<Results> {
 
 /// One configuration on a fresh fleet; a router that cannot start is a failed run, not the end
 /// of the bench.
+/// One run's place in the table.
+struct Cell<'a> {
+    config: Config,
+    engines: usize,
+    workload: &'a str,
+    round: u32,
+}
+
 async fn one_run(
     setup: &Setup,
     args: &Args,
     http: &reqwest::Client,
-    config: Config,
-    engines: usize,
-    workload: &str,
+    cell: &Cell<'_>,
     requests: &Arc<Vec<load::Request>>,
 ) -> Run {
-    match try_run(setup, args, http, config, engines, workload, requests).await {
+    match try_run(setup, args, http, cell, requests).await {
         Ok(run) => run,
         Err(e) => Run {
             figures: Figures::default(),
@@ -358,12 +369,16 @@ async fn try_run(
     setup: &Setup,
     args: &Args,
     http: &reqwest::Client,
-    config: Config,
-    engines: usize,
-    workload: &str,
+    cell: &Cell<'_>,
     requests: &Arc<Vec<load::Request>>,
 ) -> Result<Run> {
-    let tag = format!("{engines}-{workload}-{config:?}").to_lowercase();
+    let Cell {
+        config,
+        engines,
+        workload,
+        round,
+    } = *cell;
+    let tag = format!("{engines}-{workload}-{config:?}-{round}").to_lowercase();
     let mut fleet = fleet::start(
         &setup.binaries.kvroute,
         engines,
@@ -447,8 +462,15 @@ fn run_summary(run: &Run) -> String {
     out
 }
 
-fn first_line(text: &str) -> &str {
-    text.lines().next().unwrap_or_default()
+/// The first line of an error, and its last when it ends in a log tail (what the process said
+/// last).
+fn first_line(text: &str) -> String {
+    let mut lines = text.lines().filter(|l| !l.trim().is_empty());
+    let first = lines.next().unwrap_or_default();
+    match lines.last() {
+        Some(last) => format!("{first} … {}", last.trim()),
+        None => first.to_owned(),
+    }
 }
 
 fn pct(v: Option<f64>) -> String {
