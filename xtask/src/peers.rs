@@ -467,7 +467,7 @@ fn run_summary(run: &Run) -> String {
 fn first_line(text: &str) -> String {
     let mut lines = text.lines().filter(|l| !l.trim().is_empty());
     let first = lines.next().unwrap_or_default();
-    match lines.last() {
+    match lines.next_back() {
         Some(last) => format!("{first} … {}", last.trim()),
         None => first.to_owned(),
     }

@@ -28,10 +28,20 @@ pub struct RouterConfig {
     /// disappear): the worker stopped reporting. Workers repeat their reports every second by
     /// default (kvroute-runtime's `DEFAULT_REPORT_HEARTBEAT`).
     pub report_ttl: Duration,
+    /// How long a prompt routed to a worker that publishes KV events counts as cached there
+    /// before its events say so (the time of its prefill and of the events' trip): a burst of
+    /// requests sharing a new prefix (a document, a system prompt) follows the first one instead
+    /// of spreading over the fleet and prefilling it everywhere. The events, once they come,
+    /// are the truth; zero turns this off.
+    pub inflight_ttl: Duration,
 }
 
 /// How long a load report is kept without a newer one, unless configured otherwise.
 pub const DEFAULT_REPORT_TTL: Duration = Duration::from_secs(10);
+
+/// How long a routed prompt counts as cached on an event worker before its events arrive,
+/// unless configured otherwise.
+pub const DEFAULT_INFLIGHT_TTL: Duration = Duration::from_secs(10);
 
 impl RouterConfig {
     /// The defaults for engines with `block_size` tokens per KV block: the default policy
@@ -45,6 +55,7 @@ impl RouterConfig {
             session_loss: WorkerLossMode::Soft,
             max_sessions: DEFAULT_MAX_SESSIONS,
             report_ttl: DEFAULT_REPORT_TTL,
+            inflight_ttl: DEFAULT_INFLIGHT_TTL,
         }
     }
 

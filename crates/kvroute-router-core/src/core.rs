@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_indexer::{
-    ApproxIndex, ConcurrentIndex, FastMap, GapTracker, KvIndex, Learnt, OverlapScores,
+    ApproxConfig, ApproxIndex, ConcurrentIndex, FastMap, GapTracker, KvIndex, Learnt, OverlapScores,
 };
 use kvroute_protocols::kv_events::LocalBlockHash;
 use kvroute_protocols::{WorkerId, WorkerLoadReport, WorkerWithDpRank};
@@ -44,6 +44,9 @@ pub struct KvRouterCore<S: AffinityStore = InMemoryAffinityStore> {
     index: Arc<ConcurrentIndex>,
     /// Predicted blocks of workers that publish none.
     approx: ApproxIndex,
+    /// Prompts routed to event workers whose events have not come yet
+    /// ([`RouterConfig::inflight_ttl`]).
+    inflight: ApproxIndex,
     modes: FastMap<WorkerId, KvMode>,
     /// Event ids per worker: the runtime's publisher numbers one sequence per worker, over all
     /// of its dp ranks, so gaps are detected per worker rather than per rank.
@@ -144,6 +147,10 @@ impl<S: AffinityStore> KvRouterCore<S> {
         Ok(Self {
             index: Arc::new(ConcurrentIndex::new()),
             approx: ApproxIndex::new(config.approx),
+            inflight: ApproxIndex::new(ApproxConfig {
+                ttl: config.inflight_ttl,
+                ..config.approx
+            }),
             modes: FastMap::default(),
             gaps: GapTracker::new(),
             origin: FastMap::default(),
@@ -202,6 +209,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
         self.modes.remove(&worker_id);
         self.index_mut(|index| index.remove_worker(worker_id));
         self.approx.remove_worker(worker_id);
+        self.inflight.remove_worker(worker_id);
         self.gaps.forget_worker(worker_id);
         self.origin.remove(&worker_id);
         self.reports.retain(|w, _| w.worker_id != worker_id);
@@ -307,6 +315,9 @@ impl<S: AffinityStore> KvRouterCore<S> {
             self.approx
                 .record_request(routed.worker, &self.scratch.local, now, Some(req.id.0));
             self.last_prediction = Some(req.id);
+        } else if !self.config.inflight_ttl.is_zero() {
+            self.inflight
+                .record(routed.worker, &self.scratch.local, now);
         }
         if round_robin {
             self.rr_next = self.rr_next.wrapping_add(1);
@@ -489,6 +500,20 @@ impl<S: AffinityStore> KvRouterCore<S> {
                     blocks: t.blocks,
                 }),
         );
+        if self.inflight.live_blocks() > 0 {
+            // A prompt still in flight on an event worker: its blocks count as cached there
+            // until its events arrive (the larger of the two overlaps).
+            let inflight = self.inflight.find_matches(&self.scratch.local);
+            for (&w, &s) in inflight.scores.iter() {
+                if modes.get(&w.worker_id) == Some(&KvMode::Approximate) {
+                    continue;
+                }
+                match self.scratch.overlaps.iter_mut().find(|(o, _)| *o == w) {
+                    Some((_, blocks)) => *blocks = (*blocks).max(s),
+                    None => self.scratch.overlaps.push((w, s)),
+                }
+            }
+        }
         if self.approx.live_blocks() > 0 {
             let predicted = self.approx.find_matches(&self.scratch.local);
             self.scratch.overlaps.extend(
@@ -645,6 +670,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
             }
         }
         self.approx.expire(now);
+        self.inflight.expire(now);
         session_closes.extend(self.sessions.expire(now));
         let ttl = self.config.report_ttl;
         self.reports

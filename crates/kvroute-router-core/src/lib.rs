@@ -55,7 +55,7 @@ mod error;
 mod policy;
 mod request;
 
-pub use config::{DEFAULT_REPORT_TTL, KvMode, RouterConfig};
+pub use config::{DEFAULT_INFLIGHT_TTL, DEFAULT_REPORT_TTL, KvMode, RouterConfig};
 pub use core::snapshot::{IndexSnapshot, LaneSnapshot, SnapshotCut, SnapshotError, WorkerSnapshot};
 pub use core::{CoreStats, Expired, KvRouterCore};
 pub use error::RouteError;
