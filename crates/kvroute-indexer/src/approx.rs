@@ -341,46 +341,38 @@ impl ApproxIndex {
     /// cut at its first block older than the worker's learnt capacity.
     pub fn find_matches(&self, local: &[LocalBlockHash]) -> OverlapScores {
         let mut scores = self.index.find_matches(local);
-        let cuts: Vec<(WorkerWithDpRank, u32)> = scores
-            .scores
-            .iter()
-            .filter_map(|(&worker, &score)| {
-                let learned = self.learned.get(&worker)?;
-                let capacity = learned.capacity?;
-                let cut = self.held_blocks(worker, learned, capacity, local, score);
-                (cut < score).then_some((worker, cut))
-            })
-            .collect();
+        // The prompt's sequence hashes, computed once as far as the longest cut needs them.
+        let mut seqs: Vec<u64> = Vec::new();
+        let mut cuts: Vec<(WorkerWithDpRank, u32)> = Vec::new();
+        for (&worker, &score) in scores.scores.iter() {
+            let Some(learned) = self.learned.get(&worker) else {
+                continue;
+            };
+            let Some(capacity) = learned.capacity else {
+                continue;
+            };
+            let n = (score as usize).min(local.len());
+            let mut prev = seqs.last().map(|&h| SequenceHash(h));
+            for &block in &local[seqs.len().min(n)..n] {
+                let seq = next_seq_hash(prev, block);
+                seqs.push(seq.0);
+                prev = Some(seq);
+            }
+            // Ages never fall along a prompt, so a binary search finds the first too old.
+            let too_old = |seq: &u64| {
+                self.deadlines
+                    .get(&(worker, *seq))
+                    .is_none_or(|p| learned.allocated.saturating_sub(p.stamp) as f64 >= capacity)
+            };
+            let cut = seqs[..n].partition_point(|seq| !too_old(seq)) as u32;
+            if cut < score {
+                cuts.push((worker, cut));
+            }
+        }
         for (worker, cut) in cuts {
             scores.scores.insert(worker, cut);
         }
         scores
-    }
-
-    /// How many of the first `score` blocks of `local` are younger than `capacity` on `worker`:
-    /// ages never fall along a prompt, so a binary search finds the first too old.
-    fn held_blocks(
-        &self,
-        worker: WorkerWithDpRank,
-        learned: &Learned,
-        capacity: f64,
-        local: &[LocalBlockHash],
-        score: u32,
-    ) -> u32 {
-        let n = (score as usize).min(local.len());
-        let mut seqs = Vec::with_capacity(n);
-        let mut prev: Option<SequenceHash> = None;
-        for &block in &local[..n] {
-            let seq = next_seq_hash(prev, block);
-            seqs.push(seq.0);
-            prev = Some(seq);
-        }
-        let too_old = |seq: &u64| {
-            self.deadlines
-                .get(&(worker, *seq))
-                .is_none_or(|p| learned.allocated.saturating_sub(p.stamp) as f64 >= capacity)
-        };
-        seqs.partition_point(|seq| !too_old(seq)) as u32
     }
 
     /// Predicted blocks currently live, over all workers.
