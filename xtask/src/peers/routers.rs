@@ -99,16 +99,14 @@ pub(crate) async fn start(
     log: &Path,
     http: &reqwest::Client,
 ) -> Result<Router> {
-    let port = free_port()?;
-    let base = format!("http://127.0.0.1:{port}");
     let urls: Vec<&str> = engines.iter().map(|e| e.url.as_str()).collect();
-    let mut cmd;
-    if config.is_kvroute() {
-        let fleet = scratch.join(format!("fleet-{port}.toml"));
+    let (mut proc, base) = if config.is_kvroute() {
+        // Port 0, read back from serve's start-up line: no race for a port picked in advance.
+        let fleet = scratch.join(format!("fleet-{}.toml", std::process::id()));
         std::fs::write(&fleet, fleet_file(engines, config == Config::Kvroute))
             .with_context(|| format!("writing {}", fleet.display()))?;
-        cmd = Command::new(&bin.kvroute);
-        cmd.args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        let mut cmd = Command::new(&bin.kvroute);
+        cmd.args(["serve", "--listen", "127.0.0.1:0"])
             .arg("--fleet")
             .arg(&fleet)
             .arg("--model")
@@ -119,46 +117,65 @@ pub(crate) async fn start(
             cmd.args(["--kv-mode", "approximate"]);
         }
         cmd.args(kvroute_args);
-    } else if matches!(config, Config::VllmKvAware | Config::VllmCacheAware) {
-        cmd = Command::new(&bin.vllm_router);
-        cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .arg("--worker-urls")
-            .args(&urls)
-            .args(["--prometheus-port", &free_port()?.to_string()])
-            .args(["--log-level", "warning"]);
-        if config == Config::VllmKvAware {
-            cmd.args(["--policy", "kv_aware"]);
-            for e in engines {
-                cmd.arg("--kv-event-source")
-                    .arg(format!("{}={}", e.url, e.kv_events))
-                    .arg("--kv-event-replay-source")
-                    .arg(format!("{}={}", e.url, e.kv_events_replay));
-            }
-            cmd.args(["--kv-event-block-size", &BLOCK_SIZE.to_string()])
-                .args(["--kv-event-model", MODEL]);
-        } else {
-            cmd.args(["--policy", "cache_aware"]);
-        }
+        let (proc, line) =
+            Proc::spawn_with_ready_line(config.label(), &mut cmd, log, READY_BOUND).await?;
+        let base = serve_address(&line)
+            .with_context(|| format!("kvroute serve's start-up line has no http=: {line}"))?;
+        (proc, base)
     } else {
-        let policy = match config {
-            Config::SmgCacheAware => "cache_aware",
-            Config::SmgPrefixHash => "prefix_hash",
-            _ => "round_robin",
-        };
-        cmd = Command::new(&bin.smg);
-        cmd.args(["launch", "--host", "127.0.0.1", "--port", &port.to_string()])
-            .arg("--worker-urls")
-            .args(&urls)
-            .args(["--policy", policy])
-            .args(["--prometheus-port", &free_port()?.to_string()])
-            .args(["--log-level", "warn", "--shutdown-grace-period-secs", "1"]);
-    }
-    let mut proc = Proc::spawn(config.label(), &mut cmd, log)?;
+        let port = free_port()?;
+        let mut cmd;
+        if matches!(config, Config::VllmKvAware | Config::VllmCacheAware) {
+            cmd = Command::new(&bin.vllm_router);
+            cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                .arg("--worker-urls")
+                .args(&urls)
+                .args(["--prometheus-port", &free_port()?.to_string()])
+                .args(["--log-level", "warning"]);
+            if config == Config::VllmKvAware {
+                cmd.args(["--policy", "kv_aware"]);
+                for e in engines {
+                    cmd.arg("--kv-event-source")
+                        .arg(format!("{}={}", e.url, e.kv_events))
+                        .arg("--kv-event-replay-source")
+                        .arg(format!("{}={}", e.url, e.kv_events_replay));
+                }
+                cmd.args(["--kv-event-block-size", &BLOCK_SIZE.to_string()])
+                    .args(["--kv-event-model", MODEL]);
+            } else {
+                cmd.args(["--policy", "cache_aware"]);
+            }
+        } else {
+            let policy = match config {
+                Config::SmgCacheAware => "cache_aware",
+                Config::SmgPrefixHash => "prefix_hash",
+                _ => "round_robin",
+            };
+            cmd = Command::new(&bin.smg);
+            cmd.args(["launch", "--host", "127.0.0.1", "--port", &port.to_string()])
+                .arg("--worker-urls")
+                .args(&urls)
+                .args(["--policy", policy])
+                .args(["--prometheus-port", &free_port()?.to_string()])
+                .args(["--log-level", "warn", "--shutdown-grace-period-secs", "1"]);
+        }
+        (
+            Proc::spawn(config.label(), &mut cmd, log)?,
+            format!("http://127.0.0.1:{port}"),
+        )
+    };
     wait_ready(config, &mut proc, &base, engines.len(), http).await?;
     Ok(Router {
         proc,
         completions: format!("{base}/v1/completions"),
     })
+}
+
+/// `http://ADDR` from kvroute serve's start-up line `kvroute serve: http=ADDR registry=...`.
+pub(crate) fn serve_address(line: &str) -> Option<String> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix("http="))
+        .map(|addr| format!("http://{addr}"))
 }
 
 /// kvroute's static fleet: one `[[workers]]` entry per engine, fronted by `kvroute serve`

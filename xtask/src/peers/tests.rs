@@ -228,3 +228,12 @@ fn readiness_counts_healthy_workers() {
     assert_eq!(routers::ready_count(false, &peers), 2);
     assert_eq!(routers::ready_count(false, &json!({})), 0);
 }
+
+#[test]
+fn kvroute_serve_s_start_up_line_gives_its_address() {
+    assert_eq!(
+        routers::serve_address("kvroute serve: http=127.0.0.1:43210 registry=none").as_deref(),
+        Some("http://127.0.0.1:43210")
+    );
+    assert_eq!(routers::serve_address("kvroute serve: starting"), None);
+}
