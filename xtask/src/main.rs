@@ -11,6 +11,7 @@ mod cmd;
 mod examples;
 mod frontend_vs_reference;
 mod fuzz;
+mod http_load;
 mod package;
 mod peers;
 mod procs;

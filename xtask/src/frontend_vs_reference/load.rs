@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+
+pub(crate) use crate::http_load::{SseScan, percentile};
 use serde_json::{Value, json};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -346,25 +348,9 @@ impl Tally {
     }
 }
 
-/// The nearest-rank `p`th percentile (0 < p <= 100) of `sorted` (ascending): the smallest value
-/// with at least p% of the values at or below it. `None` when there are no values.
-pub(crate) fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
-    Some(sorted[rank.clamp(1, sorted.len()) - 1])
-}
-
 /// The HTTP client of every run: keep-alive connections, no Nagle delay, bounded requests.
 pub(crate) fn client() -> Result<reqwest::Client> {
-    reqwest::Client::builder()
-        .timeout(REQUEST_TIMEOUT)
-        .connect_timeout(Duration::from_secs(5))
-        .pool_max_idle_per_host(1024)
-        .tcp_nodelay(true)
-        .build()
-        .context("building the HTTP client")
+    crate::http_load::client(REQUEST_TIMEOUT)
 }
 
 /// Runs `scenario` against `url` (a `/v1/chat/completions` address): a warm-up, then a measured
@@ -557,41 +543,4 @@ pub(crate) fn check_answer(answer: &Value) -> Result<()> {
         bail!("expected usage.completion_tokens = {OUTPUT_TOKENS}, got {generated:?}");
     }
     Ok(())
-}
-
-/// Scans a server-sent event stream as it arrives: whether an event carrying a choice has come
-/// (the first token's chunk), and whether `data: [DONE]` has.
-#[derive(Debug, Default)]
-pub(crate) struct SseScan {
-    partial: Vec<u8>,
-    pub(crate) first_choice: bool,
-    pub(crate) done: bool,
-}
-
-impl SseScan {
-    /// Takes the next bytes of the stream; an error for an event that reports an error.
-    pub(crate) fn feed(&mut self, bytes: &[u8]) -> Result<()> {
-        self.partial.extend_from_slice(bytes);
-        while let Some(end) = self.partial.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = self.partial.drain(..=end).collect();
-            let line = String::from_utf8_lossy(&line);
-            let Some(data) = line.trim_end().strip_prefix("data:") else {
-                continue;
-            };
-            let data = data.trim_start();
-            if data == "[DONE]" {
-                self.done = true;
-                continue;
-            }
-            let event: Value = serde_json::from_str(data)
-                .with_context(|| format!("an event is not JSON: {data}"))?;
-            if !event["error"].is_null() {
-                bail!("an error event: {data}");
-            }
-            if event["choices"].as_array().is_some_and(|c| !c.is_empty()) {
-                self.first_choice = true;
-            }
-        }
-        Ok(())
-    }
 }

@@ -16,6 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+
+pub(crate) use crate::http_load::{SseScan, percentile};
 use serde_json::{Value, json};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -150,13 +152,7 @@ pub(crate) struct Sample {
 
 /// The HTTP client of every run.
 pub(crate) fn client() -> Result<reqwest::Client> {
-    reqwest::Client::builder()
-        .timeout(REQUEST_TIMEOUT)
-        .connect_timeout(Duration::from_secs(5))
-        .pool_max_idle_per_host(1024)
-        .tcp_nodelay(true)
-        .build()
-        .context("building the HTTP client")
+    crate::http_load::client(REQUEST_TIMEOUT)
 }
 
 /// Replays `requests` against `url` (a `/v1/completions` address) open-loop; returns each
@@ -255,47 +251,6 @@ async fn stream(http: &reqwest::Client, url: &str, body: Value, since: Instant) 
     })
 }
 
-/// Scans a server-sent event stream as it arrives: whether a chunk with a choice has come,
-/// the last `usage` seen, and whether `data: [DONE]` has come.
-#[derive(Debug, Default)]
-pub(crate) struct SseScan {
-    partial: Vec<u8>,
-    pub(crate) first_choice: bool,
-    pub(crate) usage: Option<Value>,
-    pub(crate) done: bool,
-}
-
-impl SseScan {
-    /// Takes the next bytes of the stream; an error for an event that reports an error.
-    pub(crate) fn feed(&mut self, bytes: &[u8]) -> Result<()> {
-        self.partial.extend_from_slice(bytes);
-        while let Some(end) = self.partial.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = self.partial.drain(..=end).collect();
-            let line = String::from_utf8_lossy(&line);
-            let Some(data) = line.trim_end().strip_prefix("data:") else {
-                continue;
-            };
-            let data = data.trim_start();
-            if data == "[DONE]" {
-                self.done = true;
-                continue;
-            }
-            let event: Value = serde_json::from_str(data)
-                .with_context(|| format!("an event is not JSON: {data}"))?;
-            if !event["error"].is_null() {
-                bail!("an error event: {data}");
-            }
-            if event["choices"].as_array().is_some_and(|c| !c.is_empty()) {
-                self.first_choice = true;
-            }
-            if event["usage"].is_object() {
-                self.usage = Some(event["usage"].clone());
-            }
-        }
-        Ok(())
-    }
-}
-
 /// The figures of one run.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct Figures {
@@ -315,15 +270,6 @@ pub(crate) struct Figures {
     pub(crate) cpu_s_per_1k: Option<f64>,
     /// The router's peak resident memory, MiB.
     pub(crate) peak_rss_mib: Option<f64>,
-}
-
-/// The nearest-rank percentile `p` (0 to 100) of sorted values.
-pub(crate) fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
-    Some(sorted[rank.clamp(1, sorted.len()) - 1])
 }
 
 /// The client-side figures of a run's samples.
