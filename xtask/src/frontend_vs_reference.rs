@@ -25,7 +25,7 @@ use clap::Parser;
 use serde_json::Value;
 
 use crate::cmd::{cargo, home_cache, run_command};
-use crate::procs::{Proc, TempDir};
+use crate::procs::{Proc, TempDir, block_on_interruptible};
 use crate::python;
 use load::{Figures, Pacing, Scenario, Window, Workload};
 
@@ -216,11 +216,6 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
     eprintln!("writing the model directory {}", model.display());
     make_model(root, &python, &model)?;
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
     let setup = Setup {
         python,
         kvroute,
@@ -228,18 +223,7 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
         scratch: scratch.0.clone(),
         logs: logs.clone(),
     };
-    let result = runtime.block_on(async {
-        use tokio::signal::unix::{SignalKind, signal};
-        // Installed before any child starts, so an interrupt always reaches the clean-up.
-        let mut interrupt = signal(SignalKind::interrupt()).context("handling SIGINT")?;
-        let mut terminate = signal(SignalKind::terminate()).context("handling SIGTERM")?;
-        tokio::select! {
-            r = bench(&setup, &args) => r,
-            _ = interrupt.recv() => bail!("interrupted (SIGINT); every child was killed"),
-            _ = terminate.recv() => bail!("terminated (SIGTERM); every child was killed"),
-        }
-    });
-    runtime.shutdown_timeout(Duration::from_secs(1));
+    let result = block_on_interruptible(bench(&setup, &args));
     eprintln!("logs of both systems: {}", logs.display());
     drop(scratch);
     result

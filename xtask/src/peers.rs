@@ -38,7 +38,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 
 use crate::cmd::{cargo, run_command};
-use crate::procs::TempDir;
+use crate::procs::{TempDir, block_on_interruptible};
 use crate::python;
 use crate::table::target_directory;
 use load::{Figures, Shape};
@@ -227,11 +227,6 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
     let traces = write_traces(&binaries.kvroute, &args, &scratch.0)?;
     let mocker = fleet::write_mocker_config(&scratch.0, args.token_scale, args.speedup)?;
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
     let setup = Setup {
         binaries,
         mocker,
@@ -239,17 +234,7 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
         logs: logs.clone(),
         traces,
     };
-    let result = runtime.block_on(async {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut interrupt = signal(SignalKind::interrupt()).context("handling SIGINT")?;
-        let mut terminate = signal(SignalKind::terminate()).context("handling SIGTERM")?;
-        tokio::select! {
-            r = bench(&setup, &args) => r,
-            _ = interrupt.recv() => bail!("interrupted (SIGINT); every child was killed"),
-            _ = terminate.recv() => bail!("terminated (SIGTERM); every child was killed"),
-        }
-    });
-    runtime.shutdown_timeout(Duration::from_secs(1));
+    let result = block_on_interruptible(bench(&setup, &args));
     eprintln!("logs of every run: {}", logs.display());
     let results = result?;
     let report = report(&args, &results);

@@ -194,3 +194,29 @@ impl Drop for TempDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// Runs a bench's async body on a two-thread runtime until it ends or the bench gets SIGINT or
+/// SIGTERM (an error then). The signal handlers are installed before the body starts any child,
+/// so an interrupt always reaches the clean-up: every [`Proc`] the body holds is dropped, and
+/// killed, on the way out.
+pub(crate) fn block_on_interruptible<T>(
+    body: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    let result = runtime.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut interrupt = signal(SignalKind::interrupt()).context("handling SIGINT")?;
+        let mut terminate = signal(SignalKind::terminate()).context("handling SIGTERM")?;
+        tokio::select! {
+            r = body => r,
+            _ = interrupt.recv() => bail!("interrupted (SIGINT); every child was killed"),
+            _ = terminate.recv() => bail!("terminated (SIGTERM); every child was killed"),
+        }
+    });
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    result
+}
