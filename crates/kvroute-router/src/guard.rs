@@ -60,13 +60,23 @@ impl RequestGuard {
         self.output_tokens
     }
 
+    /// Whether the response's start (its first tokens) has been recorded.
+    pub(crate) fn first_seen(&self) -> bool {
+        self.last_tokens.is_some()
+    }
+
+    /// The router this request is held in.
+    pub(crate) fn inner(&self) -> &Arc<Inner> {
+        &self.inner
+    }
+
     /// The engine reported `reported` of the prompt's tokens served from its cache, where the
     /// router predicted `predicted` (its index's overlap on this worker, in tokens): recorded
     /// per worker, so an operator sees whether KV routing works on their fleet.
     ///
     /// For a worker in approximate mode, a report far below the prediction drops the worker's
     /// stale predictions (see [`crate::KvRouterCore::on_cache_report`]).
-    fn on_cache_report(&self, isl_tokens: u64, predicted: u64, reported: u64) {
+    pub(crate) fn on_cache_report(&self, isl_tokens: u64, predicted: u64, reported: u64) {
         self.inner
             .metrics
             .on_cache_report(self.worker, isl_tokens, predicted, reported);

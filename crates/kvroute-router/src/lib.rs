@@ -61,6 +61,7 @@ pub mod metrics;
 mod migration;
 mod model;
 mod phase;
+mod pick;
 mod push;
 mod push_config;
 mod shared;
@@ -77,6 +78,7 @@ pub use migration::{
 };
 pub use model::{Model, ModelConfig, ModelRegistry};
 pub use phase::{KvPhaseRouter, role_filtered};
+pub use pick::{Pick, PickedRequest};
 pub use push::{
     KvPushRouter, KvResponse, LoadSyncStats, QUERY_INSTANCE_ID, QueryAnswer, SnapshotStats,
 };

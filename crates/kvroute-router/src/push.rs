@@ -99,6 +99,14 @@ pub enum KvResponse {
     Query(QueryAnswer),
 }
 
+/// What [`KvPushRouter::route_recorded`] decided.
+pub(crate) enum Recorded {
+    /// A query: the decision only, nothing recorded.
+    Query(Routed),
+    /// Routed and recorded; the guard frees it.
+    Routed(Routed, RequestGuard),
+}
+
 /// The KV router over kvroute-runtime. Cheap to clone; background tasks stop when the last
 /// clone is dropped.
 #[derive(Clone)]
@@ -266,16 +274,67 @@ impl KvPushRouter {
         phase: RequestPhase,
     ) -> Result<KvResponse, KvRouterError> {
         let inner = &self.inner;
+        let (routed, guard) = match self.route_recorded(&request, phase).await? {
+            Recorded::Query(decision) => {
+                return Ok(KvResponse::Query(QueryAnswer {
+                    worker: decision.worker,
+                    token_ids: request.token_ids,
+                    decision,
+                }));
+            }
+            Recorded::Routed(routed, guard) => (routed, guard),
+        };
+        let worker = routed.worker;
+        if worker.dp_rank != 0 {
+            request.routing_mut().dp_rank = Some(worker.dp_rank);
+        }
+        let request_id = format!("kvr-{}", guard.id().0);
+        let stream = match inner
+            .push
+            .generate(&request_id, &request, RouteMode::Direct(worker.worker_id))
+            .await
+        {
+            Ok(stream) => stream,
+            Err(source) => {
+                inner.metrics.on_route_error();
+                if let kvroute_runtime::RouteError::Request { source, .. } = &source {
+                    inner.on_worker_failure(worker.worker_id, source);
+                }
+                // The worker failed the request (not the client, who is still waiting):
+                // `outcome="error"`, not the `cancelled` a dropped guard would count.
+                guard.fail();
+                return Err(KvRouterError::Send { worker, source });
+            }
+        };
+        let mut stream = KvRoutedStream::new(stream, guard, routed);
+        if phase == RequestPhase::Decode {
+            // Decode routing predicts no reuse by design (the prompt's cache is the prefill
+            // worker's), and decode workers repeat the prefill's report: nothing to compare.
+            stream.skip_cache_report();
+        }
+        Ok(KvResponse::Stream(stream))
+    }
+
+    /// Routes `request` for `phase` and records it in the core (load, prediction, session,
+    /// shared with the other replicas), running the session's `open` on the worker; returns
+    /// the decision and the guard that frees it, or only the decision for a query. Nothing is
+    /// sent: [`Self::generate_phase`] sends, [`Self::pick`] lets the caller's proxy send.
+    pub(crate) async fn route_recorded(
+        &self,
+        request: &PreprocessedRequest,
+        phase: RequestPhase,
+    ) -> Result<Recorded, KvRouterError> {
+        let inner = &self.inner;
         let id = RequestId(inner.next_id.fetch_add(1, Ordering::Relaxed));
         let now = inner.now();
         let avoided = inner.health.lock().ejected(now);
-        let route_req = RouteRequest::from_preprocessed(id, &request)
+        let route_req = RouteRequest::from_preprocessed(id, request)
             .with_phase(phase)
             .with_avoided(&avoided);
         // Hashing the prompt and matching it against the index take no lock: the state lock
         // covers the decision only.
         let prepared = inner.preparer.prepare(&route_req);
-        if is_query(&request) {
+        if is_query(request) {
             let decision = {
                 let mut state = inner.state.lock();
                 let State { core, rng } = &mut *state;
@@ -283,11 +342,7 @@ impl KvPushRouter {
             }
             .inspect_err(|_| inner.metrics.on_route_error())?;
             inner.metrics.on_query();
-            return Ok(KvResponse::Query(QueryAnswer {
-                worker: decision.worker,
-                token_ids: request.token_ids,
-                decision,
-            }));
+            return Ok(Recorded::Query(decision));
         }
         let (routed, shared_load) = {
             let mut state = inner.state.lock();
@@ -325,35 +380,7 @@ impl KvPushRouter {
                 .core
                 .session_opened(id, accepted, inner.now());
         }
-        let worker = routed.worker;
-        if worker.dp_rank != 0 {
-            request.routing_mut().dp_rank = Some(worker.dp_rank);
-        }
-        let request_id = format!("kvr-{}", id.0);
-        let stream = match inner
-            .push
-            .generate(&request_id, &request, RouteMode::Direct(worker.worker_id))
-            .await
-        {
-            Ok(stream) => stream,
-            Err(source) => {
-                inner.metrics.on_route_error();
-                if let kvroute_runtime::RouteError::Request { source, .. } = &source {
-                    inner.on_worker_failure(worker.worker_id, source);
-                }
-                // The worker failed the request (not the client, who is still waiting):
-                // `outcome="error"`, not the `cancelled` a dropped guard would count.
-                guard.fail();
-                return Err(KvRouterError::Send { worker, source });
-            }
-        };
-        let mut stream = KvRoutedStream::new(stream, guard, routed);
-        if phase == RequestPhase::Decode {
-            // Decode routing predicts no reuse by design (the prompt's cache is the prefill
-            // worker's), and decode workers repeat the prefill's report: nothing to compare.
-            stream.skip_cache_report();
-        }
-        Ok(KvResponse::Stream(stream))
+        Ok(Recorded::Routed(routed, guard))
     }
 
     /// Runs `f` on the routing core under its lock (inspection, tests, the replay of live

@@ -86,6 +86,17 @@ impl Inner {
         } else {
             return;
         };
+        self.on_health_failure(worker, failure, error);
+    }
+
+    /// A request failed on `worker` in a way that says the worker is unhealthy (`failure`;
+    /// `detail` says what happened, for the log): counted, and passive health may eject it.
+    pub(crate) fn on_health_failure(
+        &self,
+        worker: WorkerId,
+        failure: HealthFailure,
+        detail: &dyn std::fmt::Display,
+    ) {
         self.metrics.on_worker_failure(worker, failure.label());
         let verdict = self.health.lock().on_failure(worker, failure, self.now());
         match verdict {
@@ -94,7 +105,7 @@ impl Inner {
                     worker,
                     reason = %failure,
                     ?after,
-                    %error,
+                    error = %detail,
                     "worker ejected: new requests go to other workers until it is probed again"
                 );
                 self.metrics.on_worker_ejected(worker, failure.label());

@@ -35,6 +35,11 @@ pub enum WorkerRole {
     Decode,
 }
 
+/// The metadata key naming the address, `ip:port`, a proxy sends a worker's requests to: its
+/// engine's own HTTP server. Set by workers that front an engine, read by front doors whose
+/// proxy carries requests to the engine itself (the Envoy endpoint picker).
+pub const ENDPOINT_METADATA: &str = "endpoint";
+
 /// One registered worker instance.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InstanceInfo {

@@ -84,9 +84,9 @@ mod zmq_listener;
 
 pub use client::{Client, ClientConfig, ClientStream, EncodedRequest};
 pub use discovery::{
-    Discovery, DiscoveryError, DiscoveryEvent, InProcessDiscovery, InstanceInfo, InstanceSet,
-    Lease, RegistryChecks, RegistryServer, RemoteDiscovery, RemoteDiscoveryConfig, StaticDiscovery,
-    StaticFleetError, WorkerRole, diff_instances, filtered_instances,
+    Discovery, DiscoveryError, DiscoveryEvent, ENDPOINT_METADATA, InProcessDiscovery, InstanceInfo,
+    InstanceSet, Lease, RegistryChecks, RegistryServer, RemoteDiscovery, RemoteDiscoveryConfig,
+    StaticDiscovery, StaticFleetError, WorkerRole, diff_instances, filtered_instances,
     validate as validate_instance,
 };
 pub use engine::{Engine, EngineError, RequestContext, ResponseStream};

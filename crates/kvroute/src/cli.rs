@@ -1,9 +1,11 @@
 //! Command-line pieces more than one subcommand uses, so that no subcommand reaches into
 //! another's module: the duration syntax of every `DURATION` flag ([`HumanDuration`]), the
 //! defaults `serve` and `worker` must agree on, and the NATS connection both open
-//! ([`nats::connect`], with its credential flags [`nats::NatsAuth`]).
+//! ([`nats::connect`], with its credential flags [`nats::NatsAuth`]), and the engine endpoint
+//! a proxy sends to ([`endpoint`]).
 
 mod duration;
+pub(crate) mod endpoint;
 pub(crate) mod nats;
 
 use std::time::Duration;

@@ -1,5 +1,5 @@
 //! `kvroute`, the one binary of the kvroute workspace, one module per subcommand: `serve` (the
-//! OpenAI-compatible KV router), `worker` (a simulated engine, or a sidecar in front of a real
+//! OpenAI-compatible KV router), `epp` (the same router as an Envoy endpoint picker), `worker` (a simulated engine, or a sidecar in front of a real
 //! one), `engine-sim` (simulated engines served as vLLM servers, for trying routers on a fleet
 //! without GPUs), `demo` (router and simulated fleet in one process) and `replay` (a
 //! Mooncake-format trace against simulated engines in virtual time, routed by the live router
@@ -47,6 +47,9 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Serve the OpenAI-compatible API and route requests over a fleet of workers.
     Serve(Box<serve::ServeArgs>),
+    /// Serve as the endpoint picker of a Kubernetes inference gateway: an Envoy ext_proc gRPC
+    /// service choosing each request's engine, over the same fleet and options as `serve`.
+    Epp(Box<serve::epp::EppArgs>),
     /// Run a worker that registers with a router and publishes KV events: a simulated engine
     /// (`--mock`) or a real one behind its HTTP API (`--engine KIND --engine-url URL`).
     Worker(Box<worker::WorkerArgs>),
@@ -61,6 +64,7 @@ fn main() -> ExitCode {
         Command::Replay(args) => replay::run(&args),
         Command::Demo(args) => demo::run(&args),
         Command::Serve(args) => serve::run(*args),
+        Command::Epp(args) => serve::epp::run(*args),
         Command::Worker(args) => worker::run(*args),
         Command::EngineSim(args) => engine_sim::run(*args),
     };

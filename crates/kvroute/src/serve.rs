@@ -11,6 +11,7 @@
 //! frontend stops accepting, lets in-flight requests finish (up to the drain timeout), then exits.
 
 mod config;
+pub(crate) mod epp;
 mod fleet;
 mod proxy;
 
@@ -49,7 +50,21 @@ pub(crate) struct ServeArgs {
 
 /// Runs the service until a shutdown signal.
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let file = match &args.config {
+    let config = load_options(args.config.as_deref(), args.options)?.validate()?;
+    signal::init_tracing();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?
+        .block_on(serve(config))
+}
+
+/// The options of the config file at `path` (if any), overridden by the `flags` given.
+pub(crate) fn load_options(
+    path: Option<&std::path::Path>,
+    flags: ServeOptions,
+) -> anyhow::Result<ServeOptions> {
+    let file = match path {
         None => ServeOptions::default(),
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -58,13 +73,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("parsing config file {}", path.display()))?
         }
     };
-    let config = file.overridden_by(args.options).validate()?;
-    signal::init_tracing();
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?
-        .block_on(serve(config))
+    Ok(file.overridden_by(flags))
 }
 
 /// What the worker registry refuses: another block size than the router's, and, while any
@@ -91,9 +100,42 @@ fn registry_checks(config: &ServeConfig, secret: Option<&FleetSecret>) -> Regist
     ))
 }
 
-async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
+/// The fleet and its routers, started: what `serve` puts its HTTP frontend in front of and
+/// `epp` its endpoint picker.
+pub(crate) struct Started {
+    /// The served models.
+    pub(crate) models: ModelRegistry,
+    /// The router requests go to (the decode phase's when disaggregated).
+    pub(crate) router: KvPushRouter,
+    /// Disaggregated serving around both phases' routers.
+    pub(crate) disagg: Option<Disagg>,
+    /// The listed workers.
+    pub(crate) instances: tokio::sync::watch::Receiver<InstanceSet>,
+    /// The fleet's TLS files (re-read on SIGHUP with the frontend's).
+    pub(crate) fleet_tls: Option<FleetTls>,
+    /// Metrics beyond the router's (NATS, replicas).
+    pub(crate) extra_metrics: Option<kvroute_router::http::ExtraMetrics>,
+    /// Which registry workers register at (`none`, `nats` or an address).
+    pub(crate) registry_addr: String,
+    /// The discovery, registry, static fleet and event bridge: alive as long as this.
+    pub(crate) workers: Workers,
+    _bridge: Option<KvEventBridge>,
+}
+
+impl Started {
+    /// Fails once an engine of the static fleet has an unusable KV event feed.
+    pub(crate) async fn engine_failure(&self) -> anyhow::Error {
+        match &self.workers.static_fleet {
+            Some(fleet) => fleet.failed().await,
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// Loads the models and the fleet's security, finds the workers, and starts the routers.
+pub(crate) async fn start(config: &mut ServeConfig) -> anyhow::Result<Started> {
     let models = ModelRegistry::load(&config.models).context("loading the served models")?;
-    let (secret, fleet_tls) = load_fleet_security(&config)?;
+    let (secret, fleet_tls) = load_fleet_security(config)?;
     // The router proves the secret to every worker it connects to, and talks only to those
     // that prove it back (and, with the fleet's TLS, that hold its CA's certificate).
     config.router.push.client.fleet_secret = secret.clone();
@@ -111,16 +153,11 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
         tls: fleet_tls.as_ref(),
         bridge: &bridge_config,
     };
-    let Workers {
-        instances,
-        registry,
-        nats,
-        static_fleet,
-        _proxied,
-    } = Workers::find(&config, &security).await?;
+    let workers = Workers::find(config, &security).await?;
+    let instances = workers.instances.clone();
     // With NATS the workers publish their KV events to JetStream themselves; otherwise the
     // bridge subscribes to each worker and feeds an in-process plane.
-    let (plane, _bridge): (Arc<dyn EventPlane>, _) = match &nats {
+    let (plane, bridge): (Arc<dyn EventPlane>, _) = match &workers.nats {
         Some(shared) => (Arc::new(shared.plane.clone()), None),
         None => {
             let plane = Arc::new(InProcessEventPlane::default());
@@ -129,38 +166,62 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
             (plane, Some(bridge))
         }
     };
-    let (router, disagg) = start_routers(&config, instances, plane, nats.as_ref()).await?;
+    let (router, disagg) =
+        start_routers(config, instances.clone(), plane, workers.nats.as_ref()).await?;
     // One set of replica metrics (the names carry no phase label): the router of the decode
     // phase, when disaggregated, which serves every aggregated request too.
     let replica_routers = vec![router.clone()];
-    let state = AppState::new(router, models, config.http.clone());
-    let state = match disagg {
+    let extra_metrics = workers.nats.as_ref().map(|shared| {
+        let status = shared.nats.status().clone();
+        let metrics: kvroute_router::http::ExtraMetrics = Arc::new(move || {
+            let mut text = status.metrics_text();
+            for router in &replica_routers {
+                text.push_str(&router.replica_metrics_text());
+            }
+            text
+        });
+        metrics
+    });
+    let registry_addr = match (&workers.registry, &workers.nats) {
+        (Some(r), _) => r.local_addr().to_string(),
+        (None, Some(_)) => "nats".to_owned(),
+        (None, None) => "none".to_owned(),
+    };
+    Ok(Started {
+        models,
+        router,
+        disagg,
+        instances,
+        fleet_tls,
+        extra_metrics,
+        registry_addr,
+        workers,
+        _bridge: bridge,
+    })
+}
+
+async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
+    let started = start(&mut config).await?;
+    let state = AppState::new(
+        started.router.clone(),
+        started.models.clone(),
+        config.http.clone(),
+    );
+    let state = match started.disagg.clone() {
         None => state,
         Some(disagg) => state.with_disagg(disagg),
     };
-    let state = match &nats {
-        Some(shared) => {
-            let status = shared.nats.status().clone();
-            state.with_extra_metrics(Arc::new(move || {
-                let mut text = status.metrics_text();
-                for router in &replica_routers {
-                    text.push_str(&router.replica_metrics_text());
-                }
-                text
-            }))
-        }
+    let state = match started.extra_metrics.clone() {
+        Some(metrics) => state.with_extra_metrics(metrics),
         None => state,
     };
+    let fleet_tls = started.fleet_tls.clone();
     let (state, tls) = secure_frontend(&config, state, fleet_tls.as_ref())?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding the HTTP frontend on {}", config.listen))?;
     let http_addr = listener.local_addr()?;
-    let registry_addr = match (&registry, &nats) {
-        (Some(r), _) => r.local_addr().to_string(),
-        (None, Some(_)) => "nats".to_owned(),
-        (None, None) => "none".to_owned(),
-    };
+    let registry_addr = &started.registry_addr;
     // One machine-readable line, so scripts and tests can find the ports when they used port 0.
     println!("kvroute serve: http={http_addr} registry={registry_addr}");
     tracing::info!(%http_addr, registry = %registry_addr, "serving");
@@ -173,12 +234,7 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
         None => tokio::spawn(http::serve(listener, state.clone(), stopped)),
         Some(tls) => tokio::spawn(http::serve_tls(listener, state.clone(), tls, stopped)),
     };
-    let engine_failure = async {
-        match &static_fleet {
-            Some(fleet) => fleet.failed().await,
-            None => std::future::pending().await,
-        }
-    };
+    let engine_failure = started.engine_failure();
     let failure = tokio::select! {
         signal_name = signal::shutdown() => {
             tracing::info!(
@@ -202,7 +258,7 @@ async fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
             "drain timeout: exiting with requests in flight"
         ),
     }
-    drop(static_fleet);
+    drop(started);
     tracing::info!("stopped");
     failure.map_or(Ok(()), Err)
 }
@@ -242,7 +298,7 @@ struct FleetSecurity<'a> {
 }
 
 /// How the workers are found, and what must live as long as the service.
-struct Workers {
+pub(crate) struct Workers {
     /// The listed workers (with a fleet secret on NATS, only those proving it).
     instances: tokio::sync::watch::Receiver<InstanceSet>,
     /// The worker registry, with registration or beside NATS.

@@ -161,11 +161,23 @@ async fn serve_engine(args: WorkerArgs) -> anyhow::Result<()> {
     )
     .await?;
     let engine = adapter.engine.clone();
+    let mut metadata = adapter.metadata();
+    let endpoint = match &args.endpoint {
+        Some(endpoint) => Some(crate::cli::endpoint::parse(endpoint).context("--endpoint")?),
+        // Best effort: a URL whose host does not resolve here gives no endpoint.
+        None => crate::cli::endpoint::of_url(&spec.engine_url).ok(),
+    };
+    if let Some(endpoint) = endpoint {
+        metadata.insert(
+            kvroute_runtime::ENDPOINT_METADATA.to_owned(),
+            endpoint.to_string(),
+        );
+    }
     let worker = Worker {
         id,
         role: WorkerRole::Aggregated,
         block_size,
-        metadata: adapter.metadata(),
+        metadata,
         publisher: adapter.publisher.clone(),
         reporter: adapter.load_reporter().cloned(),
         adapter: Some(Arc::new(adapter)),

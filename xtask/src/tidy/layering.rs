@@ -58,6 +58,10 @@ pub(super) const ALLOWED: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "kvroute-epp",
+        &["kvroute-protocols", "kvroute-runtime", "kvroute-router"],
+    ),
+    (
         "kvroute",
         &[
             "kvroute-protocols",
@@ -69,6 +73,7 @@ pub(super) const ALLOWED: &[(&str, &[&str])] = &[
             "kvroute-nats",
             "kvroute-router-core",
             "kvroute-router",
+            "kvroute-epp",
         ],
     ),
 ];

@@ -38,6 +38,7 @@ mod auth;
 mod body;
 mod config;
 mod error;
+mod front;
 mod handlers;
 pub mod openai;
 mod prepare;
@@ -61,6 +62,7 @@ pub use admission::AdmissionConfig;
 pub use auth::{ApiKeyError, ApiKeys};
 pub use config::HttpConfig;
 pub use error::ApiError;
+pub use front::{AdmissionPermit, FrontRequest, OpenAiEndpoint};
 pub use state::{AppState, Disagg, ExtraMetrics};
 pub use tls::{ServerTls, TlsError};
 

@@ -41,6 +41,16 @@ pub(super) fn chat(
     received: Instant,
 ) -> Result<Prepared, ApiError> {
     let req: ChatCompletionRequest = parse_body(body)?;
+    chat_parsed(state, headers, req, received)
+}
+
+/// [`chat`] of a body already parsed.
+pub(super) fn chat_parsed(
+    state: &AppState,
+    headers: &HeaderMap,
+    req: ChatCompletionRequest,
+    received: Instant,
+) -> Result<Prepared, ApiError> {
     refuse_unsupported(req.unsupported_parameter())?;
     check_roles(&req)?;
     let mut params = req.params();
@@ -73,6 +83,16 @@ pub(super) fn completion(
     received: Instant,
 ) -> Result<Prepared, ApiError> {
     let req: CompletionRequest = parse_body(body)?;
+    completion_parsed(state, headers, req, received)
+}
+
+/// [`completion`] of a body already parsed.
+pub(super) fn completion_parsed(
+    state: &AppState,
+    headers: &HeaderMap,
+    req: CompletionRequest,
+    received: Instant,
+) -> Result<Prepared, ApiError> {
     refuse_unsupported(req.unsupported_parameter())?;
     let mut params = req.params();
     check_params(state, &params)?;

@@ -42,6 +42,19 @@ pub(crate) struct ServeOptions {
         value_name = "NAME[,tokenizer=PATH][,chat_template=PATH][,lora=ADAPTER...]"
     )]
     pub(crate) models: Vec<ModelOptions>,
+    /// `kvroute epp`'s own options (`[epp]`; flags of `epp` only, ignored by `serve`).
+    #[arg(skip)]
+    pub(crate) epp: EppOptions,
+}
+
+/// `[epp]`: the endpoint picker's options (`kvroute epp`).
+#[derive(Debug, Default, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub(crate) struct EppOptions {
+    /// Address of `/metrics`, `/health` and `/live` (`--metrics-listen`).
+    pub(crate) metrics_listen: Option<String>,
+    /// Endpoints named per request, best first (`--fallback-endpoints`).
+    pub(crate) fallback_endpoints: Option<usize>,
 }
 
 /// `[http]`: the OpenAI-compatible frontend.
@@ -413,6 +426,8 @@ impl ServeOptions {
             } else {
                 flags.models
             },
+            // Flags of `epp` are merged by `epp` itself.
+            epp: self.epp,
         }
     }
 }

@@ -13,8 +13,8 @@ use anyhow::{Context as _, bail};
 use kvroute_engines::EngineKind;
 use kvroute_protocols::WorkerId;
 use kvroute_runtime::{
-    DEFAULT_REPORT_HEARTBEAT, InstanceInfo, StaticDiscovery, WorkerRole, WorkerServer,
-    WorkerServerConfig,
+    DEFAULT_REPORT_HEARTBEAT, ENDPOINT_METADATA, InstanceInfo, StaticDiscovery, WorkerRole,
+    WorkerServer, WorkerServerConfig,
 };
 use serde::Deserialize;
 
@@ -66,6 +66,10 @@ pub(crate) struct FleetWorker {
     /// A file whose first line is the engine's API key (never logged).
     #[serde(default)]
     pub(crate) engine_api_key_file: Option<std::path::PathBuf>,
+    /// Where a proxy in front of kvroute (`kvroute epp` behind Envoy) sends this worker's
+    /// requests, `ip:port`; default: the host and port of `engine_url`.
+    #[serde(default)]
+    pub(crate) endpoint: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -145,6 +149,19 @@ fn check(worker: FleetWorker) -> anyhow::Result<Entry> {
         .with_role(worker.role)
         .with_dp_size(worker.dp_size.unwrap_or(1));
     info.metadata = worker.metadata;
+    let endpoint = match (&worker.endpoint, &worker.engine_url) {
+        (Some(endpoint), _) => Some(
+            crate::cli::endpoint::parse(endpoint)
+                .with_context(|| format!("workers[id={id}].endpoint"))?,
+        ),
+        // Best effort: an engine URL whose host does not resolve here gives no endpoint.
+        (None, Some(url)) => crate::cli::endpoint::of_url(url).ok(),
+        (None, None) => None,
+    };
+    if let Some(endpoint) = endpoint {
+        info.metadata
+            .insert(ENDPOINT_METADATA.to_owned(), endpoint.to_string());
+    }
     let engine_keys = worker.engine_url.is_some()
         || worker.kv_events.is_some()
         || worker.kv_events_replay.is_some()

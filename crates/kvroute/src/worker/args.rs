@@ -29,6 +29,11 @@ pub(crate) struct WorkerArgs {
     /// The engine's HTTP address, e.g. http://127.0.0.1:8000.
     #[arg(long, value_name = "URL", requires = "engine")]
     pub(super) engine_url: Option<String>,
+    /// Where a proxy in front of kvroute (`kvroute epp` behind Envoy) sends this worker's
+    /// requests: the engine's ip:port as the proxy reaches it, e.g. the pod's IP (default: the
+    /// host and port of --engine-url).
+    #[arg(long, value_name = "IP:PORT", requires = "engine")]
+    pub(super) endpoint: Option<String>,
     /// The engine's ZMQ KV event publisher, e.g. tcp://127.0.0.1:5557 (vLLM
     /// `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
     /// "endpoint": "tcp://*:5557"}'`). Without it the router predicts this worker's cache from its

@@ -347,10 +347,20 @@ fn kvroute_serves_real_llamacpp_engines() {
 /// `timeout`; fails the test with the script's output (and where its logs are) unless it
 /// succeeds.
 fn run_script(script: &str, dir: &Path, timeout: Duration) {
+    run_python(&scripts().join(script), dir, timeout);
+}
+
+/// Runs the Python script at `path` with the kvroute binary as its argument and its logs in
+/// `dir`, within `timeout` (SIGTERM, then SIGKILL, past it); fails with its output unless it
+/// exits 0.
+pub(crate) fn run_python(path: &Path, dir: &Path, timeout: Duration) {
+    let script = path
+        .file_name()
+        .map_or_else(|| "script".into(), |n| n.to_string_lossy().into_owned());
     let out_path = dir.join(format!("{script}.out"));
     let err_path = dir.join(format!("{script}.err"));
     let mut child = Command::new(python())
-        .arg(scripts().join(script))
+        .arg(path)
         .arg(env!("CARGO_BIN_EXE_kvroute"))
         .env("KVROUTE_E2E_LOGS", dir)
         .stdin(Stdio::null())

@@ -9,6 +9,7 @@ mod dialect_migration;
 mod disagg_replay;
 mod e2e;
 mod engine_sim;
+mod envoy;
 mod errors;
 mod llamacpp;
 mod nats;

@@ -21,12 +21,14 @@ use crate::cli::{DEFAULT_DRAIN_TIMEOUT, DEFAULT_LEASE_TTL, DEFAULT_NATS_NAMESPAC
 impl ServeOptions {
     /// Checks every option and builds the typed configuration.
     pub(crate) fn validate(self) -> Result<ServeConfig, InvalidOption> {
+        // `[epp]` is `kvroute epp`'s, read before validation (serve ignores it).
         let ServeOptions {
             http,
             router,
             discovery,
             nats,
             models,
+            epp: _,
         } = self;
         let frontend = Frontend::validate(http)?;
         let (mut router_config, disagg) = validate_router(&router)?;
