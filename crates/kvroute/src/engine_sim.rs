@@ -202,6 +202,11 @@ async fn start_engine(
             .map_or(0, |d| d.as_secs()),
     });
     let app = http::app(sim);
+    // As vLLM's server (uvicorn) does: each streamed token leaves at once, not held back by
+    // Nagle's algorithm until the previous one is acknowledged.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let server = tokio::spawn(async move {
         if let Err(error) = axum::serve(listener, app).await {
             tracing::error!(%error, engine = i, "engine HTTP server failed");
