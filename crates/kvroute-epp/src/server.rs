@@ -16,8 +16,6 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, Processin
 use futures::Stream;
 use serde_json::json;
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Status, Streaming};
 use tonic_health::ServingStatus;
@@ -129,40 +127,31 @@ async fn health(State(picker): State<Picker>) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
-/// How many answers may wait for Envoy to read them before a stream's reader pauses.
-const ANSWERS_BUFFERED: usize = 16;
-
 #[tonic::async_trait]
 impl ExternalProcessor for Picker {
     type ProcessStream =
         Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send + 'static>>;
 
+    /// One stream, one request: each message from Envoy is answered in the order the protocol
+    /// requires, on the stream's own task (no hop to another task and back). When Envoy closes
+    /// the stream, or the connection breaks, the exchange is dropped, which frees what it held.
     async fn process(
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<tonic::Response<Self::ProcessStream>, Status> {
         let mut incoming = request.into_inner();
-        let (tx, rx) = mpsc::channel(ANSWERS_BUFFERED);
         let picker = self.clone();
-        tokio::spawn(async move {
+        let answers = async_stream::stream! {
             let mut exchange = Exchange::new(picker);
-            loop {
-                let message = match incoming.message().await {
-                    Ok(Some(message)) => message,
-                    // Envoy closed the stream (the request ended, or was reset), or the
-                    // connection broke: dropping the exchange frees what it held.
-                    Ok(None) | Err(_) => break,
-                };
+            while let Ok(Some(message)) = incoming.message().await {
                 for answer in exchange.on_message(message).await {
-                    if tx.send(Ok(answer)).await.is_err() {
-                        return;
-                    }
+                    yield Ok(answer);
                 }
                 if exchange.finished() {
                     break;
                 }
             }
-        });
-        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
+        };
+        Ok(tonic::Response::new(Box::pin(answers)))
     }
 }
