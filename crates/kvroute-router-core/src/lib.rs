@@ -51,6 +51,7 @@
 
 mod config;
 mod core;
+pub mod disagg;
 mod error;
 mod policy;
 mod request;
@@ -58,6 +59,7 @@ mod request;
 pub use config::{DEFAULT_INFLIGHT_TTL, DEFAULT_REPORT_TTL, KvMode, RouterConfig};
 pub use core::snapshot::{IndexSnapshot, LaneSnapshot, SnapshotCut, SnapshotError, WorkerSnapshot};
 pub use core::{CoreStats, Expired, KvRouterCore};
+pub use disagg::{ConditionalDisagg, LocalReason, PrefillPlacement, PrefillSide};
 pub use error::RouteError;
 pub use policy::{Policy, UnknownPolicy};
 pub use request::{PhaseTimings, PreparedRoute, RoutePreparer, RouteRequest, RouteSource, Routed};
