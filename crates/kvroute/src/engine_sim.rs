@@ -14,6 +14,7 @@
 mod generate;
 mod http;
 mod kv_events;
+mod kv_transfer;
 mod metrics;
 mod openai;
 mod state;
@@ -26,12 +27,14 @@ use std::sync::atomic::AtomicU64;
 
 use anyhow::{Context as _, bail};
 use kvroute_mocker::MockerConfig;
+use kvroute_mocker::disagg::{DecodeConfig, Role};
 use kvroute_mocker::live::LiveMocker;
 use kvroute_router::tokenizer::{ChatTemplate, HfTokenizer, MockTokenizer, Tokenizer};
 use kvroute_runtime::KvEventPublisher;
 
 use crate::mocker_args::MockerArgs;
 use crate::signal;
+use kv_transfer::{EngineAddress, Transfers};
 use metrics::{CacheShape, Counters};
 use state::{Sim, TextSide};
 
@@ -73,6 +76,11 @@ pub(crate) struct EngineSimArgs {
     /// The context length the engines state and enforce (prompt plus output tokens).
     #[arg(long, default_value_t = 8192, value_name = "TOKENS")]
     max_model_len: u32,
+    /// How long an engine holds a prefill's blocks for remote decode (vLLM's KV connector
+    /// handshake: a request with `kv_transfer_params.do_remote_decode`); a decode request
+    /// naming them later is refused, as a real engine frees blocks nobody read.
+    #[arg(long, default_value = "480s", value_name = "DURATION")]
+    kv_transfer_ttl: crate::cli::HumanDuration,
     /// The simulated engine.
     #[command(flatten)]
     mocker: MockerArgs,
@@ -131,8 +139,13 @@ async fn serve(
     text: Arc<TextSide>,
 ) -> anyhow::Result<()> {
     let mut servers = Vec::with_capacity(args.engines);
+    let transfers = Arc::new(Transfers::new(args.kv_transfer_ttl.0));
     for i in 0..args.engines {
-        let (line, server) = start_engine(&args, i, &mocker, &text).await?;
+        let shared = Shared {
+            text: Arc::clone(&text),
+            transfers: Arc::clone(&transfers),
+        };
+        let (line, server) = start_engine(&args, i, &mocker, shared).await?;
         println!("{line}");
         servers.push(server);
     }
@@ -147,12 +160,18 @@ async fn serve(
     Ok(())
 }
 
+/// What every engine of the process shares.
+struct Shared {
+    text: Arc<TextSide>,
+    transfers: Arc<Transfers>,
+}
+
 /// Starts engine `i`: its mocker, its event feed, its HTTP server. Returns its stdout line.
 async fn start_engine(
     args: &EngineSimArgs,
     i: usize,
     mocker: &MockerConfig,
-    text: &Arc<TextSide>,
+    shared: Shared,
 ) -> anyhow::Result<(String, tokio::task::JoinHandle<()>)> {
     let mut addr = args.listen;
     if addr.port() != 0 {
@@ -186,12 +205,20 @@ async fn start_engine(
         block_size: config.block_size,
         num_blocks: config.num_blocks,
     };
-    let engine = LiveMocker::spawn(config, 0, publisher)
+    // The decode role serves ordinary requests whole and takes a prefill result's KV as
+    // transferred: every engine can play either side of the handshake, as vLLM's `kv_both`.
+    let role = Role::Decode(DecodeConfig::default());
+    let engine = LiveMocker::spawn_with_role(config, 0, publisher, role)
         .with_context(|| format!("engine {i}: starting the simulated engine"))?;
+    let address = EngineAddress {
+        engine_id: format!("engine-sim-{i}-{}", addr.port()),
+        host: addr.ip().to_string(),
+        port: addr.port(),
+    };
     let sim = Arc::new(Sim {
         engine,
         model: args.model.clone(),
-        text: Arc::clone(text),
+        text: shared.text,
         cache,
         max_model_len: args.max_model_len,
         counters: Counters::default(),
@@ -200,6 +227,8 @@ async fn start_engine(
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
+        transfers: shared.transfers,
+        address,
     });
     let app = http::app(sim);
     let server = tokio::spawn(async move {

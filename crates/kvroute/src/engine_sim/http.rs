@@ -15,6 +15,7 @@ use serde::de::DeserializeOwned;
 use serde_json::json;
 
 use super::generate::{self, Job};
+use super::kv_transfer::Handshake;
 use super::metrics;
 use super::openai::{
     ChatMessage, ChatRequest, CompletionRequest, Envelope, Kind, Prompt, TokenizeRequest,
@@ -191,12 +192,20 @@ fn job(
             sim.max_model_len
         )));
     }
+    let handshake = match &common.kv_transfer_params {
+        None => Handshake::None,
+        Some(params) => sim
+            .transfers
+            .handshake(params, &prompt)
+            .map_err(|message| bad_request(&message))?,
+    };
     Ok(Job {
         envelope,
         prompt,
         max_tokens,
         stream: common.stream,
         include_usage: common.include_usage(),
+        handshake,
     })
 }
 

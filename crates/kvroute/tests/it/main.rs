@@ -17,3 +17,4 @@ mod replay;
 mod security;
 mod soak;
 mod support;
+mod vllm_disagg;

@@ -1,0 +1,178 @@
+//! Disaggregated serving with vLLM's KV connector handshake, end to end: `kvroute serve` with a
+//! static fleet whose prefill and decode entries are simulated vLLM engines (`kvroute
+//! engine-sim`, which plays both sides of the handshake). The prefill engine is asked for one
+//! whole token with `kv_transfer_params.do_remote_decode`, its answer's parameters go verbatim to
+//! the decode engine, which refuses parameters naming blocks nobody holds.
+
+use serde_json::{Value, json};
+
+use crate::e2e::{Fleet, Proc, Sse, active_requests};
+use crate::engine_sim::{EngineSim, MODEL, client, long_prompt, vllm_sample, word_level_model};
+use crate::support::scratch;
+
+/// `kvroute serve --disagg enforced` over engine 0 of `sim` as prefill worker 1 and engine 1 as
+/// decode worker 2.
+async fn disagg_fleet(sim: &EngineSim, test: &str) -> Fleet {
+    let dir = scratch(&format!("vllm-disagg-{test}"));
+    let model = word_level_model(&dir);
+    let fleet = dir.join("fleet.toml");
+    let entry = |id: u64, role: &str, engine: usize| {
+        format!(
+            "[[workers]]\nid = {id}\nrole = \"{role}\"\nengine = \"vllm\"\nengine_url = \"{}\"\n\
+             served_model_name = \"{MODEL}\"\nkv_block_size = 16\n\n",
+            sim.field(engine, "url")
+        )
+    };
+    let text = entry(1, "prefill", 0) + &entry(2, "decode", 1);
+    std::fs::write(&fleet, text).expect("write the fleet file");
+    let fleet_path = fleet.to_str().expect("utf-8 path");
+    let serve = Proc::start(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--fleet",
+            fleet_path,
+            "--disagg",
+            "enforced",
+            "--model",
+            &model,
+        ],
+        &dir.join("serve.log"),
+    );
+    let fleet = Fleet {
+        base: format!("http://{}", serve.field("http")),
+        serve,
+        workers: Vec::new(),
+        http: client(),
+    };
+    fleet
+        .eventually("the router to list both engines", |m| {
+            (1..=2).all(|w| active_requests(m, w).is_some())
+        })
+        .await;
+    fleet
+}
+
+fn body(tag: &str, max_tokens: u32, stream: bool) -> Value {
+    json!({
+        "model": "mock",
+        "messages": [{"role": "user", "content": long_prompt(tag)}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "nvext": {"extra_fields": ["worker_id"]},
+    })
+}
+
+async fn engine_metrics(fleet: &Fleet, sim: &EngineSim, engine: usize) -> String {
+    fleet
+        .get(&format!("{}/metrics", sim.field(engine, "url")))
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_prefill_and_decode_engines_hand_the_kv_over_through_kvroute() {
+    let sim = EngineSim::start_with("vllm-disagg", 2, &[]);
+    let fleet = disagg_fleet(&sim, "handoff").await;
+
+    let (status, answer) = fleet.chat(&body("a", 4, false), None).await;
+    assert_eq!(status, 200, "{answer}");
+    let workers = &answer["nvext"]["worker_id"];
+    assert_eq!(workers["prefill_worker_id"], json!(1), "{answer}");
+    assert_eq!(workers["decode_worker_id"], json!(2), "{answer}");
+    assert_eq!(answer["usage"]["completion_tokens"], json!(4), "{answer}");
+    // The decode engine received the prefill's parameters: it took the prompt's full blocks as
+    // transferred (counted as its cache hits) and computed nothing it was handed.
+    let prompt = answer["usage"]["prompt_tokens"]
+        .as_u64()
+        .expect("prompt tokens");
+    let transferred = prompt / 16 * 16;
+    assert!(transferred >= 64, "a prompt of several blocks: {prompt}");
+    let decode = engine_metrics(&fleet, &sim, 1).await;
+    assert_eq!(
+        vllm_sample(&decode, "vllm:prefix_cache_hits_total"),
+        transferred as f64
+    );
+    assert_eq!(vllm_sample(&decode, "vllm:generation_tokens_total"), 4.0);
+    let prefill = engine_metrics(&fleet, &sim, 0).await;
+    assert_eq!(vllm_sample(&prefill, "vllm:generation_tokens_total"), 1.0);
+    assert_eq!(
+        vllm_sample(&prefill, "vllm:prompt_tokens_total"),
+        prompt as f64
+    );
+
+    // Streamed: the decode engine's stream reaches the client.
+    let response = fleet
+        .http
+        .post(format!("{}/v1/chat/completions", fleet.base))
+        .json(&body("b", 3, true))
+        .send()
+        .await
+        .expect("POST");
+    assert_eq!(response.status(), 200);
+    let mut sse = Sse::new(response);
+    let mut chunks = 0;
+    while let Some(data) = sse.next().await {
+        if data != "[DONE]" {
+            chunks += 1;
+        }
+    }
+    assert!(chunks >= 3, "{chunks} chunks");
+    fleet.assert_idle(&[1, 2]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_engine_refuses_expired_blocks_and_the_client_is_told() {
+    // The prefill engine frees its blocks at once: the decode engine finds nothing to pull.
+    let sim = EngineSim::start_with("vllm-disagg-expired", 2, &["--kv-transfer-ttl", "0s"]);
+    let fleet = disagg_fleet(&sim, "expired").await;
+    let (status, answer) = fleet.chat(&body("c", 4, false), None).await;
+    assert!((400..600).contains(&status), "{status} {answer}");
+    let message = answer.to_string();
+    assert!(message.contains("expired"), "{message}");
+    fleet.assert_idle(&[1, 2]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_killed_mid_stream_fail_the_request_cleanly_and_free_every_load() {
+    let mut sim = EngineSim::start_with("vllm-disagg-kill", 2, &["--speedup", "1"]);
+    let fleet = disagg_fleet(&sim, "kill").await;
+    let response = fleet
+        .http
+        .post(format!("{}/v1/chat/completions", fleet.base))
+        .json(&body("d", 2000, true))
+        .send()
+        .await
+        .expect("POST");
+    assert_eq!(response.status(), 200);
+    let mut sse = Sse::new(response);
+    let first = sse
+        .next()
+        .await
+        .expect("a first chunk from the decode engine");
+    assert!(first.contains("chat.completion.chunk"), "{first}");
+    // Both engines (one process) die while the decode engine streams.
+    sim.kill();
+    let mut last = String::new();
+    while let Some(data) = sse.next().await {
+        last = data;
+    }
+    assert_ne!(
+        last, "[DONE]",
+        "a stream cut by its engine does not end as if complete"
+    );
+    fleet
+        .eventually("no request left on either engine", |m| {
+            (1..=2).all(|w| active_requests(m, w).is_none_or(|n| n == 0))
+        })
+        .await;
+    let metrics = fleet.router_metrics().await;
+    for w in [1, 2] {
+        for gauge in ["worker_prefill_tokens", "worker_active_blocks"] {
+            assert!(
+                crate::e2e::gauge(&metrics, gauge, w).is_none_or(|v| v == 0.0),
+                "{gauge} of worker {w}:\n{metrics}"
+            );
+        }
+    }
+}
