@@ -53,9 +53,13 @@ impl EngineKind {
 
     /// Whether kvroute speaks the engine's disaggregation exchange, so that it can serve as a
     /// prefill or a decode engine ([`HttpEngineConfig::role`]): vLLM (its KV connector
-    /// handshake) and SGLang (its bootstrap rooms).
+    /// handshake), SGLang (its bootstrap rooms) and TensorRT-LLM (its context and generation
+    /// `disaggregated_params`).
     pub const fn disaggregates(self) -> bool {
-        matches!(self, EngineKind::Vllm | EngineKind::Sglang)
+        matches!(
+            self,
+            EngineKind::Vllm | EngineKind::Sglang | EngineKind::Trtllm
+        )
     }
 
     /// Whether the engine's prefill side is met through a bootstrap server (SGLang): a prefill

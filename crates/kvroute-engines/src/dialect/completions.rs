@@ -98,6 +98,9 @@ pub(super) struct Body<'a> {
     /// vLLM's KV connector handshake (see `vllm.rs`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) kv_transfer_params: Option<Value>,
+    /// TensorRT-LLM's context / generation exchange (see `trtllm.rs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) disaggregated_params: Option<Value>,
 }
 
 #[derive(Debug, Serialize)]
@@ -144,6 +147,7 @@ impl<'a> Body<'a> {
             detokenize: (flavor == Flavor::Trtllm).then_some(false),
             cache_salt: request.cache_salt().filter(|_| flavor == Flavor::Vllm),
             kv_transfer_params: None,
+            disaggregated_params: None,
         }
     }
 
@@ -198,6 +202,9 @@ impl Parser {
                 ));
             }
         };
+        if let Some(params) = choice.disaggregated_params.filter(|p| !p.is_null()) {
+            step.disaggregated_params = Some(params);
+        }
         match choice.token_ids {
             Some(ids) => step.token_ids = ids,
             None => step.text = choice.text.filter(|t| !t.is_empty()),
@@ -299,6 +306,9 @@ struct Choice {
     finish_reason: Option<String>,
     #[serde(default)]
     stop_reason: Option<Value>,
+    /// TensorRT-LLM: a context (prefill) engine's handover (whole responses).
+    #[serde(default)]
+    disaggregated_params: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]

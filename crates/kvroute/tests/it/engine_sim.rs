@@ -25,14 +25,18 @@ impl EngineSim {
         Self::start_with(test, engines, &[])
     }
 
-    /// `engines` simulated vLLM engines with `extra` flags.
+    /// `engines` simulated vLLM engines with `extra` flags (`--speedup 50` unless they say).
     pub(crate) fn start_with(test: &str, engines: usize, extra: &[&str]) -> EngineSim {
         let log = scratch(&format!("engine-sim-{test}-engines")).join("engine-sim.log");
         let n = engines.to_string();
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .args(["engine-sim", "--dialect", "vllm", "--engines", &n])
             .args(["--listen", "127.0.0.1:0", "--kv-events", "--model", MODEL])
-            .args(["--speedup", "50"])
+            .args(if extra.contains(&"--speedup") {
+                &[][..]
+            } else {
+                &["--speedup", "50"][..]
+            })
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).expect("create log"))

@@ -111,13 +111,16 @@ async fn vllm_prefill_and_decode_engines_hand_the_kv_over_through_kvroute() {
         .expect("POST");
     assert_eq!(response.status(), 200);
     let mut sse = Sse::new(response);
-    let mut chunks = 0;
+    let mut events = Vec::new();
     while let Some(data) = sse.next().await {
-        if data != "[DONE]" {
-            chunks += 1;
-        }
+        events.push(data);
     }
-    assert!(chunks >= 3, "{chunks} chunks");
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+    assert!(
+        events.iter().all(|e| !e.contains("\"error\"")),
+        "{events:?}"
+    );
+    assert!(events.len() >= 3, "content chunks and the end: {events:?}");
     fleet.assert_idle(&[1, 2]).await;
 }
 
