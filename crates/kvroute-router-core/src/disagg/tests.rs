@@ -112,3 +112,22 @@ fn placements_have_names() {
         "prefill_queue_long"
     );
 }
+
+#[test]
+fn a_decode_worker_with_a_long_prefill_queue_sends_even_short_prompts_away() {
+    // 500 uncached of 5000 (short, and 90% cached), but 20,000 tokens already wait on the
+    // decode worker, more than twice the remote work (0 + 5000).
+    check(
+        5000,
+        side(500, 20_000),
+        side(5000, 0),
+        PrefillPlacement::Remote,
+    );
+    // With the decode queue at exactly twice the remote work, the prompt stays.
+    check(
+        5000,
+        side(500, 10_000),
+        side(5000, 0),
+        PrefillPlacement::Local(LocalReason::ShortUncached),
+    );
+}

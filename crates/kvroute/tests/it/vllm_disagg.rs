@@ -115,7 +115,11 @@ async fn vllm_prefill_and_decode_engines_hand_the_kv_over_through_kvroute() {
     while let Some(data) = sse.next().await {
         events.push(data);
     }
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
     assert!(
         events.iter().all(|e| !e.contains("\"error\"")),
         "{events:?}"
