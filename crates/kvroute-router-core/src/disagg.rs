@@ -17,7 +17,7 @@ use crate::request::Routed;
 pub const DEFAULT_MAX_LOCAL_PREFILL_TOKENS: u64 = 1000;
 
 /// Share of the prompt cached on the decode worker at or above which the prompt is prefilled
-/// there (while its queue allows, see [`ConditionalDisagg::place`]) (the reference's `max_remote_prefill_cache_hit_ratio` default is 0.5; a higher share is
+/// there (the reference's `max_remote_prefill_cache_hit_ratio` default is 0.5; a higher share is
 /// used here because a long prompt that is half cached still prefills thousands of tokens in the
 /// middle of the decode worker's batches).
 pub const DEFAULT_MIN_LOCAL_CACHED_SHARE: f64 = 0.8;
@@ -140,30 +140,27 @@ impl ConditionalDisagg {
 
     /// Where a prompt of `isl_tokens` tokens is prefilled, given its `local` side (the decode
     /// worker it would be served on aggregated) and its `remote` side (the prefill worker it
-    /// would be prefilled on). The rules are tried in order: short uncached part, mostly cached
-    /// (both only while the decode worker's own prefill queue is at most `prefill_queue_ratio`
-    /// times the remote work), remote queue much longer; otherwise remote.
+    /// would be prefilled on). The rules are tried in order: short uncached part, mostly cached,
+    /// remote queue much longer; otherwise remote.
     pub fn place(
         &self,
         isl_tokens: u64,
         local: PrefillSide,
         remote: PrefillSide,
     ) -> PrefillPlacement {
-        let local_work = (local.backlog_tokens + local.uncached_tokens) as f64;
-        let remote_work = (remote.backlog_tokens + remote.uncached_tokens) as f64;
-        // A short or mostly cached prompt still waits behind the decode worker's own prefill
-        // queue: it stays local only while that queue is not much longer than the remote work.
-        let local_queue_ok = local.backlog_tokens as f64 <= self.prefill_queue_ratio * remote_work;
-        if local_queue_ok && local.uncached_tokens <= self.max_local_prefill_tokens {
+        if local.uncached_tokens <= self.max_local_prefill_tokens {
             return PrefillPlacement::Local(LocalReason::ShortUncached);
         }
         let cached = isl_tokens.saturating_sub(local.uncached_tokens);
-        if local_queue_ok
-            && isl_tokens > 0
-            && cached as f64 >= self.min_local_cached_share * isl_tokens as f64
-        {
+        if isl_tokens > 0 && cached as f64 >= self.min_local_cached_share * isl_tokens as f64 {
             return PrefillPlacement::Local(LocalReason::MostlyCached);
         }
+        // Measured and dropped: also holding the two rules above to the decode worker's own
+        // prefill queue (local only while it is at most `prefill_queue_ratio` times the remote
+        // work) sent bursts to the prefill pool and raised bursty TTFT p99 from 1.36 to 3.21 s
+        // in replay (docs/benchmarks-history.md).
+        let local_work = (local.backlog_tokens + local.uncached_tokens) as f64;
+        let remote_work = (remote.backlog_tokens + remote.uncached_tokens) as f64;
         if remote_work >= self.prefill_queue_ratio * local_work {
             return PrefillPlacement::Local(LocalReason::PrefillQueueLong);
         }
