@@ -190,7 +190,7 @@ impl kvroute_mocker::sim::DisaggDispatcher for EvenLocal {
         request: &kvroute_mocker::Request,
         decode: &[kvroute_mocker::Engine],
     ) -> Option<usize> {
-        (request.id % 2 == 0).then(|| {
+        request.id.is_multiple_of(2).then(|| {
             self.local.push(request.id);
             request.id as usize / 2 % decode.len()
         })
@@ -233,7 +233,7 @@ fn a_request_placed_locally_is_served_whole_by_its_decode_engine() {
         20,
         "only remote prefills are handed to decode"
     );
-    assert!(remote.iter().all(|(id, _)| id % 2 == 1));
+    assert!(remote.iter().all(|(id, _)| !id.is_multiple_of(2)));
     // Every prompt is counted once, where it was computed; every output on decode.
     let prompts: u64 = records.iter().map(|r| u64::from(r.input_length)).sum();
     assert_eq!(report.prompt_tokens, prompts);

@@ -26,9 +26,19 @@ pub(super) struct Transfers {
 
 #[derive(Debug, Default)]
 struct Held {
-    /// By (engine id, first block id): the block ids, the tokens they hold, when they go.
-    blocks: HashMap<(String, u64), (Vec<u64>, Vec<u32>, Instant)>,
+    /// By (engine id, first block id).
+    blocks: HashMap<(String, u64), HeldBlocks>,
     next_block: u64,
+}
+
+/// One prefill's blocks, held for its decode engine.
+#[derive(Debug)]
+struct HeldBlocks {
+    ids: Vec<u64>,
+    /// The tokens they hold.
+    tokens: Vec<u32>,
+    /// When they are freed.
+    expires: Instant,
 }
 
 /// Where a prefilling engine can be reached (`remote_*` of its parameters).
@@ -70,7 +80,12 @@ impl Transfers {
             let tokens = prompt[..full * block_size as usize].to_vec();
             let expires = Instant::now() + self.ttl;
             let key = (engine.engine_id.clone(), first);
-            held.blocks.insert(key, (ids.clone(), tokens, expires));
+            let blocks = HeldBlocks {
+                ids: ids.clone(),
+                tokens,
+                expires,
+            };
+            held.blocks.insert(key, blocks);
         }
         json!({
             "do_remote_prefill": true,
@@ -121,7 +136,12 @@ impl Transfers {
         };
         let mut held = self.held.lock();
         let key = (engine.to_owned(), first);
-        let Some((held_ids, tokens, expires)) = held.blocks.remove(&key) else {
+        let Some(HeldBlocks {
+            ids: held_ids,
+            tokens,
+            expires,
+        }) = held.blocks.remove(&key)
+        else {
             return Err(format!(
                 "kv_transfer_params name blocks {ids:?} of engine {engine}, which holds no such \
                  blocks (never prefilled there, or already read)"
