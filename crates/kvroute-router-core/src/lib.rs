@@ -6,7 +6,8 @@
 //! in [`KvMode::Approximate`]), routes a [`RouteRequest`] into a [`Routed`] decision carrying the
 //! cost breakdown and per-phase timings ([`PhaseTimings`]), and tracks the request's load until
 //! [`KvRouterCore::on_finished`] or [`KvRouterCore::on_failed`]; [`RoutePreparer`] hashes and
-//! matches a prompt without the core's lock. [`IndexSnapshot`] saves and restores its exact
+//! matches a prompt without the core's lock. [`ConditionalDisagg`] decides, from two query
+//! decisions, whether a request's prefill runs on its decode worker or a prefill worker. [`IndexSnapshot`] saves and restores its exact
 //! index; [`RouteError`] says why a request could not be routed (nothing changes then). The
 //! lower crates' types a caller needs to drive it ([`WorkerSpec`], [`RequestId`], ...) are
 //! re-exported.
