@@ -183,3 +183,52 @@ async fn engines_killed_mid_stream_fail_the_request_cleanly_and_free_every_load(
         }
     }
 }
+
+/// The stock `openai` client against the disaggregated fleet (`KVROUTE_PYTHON` with
+/// tests/python/requirements.txt; the test fails, naming the set-up, without it).
+const OPENAI_SCRIPT: &str = r#"
+import sys, openai
+client = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", timeout=30)
+nvext = {"nvext": {"extra_fields": ["worker_id"]}}
+prompt = " ".join(f"c{i}" for i in range(70))
+whole = client.completions.create(model="mock", prompt=prompt, max_tokens=3, extra_body=nvext)
+workers = whole.model_extra["nvext"]["worker_id"]
+assert (workers["prefill_worker_id"], workers["decode_worker_id"]) == (1, 2), workers
+assert whole.usage.completion_tokens == 3, whole.usage
+stream = client.chat.completions.create(
+    model="mock", messages=[{"role": "user", "content": prompt}], max_tokens=3, stream=True,
+    extra_body=nvext)
+# engine-sim's tokens are random ids (often outside the test's tiny vocabulary): the
+# stream is checked by its chunks and its finish, not its text.
+finishes = [c.choices[0].finish_reason for c in stream if c.choices]
+assert len(finishes) >= 2 and finishes[-1] == "length", finishes
+print("ok")
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stock_openai_client_is_served_disaggregated() {
+    let python = std::env::var("KVROUTE_PYTHON").unwrap_or_else(|_| {
+        panic!(
+            "KVROUTE_PYTHON is not set: set it to a python with tests/python/requirements.txt \
+             installed (cargo xtask ci makes ~/.cache/kvroute/venv)"
+        )
+    });
+    let sim = EngineSim::start_with("vllm-disagg-openai", 2, &[]);
+    let fleet = disagg_fleet(&sim, "openai").await;
+    let base = fleet.base.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .args(["-c", OPENAI_SCRIPT, &base])
+            .output()
+            .expect("run KVROUTE_PYTHON")
+    })
+    .await
+    .expect("join");
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "ok",
+        "openai client failed:\nstdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    fleet.assert_idle(&[1, 2]).await;
+}
