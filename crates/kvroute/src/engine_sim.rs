@@ -140,10 +140,15 @@ async fn serve(
 ) -> anyhow::Result<()> {
     let mut servers = Vec::with_capacity(args.engines);
     let transfers = Arc::new(Transfers::new(args.kv_transfer_ttl.0));
+    let client = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(30))
+        .build()
+        .context("building the KV transfer client")?;
     for i in 0..args.engines {
         let shared = Shared {
             text: Arc::clone(&text),
             transfers: Arc::clone(&transfers),
+            client: client.clone(),
         };
         let (line, server) = start_engine(&args, i, &mocker, shared).await?;
         println!("{line}");
@@ -164,6 +169,7 @@ async fn serve(
 struct Shared {
     text: Arc<TextSide>,
     transfers: Arc<Transfers>,
+    client: reqwest::Client,
 }
 
 /// Starts engine `i`: its mocker, its event feed, its HTTP server. Returns its stdout line.
@@ -229,6 +235,7 @@ async fn start_engine(
             .map_or(0, |d| d.as_secs()),
         transfers: shared.transfers,
         address,
+        client: shared.client,
     });
     let app = http::app(sim);
     let server = tokio::spawn(async move {

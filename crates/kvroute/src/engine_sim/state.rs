@@ -35,4 +35,6 @@ pub(super) struct Sim {
     pub(super) transfers: Arc<Transfers>,
     /// How other engines reach this one (its `kv_transfer_params`).
     pub(super) address: EngineAddress,
+    /// Pulls transferred blocks from other engines.
+    pub(super) client: reqwest::Client,
 }

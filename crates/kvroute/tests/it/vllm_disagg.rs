@@ -13,17 +13,22 @@ use crate::support::scratch;
 /// `kvroute serve --disagg enforced` over engine 0 of `sim` as prefill worker 1 and engine 1 as
 /// decode worker 2.
 async fn disagg_fleet(sim: &EngineSim, test: &str) -> Fleet {
+    fleet_of(sim.field(0, "url"), sim.field(1, "url"), test).await
+}
+
+/// `kvroute serve --disagg enforced` over the engine at `prefill` as prefill worker 1 and the one
+/// at `decode` as decode worker 2.
+async fn fleet_of(prefill: &str, decode: &str, test: &str) -> Fleet {
     let dir = scratch(&format!("vllm-disagg-{test}"));
     let model = word_level_model(&dir);
     let fleet = dir.join("fleet.toml");
-    let entry = |id: u64, role: &str, engine: usize| {
+    let entry = |id: u64, role: &str, url: &str| {
         format!(
-            "[[workers]]\nid = {id}\nrole = \"{role}\"\nengine = \"vllm\"\nengine_url = \"{}\"\n\
-             served_model_name = \"{MODEL}\"\nkv_block_size = 16\n\n",
-            sim.field(engine, "url")
+            "[[workers]]\nid = {id}\nrole = \"{role}\"\nengine = \"vllm\"\nengine_url = \"{url}\"\n\
+             served_model_name = \"{MODEL}\"\nkv_block_size = 16\n\n"
         )
     };
-    let text = entry(1, "prefill", 0) + &entry(2, "decode", 1);
+    let text = entry(1, "prefill", prefill) + &entry(2, "decode", decode);
     std::fs::write(&fleet, text).expect("write the fleet file");
     let fleet_path = fleet.to_str().expect("utf-8 path");
     let serve = Proc::start(
@@ -140,6 +145,87 @@ async fn a_decode_engine_refuses_expired_blocks_and_the_client_is_told() {
     fleet.assert_idle(&[1, 2]).await;
 }
 
+/// No request left on either worker, and no prefill or decode load in either router.
+async fn assert_no_load(fleet: &Fleet) {
+    fleet
+        .eventually("no request left on either engine", |m| {
+            (1..=2).all(|w| active_requests(m, w).is_none_or(|n| n == 0))
+        })
+        .await;
+    let metrics = fleet.router_metrics().await;
+    for w in [1, 2] {
+        for gauge in ["worker_prefill_tokens", "worker_active_blocks"] {
+            assert!(
+                crate::e2e::gauge(&metrics, gauge, w).is_none_or(|v| v == 0.0),
+                "{gauge} of worker {w}:\n{metrics}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_engine_killed_mid_stream_fails_the_request_and_frees_every_load() {
+    // Prefill and decode engines in two processes: the decode engine pulls the blocks over HTTP.
+    let prefill = EngineSim::start_with("vllm-disagg-kill-decode-p", 1, &[]);
+    let mut decode = EngineSim::start_with("vllm-disagg-kill-decode-d", 1, &["--speedup", "1"]);
+    let fleet = fleet_of(
+        prefill.field(0, "url"),
+        decode.field(0, "url"),
+        "kill-decode",
+    )
+    .await;
+    let response = fleet
+        .http
+        .post(format!("{}/v1/chat/completions", fleet.base))
+        .json(&body("d", 2000, true))
+        .send()
+        .await
+        .expect("POST");
+    assert_eq!(response.status(), 200);
+    let mut sse = Sse::new(response);
+    let first = sse
+        .next()
+        .await
+        .expect("a first chunk from the decode engine");
+    assert!(first.contains("chat.completion.chunk"), "{first}");
+    decode.kill();
+    let mut last = String::new();
+    while let Some(data) = sse.next().await {
+        last = data;
+    }
+    assert_ne!(
+        last, "[DONE]",
+        "a stream cut by its engine does not end as if complete"
+    );
+    assert_no_load(&fleet).await;
+    let metrics = fleet
+        .get(&format!("{}/metrics", prefill.field(0, "url")))
+        .await;
+    assert_eq!(vllm_sample(&metrics, "vllm:num_requests_running"), 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_prefill_engine_fails_the_next_request_cleanly() {
+    let mut prefill = EngineSim::start_with("vllm-disagg-kill-prefill-p", 1, &[]);
+    let decode = EngineSim::start_with("vllm-disagg-kill-prefill-d", 1, &[]);
+    let fleet = fleet_of(
+        prefill.field(0, "url"),
+        decode.field(0, "url"),
+        "kill-prefill",
+    )
+    .await;
+    let (status, answer) = fleet.chat(&body("e", 4, false), None).await;
+    assert_eq!(status, 200, "across processes: {answer}");
+    prefill.kill();
+    let (status, answer) = fleet.chat(&body("f", 4, false), None).await;
+    assert!((400..600).contains(&status), "{status} {answer}");
+    assert_no_load(&fleet).await;
+    let metrics = fleet
+        .get(&format!("{}/metrics", decode.field(0, "url")))
+        .await;
+    assert_eq!(vllm_sample(&metrics, "vllm:num_requests_running"), 0.0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_killed_mid_stream_fail_the_request_cleanly_and_free_every_load() {
     let mut sim = EngineSim::start_with("vllm-disagg-kill", 2, &["--speedup", "1"]);
@@ -168,20 +254,7 @@ async fn engines_killed_mid_stream_fail_the_request_cleanly_and_free_every_load(
         last, "[DONE]",
         "a stream cut by its engine does not end as if complete"
     );
-    fleet
-        .eventually("no request left on either engine", |m| {
-            (1..=2).all(|w| active_requests(m, w).is_none_or(|n| n == 0))
-        })
-        .await;
-    let metrics = fleet.router_metrics().await;
-    for w in [1, 2] {
-        for gauge in ["worker_prefill_tokens", "worker_active_blocks"] {
-            assert!(
-                crate::e2e::gauge(&metrics, gauge, w).is_none_or(|v| v == 0.0),
-                "{gauge} of worker {w}:\n{metrics}"
-            );
-        }
-    }
+    assert_no_load(&fleet).await;
 }
 
 /// The stock `openai` client against the disaggregated fleet (`KVROUTE_PYTHON` with

@@ -12,6 +12,14 @@ fn engine() -> EngineAddress {
     }
 }
 
+/// The pull `params` ask for.
+fn pull_of(params: &Value) -> Pull {
+    match asked(params) {
+        Ok(Asked::RemotePrefill(pull)) => pull,
+        other => panic!("a pull: {other:?}"),
+    }
+}
+
 #[test]
 fn a_prefill_names_its_full_blocks_and_a_decode_takes_them_once() {
     let transfers = Transfers::new(Duration::from_secs(60));
@@ -28,13 +36,15 @@ fn a_prefill_names_its_full_blocks_and_a_decode_takes_them_once() {
             "remote_port": 8100,
         })
     );
+    let pull = pull_of(&params);
+    assert_eq!((pull.host.as_str(), pull.port), ("127.0.0.1", 8100));
     assert_eq!(
-        transfers.handshake(&params, &prompt),
-        Ok(Handshake::RemotePrefill {
-            transferred_tokens: 32
-        })
+        transfers.take(&pull.engine_id, &pull.block_ids, &prompt),
+        Ok(32)
     );
-    let again = transfers.handshake(&params, &prompt).unwrap_err();
+    let again = transfers
+        .take(&pull.engine_id, &pull.block_ids, &prompt)
+        .unwrap_err();
     assert!(again.contains("already read"), "{again}");
 }
 
@@ -42,30 +52,36 @@ fn a_prefill_names_its_full_blocks_and_a_decode_takes_them_once() {
 fn unknown_expired_or_foreign_blocks_are_refused() {
     let prompt: Vec<u32> = (0..40).collect();
     let expired = Transfers::new(Duration::ZERO);
-    let params = expired.hold(&engine(), &prompt, 16);
-    let err = expired.handshake(&params, &prompt).unwrap_err();
+    let pull = pull_of(&expired.hold(&engine(), &prompt, 16));
+    let err = expired
+        .take(&pull.engine_id, &pull.block_ids, &prompt)
+        .unwrap_err();
     assert!(err.contains("expired"), "{err}");
 
     let transfers = Transfers::new(Duration::from_secs(60));
-    let params = transfers.hold(&engine(), &prompt, 16);
+    let pull = pull_of(&transfers.hold(&engine(), &prompt, 16));
     let other: Vec<u32> = (100..140).collect();
-    let err = transfers.handshake(&params, &other).unwrap_err();
+    let err = transfers
+        .take(&pull.engine_id, &pull.block_ids, &other)
+        .unwrap_err();
     assert!(err.contains("another prompt"), "{err}");
 
-    let mut forged = transfers.hold(&engine(), &prompt, 16);
-    forged["remote_engine_id"] = json!("sim-9");
-    let err = transfers.handshake(&forged, &prompt).unwrap_err();
+    let pull = pull_of(&transfers.hold(&engine(), &prompt, 16));
+    let err = transfers
+        .take("sim-9", &pull.block_ids, &prompt)
+        .unwrap_err();
     assert!(err.contains("holds no such blocks"), "{err}");
 
-    let err = transfers
-        .handshake(&json!({"do_remote_prefill": true}), &prompt)
-        .unwrap_err();
+    let err = asked(&json!({"do_remote_prefill": true})).unwrap_err();
     assert!(err.contains("remote_engine_id"), "{err}");
+    let err = asked(&json!({"do_remote_prefill": true, "remote_engine_id": "e",
+                            "remote_block_ids": [1], "remote_host": "h"}))
+    .unwrap_err();
+    assert!(err.contains("remote_port"), "{err}");
 }
 
 #[test]
-fn the_request_side_flags_decide_the_handshake() {
-    let transfers = Transfers::new(Duration::from_secs(60));
+fn the_request_side_flags_decide_what_is_asked() {
     let asks = json!({
         "do_remote_decode": true,
         "do_remote_prefill": false,
@@ -74,17 +90,15 @@ fn the_request_side_flags_decide_the_handshake() {
         "remote_host": null,
         "remote_port": null,
     });
-    assert_eq!(
-        transfers.handshake(&asks, &[1]),
-        Ok(Handshake::RemoteDecode)
-    );
-    assert_eq!(transfers.handshake(&json!(null), &[1]), Ok(Handshake::None));
+    assert_eq!(asked(&asks), Ok(Asked::RemoteDecode));
+    assert_eq!(asked(&json!({})), Ok(Asked::Nothing));
+    assert!(asked(&json!({"do_remote_decode": true, "do_remote_prefill": true})).is_err());
     // A prompt shorter than a block transfers nothing.
-    let short = transfers.hold(&engine(), &[1, 2, 3], 16);
+    let transfers = Transfers::new(Duration::from_secs(60));
+    let pull = pull_of(&transfers.hold(&engine(), &[1, 2, 3], 16));
+    assert!(pull.block_ids.is_empty());
     assert_eq!(
-        transfers.handshake(&short, &[1, 2, 3]),
-        Ok(Handshake::RemotePrefill {
-            transferred_tokens: 0
-        })
+        transfers.take(&pull.engine_id, &pull.block_ids, &[1, 2, 3]),
+        Ok(0)
     );
 }
