@@ -107,8 +107,9 @@ pub(crate) struct ReplayArgs {
     cache_blocks: Option<u32>,
     /// Disaggregated serving: N prefill engines before the --workers decode engines. Each
     /// request is prefilled (one token) on a prefill engine routed by the policy, then its KV is
-    /// transferred to a decode engine routed without overlap credit; TTFT is the first decode
-    /// token, hit rate counts cached prompt tokens on the prefill engines.
+    /// transferred to a decode engine routed without overlap credit (with --disagg conditional,
+    /// only where the router's rule says so); TTFT is the first decode token, hit rate counts
+    /// cached prompt tokens where prompts were computed.
     #[arg(long, value_name = "N")]
     prefill_workers: Option<usize>,
     #[command(flatten)]

@@ -315,3 +315,33 @@ async fn a_bootstrap_prefill_failing_after_the_kv_arrived_leaves_decode_running(
     assert!(rest.iter().all(|i| !i.is_error()), "{rest:?}");
     assert_eq!(rest.len(), 1);
 }
+
+#[tokio::test]
+async fn a_decode_that_fails_takes_its_background_prefill_down_with_it() {
+    let phases = Arc::new(ScriptedPhases::default());
+    let (router, _discovery) = router(&phases, &bootstrap_meta("7304"));
+    // The prefill worker is still computing: its stream stays open.
+    let (prefill_tx, prefill_rx) = mpsc::unbounded::<Item>();
+    phases.push(RequestPhase::Prefill, Box::pin(prefill_rx));
+    let lost = RequestError::WorkerUnavailable {
+        addr: "127.0.0.1:1".into(),
+        reason: "connection reset".into(),
+    };
+    let decode: Vec<Item> = vec![Err(lost)];
+    phases.push(
+        RequestPhase::Decode,
+        Box::pin(futures::stream::iter(decode)),
+    );
+    let mut stream = router.generate("r", request()).await.expect("served");
+    let failure = stream.next().await.expect("the decode failure");
+    assert!(failure.is_error(), "{failure:?}");
+    // The client side gives up (or the router migrates): dropping the pair cancels the prefill.
+    drop(stream);
+    for _ in 0..500 {
+        if prefill_tx.is_closed() {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("the background prefill outlived its failed decode");
+}
