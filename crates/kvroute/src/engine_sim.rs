@@ -17,6 +17,7 @@ mod kv_events;
 mod kv_transfer;
 mod metrics;
 mod openai;
+mod sglang;
 mod state;
 
 use std::io::Write as _;
@@ -76,6 +77,11 @@ pub(crate) struct EngineSimArgs {
     /// The context length the engines state and enforce (prompt plus output tokens).
     #[arg(long, default_value_t = 8192, value_name = "TOKENS")]
     max_model_len: u32,
+    /// With --dialect sglang: every engine's part in SGLang's prefill/decode disaggregation
+    /// (as SGLang's own flag): null, prefill (requests fill their bootstrap room; the engine's
+    /// HTTP port is its bootstrap port) or decode (requests fetch their room first).
+    #[arg(long, value_enum, default_value = "null", value_name = "MODE")]
+    disaggregation_mode: sglang::Mode,
     /// How long an engine holds a prefill's blocks for remote decode (vLLM's KV connector
     /// handshake: a request with `kv_transfer_params.do_remote_decode`); a decode request
     /// naming them later is refused, as a real engine frees blocks nobody read.
@@ -91,6 +97,8 @@ pub(crate) struct EngineSimArgs {
 enum SimDialect {
     /// vLLM's OpenAI-compatible server.
     Vllm,
+    /// SGLang's native `/generate` API (no OpenAI endpoints).
+    Sglang,
 }
 
 /// Runs the engines until a shutdown signal.
@@ -111,7 +119,9 @@ pub(crate) fn run(args: EngineSimArgs) -> anyhow::Result<()> {
             args.max_model_len
         );
     }
-    let SimDialect::Vllm = args.dialect;
+    if args.dialect != SimDialect::Sglang && args.disaggregation_mode != sglang::Mode::Null {
+        bail!("--disaggregation-mode is SGLang's: it needs --dialect sglang");
+    }
     let mocker = args.mocker.config()?;
     let tokenizer: Arc<dyn Tokenizer> = match &args.tokenizer {
         Some(path) => Arc::new(HfTokenizer::from_file(path)?),
@@ -140,6 +150,7 @@ async fn serve(
 ) -> anyhow::Result<()> {
     let mut servers = Vec::with_capacity(args.engines);
     let transfers = Arc::new(Transfers::new(args.kv_transfer_ttl.0));
+    let rooms = Arc::new(sglang::Rooms::default());
     let client = reqwest::Client::builder()
         .timeout(std::time::Duration::from_secs(30))
         .build()
@@ -149,6 +160,7 @@ async fn serve(
             text: Arc::clone(&text),
             transfers: Arc::clone(&transfers),
             client: client.clone(),
+            rooms: Arc::clone(&rooms),
         };
         let (line, server) = start_engine(&args, i, &mocker, shared).await?;
         println!("{line}");
@@ -170,6 +182,7 @@ struct Shared {
     text: Arc<TextSide>,
     transfers: Arc<Transfers>,
     client: reqwest::Client,
+    rooms: Arc<sglang::Rooms>,
 }
 
 /// Starts engine `i`: its mocker, its event feed, its HTTP server. Returns its stdout line.
@@ -237,7 +250,10 @@ async fn start_engine(
         address,
         client: shared.client,
     });
-    let app = http::app(sim);
+    let app = match args.dialect {
+        SimDialect::Vllm => http::app(sim),
+        SimDialect::Sglang => sglang::app(sim, args.disaggregation_mode, shared.rooms),
+    };
     let server = tokio::spawn(async move {
         if let Err(error) = axum::serve(listener, app).await {
             tracing::error!(%error, engine = i, "engine HTTP server failed");

@@ -25,13 +25,20 @@ impl EngineSim {
         Self::start_with(test, engines, &[])
     }
 
-    /// `engines` simulated vLLM engines with `extra` flags (`--speedup 50` unless they say).
+    /// `engines` simulated engines with `extra` flags (vLLM with `--kv-events` unless they name
+    /// a `--dialect`; `--speedup 50` unless they say).
     pub(crate) fn start_with(test: &str, engines: usize, extra: &[&str]) -> EngineSim {
         let log = scratch(&format!("engine-sim-{test}-engines")).join("engine-sim.log");
         let n = engines.to_string();
+        let vllm = !extra.contains(&"--dialect");
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(["engine-sim", "--dialect", "vllm", "--engines", &n])
-            .args(["--listen", "127.0.0.1:0", "--kv-events", "--model", MODEL])
+            .args(["engine-sim", "--engines", &n])
+            .args(if vllm {
+                &["--dialect", "vllm", "--kv-events"][..]
+            } else {
+                &[][..]
+            })
+            .args(["--listen", "127.0.0.1:0", "--model", MODEL])
             .args(if extra.contains(&"--speedup") {
                 &[][..]
             } else {

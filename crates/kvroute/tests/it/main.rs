@@ -16,6 +16,7 @@ mod nats;
 mod prefill;
 mod replay;
 mod security;
+mod sglang_disagg;
 mod soak;
 mod support;
 mod vllm_disagg;
