@@ -4,6 +4,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+use kvroute_runtime::WorkerRole;
 use serde::{Deserialize, Serialize};
 
 /// The HTTP dialect of the engine behind a worker.
@@ -48,6 +49,24 @@ impl EngineKind {
     /// TensorRT-LLM and plain OpenAI servers publish no request gauges.
     pub const fn publishes_load(self) -> bool {
         !matches!(self, EngineKind::Trtllm | EngineKind::Openai)
+    }
+
+    /// Whether kvroute speaks the engine's disaggregation exchange, so that it can serve as a
+    /// prefill or a decode engine ([`HttpEngineConfig::role`]): vLLM (its KV connector
+    /// handshake), SGLang (its bootstrap rooms) and TensorRT-LLM (its context and generation
+    /// `disaggregated_params`).
+    pub const fn disaggregates(self) -> bool {
+        matches!(
+            self,
+            EngineKind::Vllm | EngineKind::Sglang | EngineKind::Trtllm
+        )
+    }
+
+    /// Whether the engine's prefill side is met through a bootstrap server (SGLang): a prefill
+    /// engine must then advertise its bootstrap endpoint, and the router starts prefill and
+    /// decode together.
+    pub const fn bootstraps(self) -> bool {
+        matches!(self, EngineKind::Sglang)
     }
 
     /// Whether the engine streams output token ids. A plain OpenAI server streams text only: its
@@ -130,6 +149,15 @@ pub struct HttpEngineConfig {
     #[serde(rename = "health_timeout_ms", default = "default_health_timeout")]
     #[serde(with = "millis")]
     pub health_timeout: Duration,
+    /// The engine's part in disaggregated serving (default aggregated): a prefill engine
+    /// prefills and hands its KV over, a decode engine continues from a handed-over KV (see
+    /// each dialect's module for the exchange; vLLM's is its KV connector handshake).
+    #[serde(default, skip_serializing_if = "is_aggregated")]
+    pub role: WorkerRole,
+}
+
+fn is_aggregated(role: &WorkerRole) -> bool {
+    *role == WorkerRole::Aggregated
 }
 
 impl HttpEngineConfig {
@@ -146,7 +174,14 @@ impl HttpEngineConfig {
             idle_timeout: default_idle_timeout(),
             request_timeout: None,
             health_timeout: default_health_timeout(),
+            role: WorkerRole::Aggregated,
         }
+    }
+
+    /// The same configuration for an engine with `role` in disaggregated serving.
+    pub fn with_role(mut self, role: WorkerRole) -> Self {
+        self.role = role;
+        self
     }
 }
 
@@ -164,6 +199,7 @@ impl fmt::Debug for HttpEngineConfig {
             .field("idle_timeout", &self.idle_timeout)
             .field("request_timeout", &self.request_timeout)
             .field("health_timeout", &self.health_timeout)
+            .field("role", &self.role)
             .finish()
     }
 }

@@ -3,7 +3,7 @@
 //! adding a module and a line in [`for_kind`].
 
 use kvroute_protocols::{CompletionUsage, FinishReason, PreprocessedRequest};
-use kvroute_runtime::EngineError;
+use kvroute_runtime::{EngineError, WorkerRole};
 
 use crate::config::EngineKind;
 use crate::error::Failure;
@@ -44,6 +44,8 @@ pub(crate) struct Target<'a> {
     pub(crate) model: &'a str,
     /// The output budget (the request's, or the configured default).
     pub(crate) max_tokens: Option<u32>,
+    /// The engine's part in disaggregated serving.
+    pub(crate) role: WorkerRole,
 }
 
 /// An HTTP request body and its extra headers.
@@ -53,6 +55,8 @@ pub(crate) struct Built {
     pub(crate) body: Vec<u8>,
     /// Extra headers (besides content type and authorization).
     pub(crate) headers: Vec<(&'static str, String)>,
+    /// Whether the answer is one JSON document (`stream: false`) instead of an event stream.
+    pub(crate) whole: bool,
 }
 
 impl Built {
@@ -63,6 +67,7 @@ impl Built {
         Ok(Self {
             body,
             headers: Vec::new(),
+            whole: false,
         })
     }
 }
@@ -103,6 +108,9 @@ pub(crate) struct Step {
     pub(crate) finish: Option<FinishReason>,
     /// Token usage, when the chunk reports it.
     pub(crate) usage: Option<CompletionUsage>,
+    /// What the engine hands over for another engine to continue from (vLLM's
+    /// `kv_transfer_params` of a prefill for remote decode), verbatim.
+    pub(crate) disaggregated_params: Option<serde_json::Value>,
 }
 
 impl Step {
@@ -111,6 +119,7 @@ impl Step {
             && self.text.as_deref().is_none_or(str::is_empty)
             && self.finish.is_none()
             && self.usage.is_none()
+            && self.disaggregated_params.is_none()
     }
 
     fn into_parsed(self) -> Parsed {

@@ -325,10 +325,14 @@ impl Engine for HttpEngine {
                 .stop_conditions
                 .max_tokens
                 .or(inner.config.default_max_tokens),
+            role: inner.config.role,
         };
         let built = inner.dialect.build(&request, &target)?;
         let parser = inner.dialect.parser(&request);
-        let state = StreamState::new(inner.config.kind, parser, request.token_ids.len());
+        let mut state = StreamState::new(inner.config.kind, parser, request.token_ids.len());
+        if built.whole {
+            state = state.whole();
+        }
         let driver = Driver::new(Arc::clone(inner), built, state, context.clone());
         Ok(Box::pin(drive(driver, context)))
     }
@@ -438,11 +442,16 @@ impl Driver {
             return self.state.stopped();
         }
         let inner = &self.inner;
+        let accept = if built.whole {
+            "application/json"
+        } else {
+            "text/event-stream"
+        };
         let mut request = inner
             .client
             .post(inner.generate_url.clone())
             .header(CONTENT_TYPE, "application/json")
-            .header(ACCEPT, "text/event-stream")
+            .header(ACCEPT, accept)
             .body(built.body);
         for (name, value) in built.headers {
             request = request.header(name, value);
@@ -485,16 +494,21 @@ impl Driver {
         if !status.is_success() {
             return self.status_error(status, response).await;
         }
+        let (expected, what) = if self.state.reads_whole() {
+            ("application/json", "a JSON document")
+        } else {
+            ("text/event-stream", "an event stream")
+        };
         let content_type = response
             .headers()
             .get(CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
-            .unwrap_or("text/event-stream")
+            .unwrap_or(expected)
             .to_owned();
-        if !content_type.starts_with("text/event-stream") {
+        if !content_type.starts_with(expected) {
             let body = read_error_body(response).await;
             let message = format!(
-                "{} engine at {} answered `{content_type}` instead of an event stream: {}",
+                "{} engine at {} answered `{content_type}` instead of {what}: {}",
                 self.inner.config.kind,
                 self.inner.generate_url,
                 crate::error::excerpt(&body)

@@ -35,8 +35,15 @@ pub(crate) struct StreamState {
     /// The finishing output, held until the stream ends (vLLM and TensorRT-LLM send usage in a
     /// chunk of its own after the finish).
     pending: Option<LLMEngineOutput>,
+    /// The body read so far when the response is one JSON document rather than an event
+    /// stream (a vLLM prefill for remote decode); parsed as one event at its end.
+    whole: Option<Vec<u8>>,
     ended: bool,
 }
+
+/// The largest whole (non-streamed) response body read: a one-token answer with its transfer
+/// parameters is a few kilobytes.
+const MAX_WHOLE_BODY: usize = 4 << 20;
 
 impl StreamState {
     pub(crate) fn new(
@@ -52,8 +59,20 @@ impl StreamState {
             emitted: 0,
             usage: None,
             pending: None,
+            whole: None,
             ended: false,
         }
+    }
+
+    /// The same state reading the body as one JSON document (a non-streamed response).
+    pub(crate) fn whole(mut self) -> Self {
+        self.whole = Some(Vec::new());
+        self
+    }
+
+    /// Whether the body is read as one JSON document.
+    pub(crate) fn reads_whole(&self) -> bool {
+        self.whole.is_some()
     }
 
     /// Whether the stream has ended.
@@ -72,6 +91,18 @@ impl StreamState {
         if self.ended {
             return out;
         }
+        if let Some(body) = self.whole.as_mut() {
+            body.extend_from_slice(bytes);
+            if body.len() > MAX_WHOLE_BODY {
+                let message = format!(
+                    "{} engine's response is over {MAX_WHOLE_BODY} bytes; expected one \
+                     completion",
+                    self.kind
+                );
+                self.refuse(message, &mut out);
+            }
+            return out;
+        }
         self.decoder.push(bytes);
         while !self.ended {
             match self.decoder.next_event() {
@@ -88,6 +119,15 @@ impl StreamState {
     /// The body ended cleanly.
     pub(crate) fn end_of_body(&mut self) -> Vec<Action> {
         let mut out = Vec::new();
+        if let Some(body) = self.whole.take() {
+            // One document: its one event, then the end a stream's `[DONE]` would mark.
+            let text = String::from_utf8_lossy(&body).into_owned();
+            self.event(SseEvent::Data(text), &mut out);
+            if !self.ended {
+                self.event(SseEvent::Data("[DONE]".to_owned()), &mut out);
+            }
+            return out;
+        }
         while !self.ended {
             match self.decoder.finish() {
                 Some(Ok(event)) => self.event(event, &mut out),
@@ -195,6 +235,7 @@ impl StreamState {
             text: step.text,
             log_probs: step.log_probs,
             finish_reason: step.finish,
+            disaggregated_params: step.disaggregated_params,
             ..LLMEngineOutput::default()
         };
         if output.finish_reason.is_some() {

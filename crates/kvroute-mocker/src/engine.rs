@@ -560,13 +560,18 @@ impl Engine {
         seq.blocks = blocks;
         seq.num_cached = num_hits;
         seq.num_computed = computed;
-        seq.remote_kv = false;
+        let transferred = std::mem::take(&mut seq.remote_kv);
         if !seq.admitted_once {
             seq.admitted_once = true;
             seq.cached_prompt_tokens = hit_tokens as u32;
+            let prompt = seq.num_tokens as u64;
             self.stats.admitted += 1;
-            self.stats.prompt_tokens += self.seq(slot).num_tokens as u64;
+            self.stats.prompt_tokens += prompt;
             self.stats.cached_prompt_tokens += hit_tokens as u64;
+            if transferred {
+                self.stats.transferred_prompt_tokens += prompt;
+                self.stats.transferred_cached_tokens += hit_tokens as u64;
+            }
         }
         Some(n)
     }

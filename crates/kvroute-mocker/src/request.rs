@@ -130,6 +130,11 @@ pub struct EngineStats {
     pub prompt_tokens: u64,
     /// Of those, found in the prefix cache at first admission.
     pub cached_prompt_tokens: u64,
+    /// Of `prompt_tokens`, those of requests whose KV arrived from a prefill engine
+    /// ([`crate::Engine::add_prefilled_request`]): computed elsewhere, not here.
+    pub transferred_prompt_tokens: u64,
+    /// Of `cached_prompt_tokens`, those of requests whose KV arrived from a prefill engine.
+    pub transferred_cached_tokens: u64,
     /// Tokens generated.
     pub output_tokens: u64,
     /// Preemptions.

@@ -228,6 +228,15 @@ impl Simulation {
 /// each arrival (and [`Dispatcher::observe`] / [`Dispatcher::rejected`] see the prefill engines),
 /// the methods here the decode engine once the prefill finished.
 pub trait DisaggDispatcher: Dispatcher {
+    /// The index (into `decode`) of the decode engine that serves `request` aggregated, prefill
+    /// included, instead of a prefill engine (conditional disaggregation); `None` (the default)
+    /// sends it to the prefill engine [`Dispatcher::pick`] chooses. Asked first for every
+    /// arrival; a request served locally is seen by the decode methods only.
+    fn pick_local(&mut self, now: Duration, request: &Request, decode: &[Engine]) -> Option<usize> {
+        let _ = (now, request, decode);
+        None
+    }
+
     /// The index (into `decode`) of the decode engine that continues `request` (the client's
     /// request, with its full output budget), whose prefill finished at `now`.
     fn pick_decode(&mut self, now: Duration, request: &Request, decode: &[Engine]) -> usize;
@@ -252,10 +261,12 @@ pub trait DisaggDispatcher: Dispatcher {
 /// Disaggregated serving in virtual time: every arrival is prefilled on a prefill engine with an
 /// output budget of one token; when that finishes, the request goes to a decode engine, which
 /// receives the prompt's KV after the modelled transfer time
-/// ([`crate::disagg::DecodeConfig::transfer_per_block`]) and generates the full output.
+/// ([`crate::disagg::DecodeConfig::transfer_per_block`]) and generates the full output. An
+/// arrival for which [`DisaggDispatcher::pick_local`] names a decode engine is served there
+/// whole instead, as aggregated serving does.
 ///
-/// The report counts prompt tokens (and cached ones) on the prefill engines, output tokens on the
-/// decode engines, and measures TTFT and end-to-end latency from arrival to the decode engine's
+/// The report counts prompt tokens (and cached ones) where they were computed (prefill engines,
+/// and decode engines for local prefills), output tokens on the decode engines, and measures TTFT and end-to-end latency from arrival to the decode engine's
 /// first and last token, as a client of the disaggregated router sees them.
 #[derive(Debug)]
 pub struct DisaggSimulation {
@@ -390,7 +401,11 @@ impl DisaggSimulation {
                 },
             );
             run.finish_transfers(now, &mut self.decode, dispatcher);
-            run.admit_due(now, &mut arrivals, &mut self.prefill, dispatcher)?;
+            let mut engines = Engines {
+                prefill: &mut self.prefill,
+                decode: &mut self.decode,
+            };
+            run.admit_due(now, &mut arrivals, &mut engines, dispatcher)?;
         }
         let DisaggRun {
             mut report,
@@ -405,7 +420,7 @@ impl DisaggSimulation {
             &before_prefill,
             Counted::Prompts,
         );
-        add_stats(&mut report, &self.decode, &before_decode, Counted::Outputs);
+        add_stats(&mut report, &self.decode, &before_decode, Counted::Decode);
         report.ttft = LatencySummary::from_samples(ttft);
         report.e2e = LatencySummary::from_samples(e2e);
         Ok(report)
@@ -451,13 +466,14 @@ impl DisaggRun {
         }
     }
 
-    /// Sends each arrival due by `now` to the prefill engine the dispatcher picks, with an
-    /// output budget of one token.
+    /// Sends each arrival due by `now` to the decode engine the dispatcher picks for a local
+    /// prefill (whole), or else to the prefill engine it picks, with an output budget of one
+    /// token.
     fn admit_due<I, D>(
         &mut self,
         now: Duration,
         arrivals: &mut ArrivalFeed<I>,
-        prefill: &mut [Engine],
+        engines: &mut Engines<'_>,
         dispatcher: &mut D,
     ) -> Result<(), SimError>
     where
@@ -466,13 +482,26 @@ impl DisaggRun {
     {
         while let Some(arrival) = arrivals.next_due(now)? {
             self.report.arrived += 1;
-            let picked = dispatcher.pick(now, &arrival.request, prefill);
             let id = arrival.request.id;
+            if let Some(local) = dispatcher.pick_local(now, &arrival.request, engines.decode) {
+                let request = arrival.request.clone();
+                match engine_at(engines.decode, local)?.add_request(now, request) {
+                    Ok(()) => {
+                        self.pending.insert(id, (arrival.request, now));
+                    }
+                    Err(error) => {
+                        self.report.rejected += 1;
+                        dispatcher.rejected_decode(now, local, id, &error);
+                    }
+                }
+                continue;
+            }
+            let picked = dispatcher.pick(now, &arrival.request, engines.prefill);
             let request = Request {
                 max_output_tokens: 1,
                 ..arrival.request.clone()
             };
-            match engine_at(prefill, picked)?.add_request(now, request) {
+            match engine_at(engines.prefill, picked)?.add_request(now, request) {
                 Ok(()) => {
                     self.pending.insert(id, (arrival.request, now));
                 }
@@ -484,6 +513,12 @@ impl DisaggRun {
         }
         Ok(())
     }
+}
+
+/// Both pools of a [`DisaggSimulation`], borrowed for admitting arrivals.
+struct Engines<'a> {
+    prefill: &'a mut [Engine],
+    decode: &'a mut [Engine],
 }
 
 /// The arrivals of one run, checked to come in time order.
@@ -559,8 +594,9 @@ enum Counted {
     All,
     /// Prefill engines: prompts (their one output token each is not the client's).
     Prompts,
-    /// Decode engines: outputs (their prompts arrived as transferred KV).
-    Outputs,
+    /// Decode engines: outputs, and the prompts they prefilled themselves (not those whose KV
+    /// arrived from a prefill engine).
+    Decode,
 }
 
 /// Adds what `engines` did since `before` (counters are per engine lifetime, so a second run
@@ -573,14 +609,26 @@ fn add_stats(
 ) {
     for (engine, before) in engines.iter().zip(before) {
         let stats = engine.stats();
-        if counted != Counted::Outputs {
-            report.prompt_tokens += stats.prompt_tokens - before.prompt_tokens;
-            report.cached_prompt_tokens += stats.cached_prompt_tokens - before.cached_prompt_tokens;
-        }
+        let (prompt, cached) = computed_prompts(&stats, counted);
+        let (prompt_before, cached_before) = computed_prompts(before, counted);
+        report.prompt_tokens += prompt - prompt_before;
+        report.cached_prompt_tokens += cached - cached_before;
         if counted != Counted::Prompts {
             report.output_tokens += stats.output_tokens - before.output_tokens;
         }
         report.preemptions += stats.preemptions - before.preemptions;
         report.steps += stats.steps - before.steps;
+    }
+}
+
+/// The prompt tokens (and cached ones) `stats` counts as computed on an engine of `counted`'s
+/// kind: a decode engine's transferred prompts were computed on a prefill engine.
+fn computed_prompts(stats: &crate::request::EngineStats, counted: Counted) -> (u64, u64) {
+    match counted {
+        Counted::Decode => (
+            stats.prompt_tokens - stats.transferred_prompt_tokens,
+            stats.cached_prompt_tokens - stats.transferred_cached_tokens,
+        ),
+        Counted::All | Counted::Prompts => (stats.prompt_tokens, stats.cached_prompt_tokens),
     }
 }

@@ -10,6 +10,19 @@ pub enum DisaggMode {
     /// Fail requests with a clear error instead of serving them aggregated
     /// (the reference's `enforce_disagg`).
     Enforced,
+    /// Decide per request: ask the [`crate::PhaseRouter`] where the prefill is cheaper
+    /// ([`crate::PhaseRouter::place`]) and serve the request aggregated on its decode worker or
+    /// disaggregated accordingly. Without prefill workers, and when a prefill fails, it serves
+    /// aggregated as [`DisaggMode::Optional`] does.
+    Conditional,
+}
+
+impl DisaggMode {
+    /// Whether requests are served aggregated while no prefill worker exists or a prefill
+    /// failed (every mode but [`DisaggMode::Enforced`]).
+    pub fn falls_back(self) -> bool {
+        self != DisaggMode::Enforced
+    }
 }
 
 /// How the decode worker is steered towards the prefill worker's topology (same rack, same

@@ -3,7 +3,9 @@
 //! through the prefill worker's result (`prefill_result`, the decode waits for prefill) or through
 //! a bootstrap room (`bootstrap_info`, decode starts at once while prefill runs in the
 //! background). It activates while discovery lists prefill workers and falls back to aggregated
-//! serving (or fails clearly, when disaggregation is enforced) when none is left.
+//! serving (or fails clearly, when disaggregation is enforced) when none is left. Under
+//! conditional disaggregation it asks the [`PhaseRouter`] per request whether the prefill is
+//! cheaper on the decode worker, and serves the request aggregated when it is.
 //!
 //! Entry types: [`PrefillRouter`] (with [`PrefillRouterConfig`]), the [`PhaseRouter`] trait that
 //! the KV router implements to place each phase, the [`DisaggStream`] it returns, and
@@ -24,7 +26,7 @@ mod stream;
 pub use config::{DisaggMode, PrefillRouterConfig, TopologyAffinity, TopologyMode};
 pub use error::PrefillError;
 pub use fleet::{BootstrapEndpoint, PrefillFleet};
-pub use phase::{PhaseRouteError, PhaseRouter, PhaseStream, Routed};
+pub use phase::{PhaseRouteError, PhaseRouter, PhaseStream, PrefillSite, Routed};
 pub use router::{PrefillRouter, RouteQuery};
 pub use stream::{DisaggStream, PREFILL_DETAILS_GRACE, Served};
 

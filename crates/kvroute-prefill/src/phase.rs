@@ -74,6 +74,27 @@ pub trait PhaseRouter: Send + Sync + 'static {
         request: &'a PreprocessedRequest,
         phase: RequestPhase,
     ) -> BoxFuture<'a, Result<WorkerWithDpRank, PhaseRouteError>>;
+
+    /// Where `request`'s prefill is cheaper, under conditional disaggregation
+    /// ([`crate::DisaggMode::Conditional`]): on the decode worker it would be served on
+    /// aggregated, or remotely on a prefill worker. Decides without sending anything or
+    /// recording load. The default always answers [`PrefillSite::Remote`].
+    fn place<'a>(
+        &'a self,
+        request: &'a PreprocessedRequest,
+    ) -> BoxFuture<'a, Result<PrefillSite, PhaseRouteError>> {
+        let _ = request;
+        Box::pin(async { Ok(PrefillSite::Remote) })
+    }
+}
+
+/// Where a request's prefill runs under conditional disaggregation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillSite {
+    /// On its decode worker: the request is served aggregated.
+    Local,
+    /// On a prefill worker, its KV then handed to the decode worker.
+    Remote,
 }
 
 /// Why a [`PhaseRouter`] could not route a request.

@@ -16,7 +16,7 @@ use tokio::sync::watch;
 use crate::config::{DisaggMode, PrefillRouterConfig, TopologyMode};
 use crate::error::PrefillError;
 use crate::fleet::PrefillFleet;
-use crate::phase::{PhaseRouter, PhaseStream, Routed};
+use crate::phase::{PhaseRouter, PhaseStream, PrefillSite, Routed};
 use crate::request::{Handoff, PrefillCollector, decode_request, prefill_request};
 use crate::stream::{DisaggStream, PrefillLink, Served};
 
@@ -143,8 +143,13 @@ impl<R: PhaseRouter + ?Sized> PrefillRouter<R> {
         if fleet.is_empty() {
             return match self.inner.config.mode {
                 DisaggMode::Enforced => Err(PrefillError::NotActivated),
-                DisaggMode::Optional => self.aggregated(request_id, request).await,
+                DisaggMode::Optional | DisaggMode::Conditional => {
+                    self.aggregated(request_id, request).await
+                }
             };
+        }
+        if self.placed_locally(&fleet, &request).await? {
+            return self.aggregated(request_id, request).await;
         }
         let target = self.resolve_prefill_target(&fleet, &request).await?;
         let bootstrap = target.and_then(|t| {
@@ -165,9 +170,7 @@ impl<R: PhaseRouter + ?Sized> PrefillRouter<R> {
         };
         match outcome {
             Ok(prefill) => self.decode(request_id, request, &fleet, prefill).await,
-            Err(error)
-                if self.inner.config.mode == DisaggMode::Optional && error.allows_fallback() =>
-            {
+            Err(error) if self.inner.config.mode.falls_back() && error.allows_fallback() => {
                 tracing::warn!(
                     request_id,
                     %error,
@@ -184,8 +187,8 @@ impl<R: PhaseRouter + ?Sized> PrefillRouter<R> {
     pub async fn query(&self, request: &PreprocessedRequest) -> Result<RouteQuery, PrefillError> {
         let fleet = self.fleet();
         let phases = &self.inner.phases;
-        if fleet.is_empty() {
-            if self.inner.config.mode == DisaggMode::Enforced {
+        if fleet.is_empty() || self.placed_locally(&fleet, request).await? {
+            if fleet.is_empty() && self.inner.config.mode == DisaggMode::Enforced {
                 return Err(PrefillError::NotActivated);
             }
             let decode = phases
@@ -214,6 +217,29 @@ impl<R: PhaseRouter + ?Sized> PrefillRouter<R> {
             prefill: Some(prefill),
             decode,
         })
+    }
+
+    /// Whether conditional disaggregation prefills `request` on its decode worker: never in the
+    /// other modes, nor for a request that pins its prefill worker. Backpressure from the phase
+    /// router is the client's to retry; any other failure to decide leaves the prefill remote,
+    /// where routing reports the problem with its own context.
+    async fn placed_locally(
+        &self,
+        fleet: &PrefillFleet,
+        request: &PreprocessedRequest,
+    ) -> Result<bool, PrefillError> {
+        if self.inner.config.mode != DisaggMode::Conditional
+            || self.pinned_prefill(fleet, request)?.is_some()
+        {
+            return Ok(false);
+        }
+        match self.inner.phases.place(request).await {
+            Ok(site) => Ok(site == PrefillSite::Local),
+            Err(e) if e.is_resource_exhausted() => {
+                Err(PrefillError::from_route(RequestPhase::Aggregated, e))
+            }
+            Err(_) => Ok(false),
+        }
     }
 
     /// The request's prefill pin, checked against the fleet.
@@ -280,8 +306,10 @@ impl<R: PhaseRouter + ?Sized> PrefillRouter<R> {
             request_id: request_id.into(),
             worker,
             details: Arc::default(),
+            failed: Arc::default(),
         };
         let details = Arc::clone(&background.details);
+        let failed = Arc::clone(&background.failed);
         let task = tokio::spawn(background.drain(routed.stream));
         Ok(Prefilled {
             worker,
@@ -293,6 +321,7 @@ impl<R: PhaseRouter + ?Sized> PrefillRouter<R> {
             link: PrefillLink {
                 details,
                 task: Some(task),
+                failed,
             },
         })
     }
@@ -421,19 +450,22 @@ struct BackgroundPrefill {
     worker: WorkerWithDpRank,
     /// Where the prefill worker's prompt token details go, for the decode stream to read.
     details: Arc<OnceLock<PromptTokensDetails>>,
+    /// Where a failure goes, for the decode stream to fail with.
+    failed: Arc<OnceLock<String>>,
 }
 
 impl BackgroundPrefill {
     /// Drains the prefill and hands its prompt token details to the decode stream before the
     /// task ends (the stream waits for this task, up to [`crate::PREFILL_DETAILS_GRACE`] past
-    /// the decode output, so it sees them unless the prefill outlives that). A failure
-    /// reaches the client through the decode worker, which cannot fetch the KV, so here it is
-    /// only logged.
+    /// the decode output, so it sees them unless the prefill outlives that). A failure is
+    /// handed over too: a decode stream that has produced nothing yet fails with it (and
+    /// cancels its decode worker's half), since the KV will never arrive.
     async fn drain(self, mut stream: PhaseStream) {
         let Self {
             request_id,
             worker,
             details,
+            failed,
         } = self;
         let mut collector = PrefillCollector::new(worker.worker_id);
         while let Some(item) = stream.next().await {
@@ -446,8 +478,14 @@ impl BackgroundPrefill {
                 }
                 tracing::debug!(%request_id, %worker, "background prefill finished");
             }
+            // On the bootstrap path the KV goes through the room: an answer without handover
+            // parameters (SGLang's) is no failure.
+            Err(PrefillError::NoDisaggregatedParams { .. }) => {
+                tracing::debug!(%request_id, %worker, "background prefill finished");
+            }
             Err(error) => {
                 tracing::warn!(%request_id, %worker, %error, "background prefill failed");
+                let _ = failed.set(error.to_string());
             }
         }
     }

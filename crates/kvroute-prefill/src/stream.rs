@@ -62,6 +62,8 @@ pub struct DisaggStream {
     ended: bool,
     /// Started when the decode output ends with the background prefill still running.
     grace: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Whether the decode worker has produced output (its KV arrived).
+    decoding: bool,
 }
 
 /// How long a finished decode output waits for its background prefill (bootstrap path) before the
@@ -77,6 +79,9 @@ pub(crate) struct PrefillLink {
     pub(crate) details: Arc<OnceLock<PromptTokensDetails>>,
     /// The background prefill of the bootstrap path, until it has ended.
     pub(crate) task: Option<JoinHandle<()>>,
+    /// Why the background prefill failed, set before its task ends: the decode worker waits
+    /// for KV that will never come, so the pair fails.
+    pub(crate) failed: Arc<OnceLock<String>>,
 }
 
 impl PrefillLink {
@@ -104,6 +109,7 @@ impl DisaggStream {
             prefill,
             ended: false,
             grace: None,
+            decoding: false,
         }
     }
 
@@ -141,8 +147,19 @@ impl DisaggStream {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Annotated<LLMEngineOutput>, RequestError>>> {
         if !self.ended {
+            if let Some(message) = self.prefill_failed(cx) {
+                // The decode worker would wait for the KV until its own timeout: dropping its
+                // stream cancels it there now, and the pair fails together.
+                self.ended = true;
+                self.inner = Box::pin(futures::stream::empty());
+                return Poll::Ready(Some(Ok(Annotated::from_error(message))));
+            }
             match self.inner.as_mut().poll_next(cx) {
                 Poll::Ready(None) => self.ended = true,
+                Poll::Ready(Some(Ok(item))) => {
+                    self.decoding |= item.data.is_some();
+                    return Poll::Ready(Some(Ok(item)));
+                }
                 polled => return polled,
             }
         }
@@ -164,6 +181,28 @@ impl DisaggStream {
         // Dropping the handle detaches the task (a finished one, or one past the grace).
         self.prefill.task = None;
         Poll::Ready(None)
+    }
+}
+
+impl DisaggStream {
+    /// The background prefill's failure, once its task has ended with one while the decode
+    /// worker has produced nothing yet (once it has, the KV has arrived and decoding goes on).
+    fn prefill_failed(&mut self, cx: &mut Context<'_>) -> Option<String> {
+        if self.decoding {
+            return None;
+        }
+        let task = self.prefill.task.as_mut()?;
+        if task.poll_unpin(cx).is_pending() {
+            return None;
+        }
+        self.prefill.task = None;
+        let message = self.prefill.failed.get()?;
+        let prefill = self.served.prefill_worker();
+        Some(format!(
+            "the prefill of this request failed on prefill worker {}, so its decode worker \
+             cannot receive the KV: {message}",
+            prefill.map_or_else(|| "?".to_owned(), |w| w.to_string())
+        ))
     }
 }
 

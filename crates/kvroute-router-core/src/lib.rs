@@ -6,7 +6,8 @@
 //! in [`KvMode::Approximate`]), routes a [`RouteRequest`] into a [`Routed`] decision carrying the
 //! cost breakdown and per-phase timings ([`PhaseTimings`]), and tracks the request's load until
 //! [`KvRouterCore::on_finished`] or [`KvRouterCore::on_failed`]; [`RoutePreparer`] hashes and
-//! matches a prompt without the core's lock. [`IndexSnapshot`] saves and restores its exact
+//! matches a prompt without the core's lock. [`ConditionalDisagg`] decides, from two query
+//! decisions, whether a request's prefill runs on its decode worker or a prefill worker. [`IndexSnapshot`] saves and restores its exact
 //! index; [`RouteError`] says why a request could not be routed (nothing changes then). The
 //! lower crates' types a caller needs to drive it ([`WorkerSpec`], [`RequestId`], ...) are
 //! re-exported.
@@ -51,6 +52,7 @@
 
 mod config;
 mod core;
+pub mod disagg;
 mod error;
 mod policy;
 mod request;
@@ -58,6 +60,7 @@ mod request;
 pub use config::{DEFAULT_INFLIGHT_TTL, DEFAULT_REPORT_TTL, KvMode, RouterConfig};
 pub use core::snapshot::{IndexSnapshot, LaneSnapshot, SnapshotCut, SnapshotError, WorkerSnapshot};
 pub use core::{CoreStats, Expired, KvRouterCore};
+pub use disagg::{ConditionalDisagg, LocalReason, PrefillPlacement, PrefillSide};
 pub use error::RouteError;
 pub use policy::{Policy, UnknownPolicy};
 pub use request::{PhaseTimings, PreparedRoute, RoutePreparer, RouteRequest, RouteSource, Routed};

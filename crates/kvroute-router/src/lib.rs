@@ -89,10 +89,10 @@ pub use state::SharedAffinityStore;
 // of the router need not depend on every lower crate.
 pub use kvroute_prefill::{DisaggMode, PrefillRouterConfig};
 pub use kvroute_router_core::{
-    ApproxConfig, CandidateCost, CoreStats, DEFAULT_INFLIGHT_TTL, DEFAULT_REPORT_TTL, EventGap,
-    Expired, HashSalt, InMemoryAffinityStore, IndexSnapshot, KvMode, KvRouterCore, LaneSnapshot,
-    LoadError, PhaseTimings, Policy, PreparedRoute, RequestId, RequestLoad, RouteError,
-    RoutePreparer, RouteRequest, RouteSource, Routed, RouterConfig, SchedulerConfig,
-    SessionCommand, SnapshotCut, SnapshotError, UnknownPolicy, WorkerLoad, WorkerLossMode,
-    WorkerSnapshot, WorkerSpec,
+    ApproxConfig, CandidateCost, ConditionalDisagg, CoreStats, DEFAULT_INFLIGHT_TTL,
+    DEFAULT_REPORT_TTL, EventGap, Expired, HashSalt, InMemoryAffinityStore, IndexSnapshot, KvMode,
+    KvRouterCore, LaneSnapshot, LoadError, PhaseTimings, Policy, PreparedRoute, RequestId,
+    RequestLoad, RouteError, RoutePreparer, RouteRequest, RouteSource, Routed, RouterConfig,
+    SchedulerConfig, SessionCommand, SnapshotCut, SnapshotError, UnknownPolicy, WorkerLoad,
+    WorkerLossMode, WorkerSnapshot, WorkerSpec,
 };

@@ -13,6 +13,7 @@
 //! | `worker_ejections_total` | counter | `worker`, `reason` | times passive health ejected a worker |
 //! | `prediction_resets_total` | counter | `worker` | times an approximate-mode worker's predictions were dropped because its engine reported far fewer cached tokens than predicted (a restart, or evictions) |
 //! | `http_auth_total` | counter | `outcome` = ok, missing (no `Authorization: Bearer`), invalid (a key not configured) | `/v1/*` requests judged by client authentication (only with API keys configured) |
+//! | `prefill_placements_total` | counter | `site` = local, remote; `reason` = short_uncached, mostly_cached, prefill_queue_long (local), remote | conditional disaggregation's decisions: requests prefilled on their decode worker (aggregated) or on a prefill worker |
 //! | `worker_ejected` | gauge | `worker` | 1 while passive health routes around the worker (workers never ejected have no sample) |
 //! | `input_tokens_total` | counter | | prompt tokens of routed requests |
 //! | `output_tokens_total` | counter | | tokens streamed back |
@@ -139,6 +140,7 @@ pub struct RouterMetrics {
     worker_ejected: Family<Labels, Gauge>,
     prediction_resets: Family<Labels, Counter>,
     auth: Family<Labels, Counter>,
+    prefill_placements: Family<Labels, Counter>,
     /// Every worker ever ejected: those let back in read 0 on `worker_ejected`.
     ever_ejected: parking_lot::Mutex<std::collections::BTreeSet<kvroute_protocols::WorkerId>>,
 }
@@ -199,6 +201,7 @@ impl RouterMetrics {
             worker_ejected: Family::default(),
             prediction_resets: Family::default(),
             auth: Family::default(),
+            prefill_placements: Family::default(),
             ever_ejected: parking_lot::Mutex::default(),
             registry: Registry::default(),
         };
@@ -265,6 +268,11 @@ impl RouterMetrics {
             "requests_finished",
             "Requests ended, by outcome",
             self.finished.clone(),
+        );
+        registry.register(
+            "prefill_placements",
+            "Conditional disaggregation's decisions: prefill on the decode worker (local) or a prefill worker (remote), by reason",
+            self.prefill_placements.clone(),
         );
         registry.register(
             "input_tokens",
@@ -389,6 +397,18 @@ impl RouterMetrics {
     /// A query-only request was answered.
     pub fn on_query(&self) {
         self.queries.inc();
+    }
+
+    /// Conditional disaggregation placed a request's prefill: `local` on its decode worker (for
+    /// `reason`) or remotely.
+    pub fn on_prefill_placement(&self, local: bool, reason: &str) {
+        let site = if local { "local" } else { "remote" };
+        self.prefill_placements
+            .get_or_create(&vec![
+                ("site", site.to_owned()),
+                ("reason", reason.to_owned()),
+            ])
+            .inc();
     }
 
     /// A request could not be routed or sent.

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
-use kvroute_prefill::{PhaseRouteError, PhaseRouter, Routed as PhaseRouted};
+use kvroute_prefill::{PhaseRouteError, PhaseRouter, PrefillSite, Routed as PhaseRouted};
 use kvroute_protocols::{PreprocessedRequest, RequestPhase, WorkerWithDpRank};
 use kvroute_runtime::{InstanceSet, WorkerRole};
 use kvroute_scheduler::SelectError;
@@ -19,20 +19,71 @@ use tokio::sync::watch;
 use crate::error::{KvRouterError, send_lost_worker};
 use crate::push::{KvPushRouter, KvResponse};
 use kvroute_router_core::RouteError;
-use kvroute_router_core::RouteRequest;
+use kvroute_router_core::{ConditionalDisagg, PrefillPlacement, RouteRequest, Routed};
 
 /// The KV routers of the two phases.
 #[derive(Debug, Clone)]
 pub struct KvPhaseRouter {
     prefill: KvPushRouter,
     decode: KvPushRouter,
+    conditional: ConditionalDisagg,
 }
 
 impl KvPhaseRouter {
     /// Prefill requests go to `prefill` (over prefill workers), decode and aggregated requests
-    /// to `decode` (over decode and aggregated workers).
+    /// to `decode` (over decode and aggregated workers). Conditional disaggregation places
+    /// prefills with the default [`ConditionalDisagg`] thresholds.
     pub fn new(prefill: KvPushRouter, decode: KvPushRouter) -> Self {
-        Self { prefill, decode }
+        Self {
+            prefill,
+            decode,
+            conditional: ConditionalDisagg::default(),
+        }
+    }
+
+    /// The same router placing prefills, under conditional disaggregation, with `rule`.
+    pub fn with_conditional(mut self, rule: ConditionalDisagg) -> Self {
+        self.conditional = rule;
+        self
+    }
+
+    /// Where `rule` places `request`'s prefill: both routers are queried (the decode one as
+    /// for an aggregated request), nothing is recorded but the decision's metric.
+    fn placement(
+        &self,
+        request: &PreprocessedRequest,
+    ) -> Result<PrefillPlacement, PhaseRouteError> {
+        let local = self.query(request, RequestPhase::Aggregated)?;
+        let remote = self.query(request, RequestPhase::Prefill)?;
+        let block_size = self.decode.with_core(|core| core.config().block_size());
+        let placement = self.conditional.place_routed(&local, &remote, block_size);
+        self.decode
+            .metrics()
+            .on_prefill_placement(placement.is_local(), placement.name());
+        tracing::debug!(
+            placement = placement.name(),
+            local = %local.worker,
+            remote = %remote.worker,
+            "conditional disaggregation placed a prefill"
+        );
+        Ok(placement)
+    }
+
+    /// `phase`'s router's decision for `request`, recording nothing (a peek).
+    fn query(
+        &self,
+        request: &PreprocessedRequest,
+        phase: RequestPhase,
+    ) -> Result<Routed, PhaseRouteError> {
+        let router = self.router(phase);
+        let now = router.now();
+        let route_req = RouteRequest::from_preprocessed(kvroute_scheduler::RequestId(0), request)
+            .with_phase(phase);
+        // A peek must not advance the router's RNG, so it draws from its own.
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(now.as_nanos() as u64);
+        router
+            .with_core(|core| core.query(&route_req, now, &mut rng))
+            .map_err(|e| phase_error(phase, KvRouterError::Route(e)))
     }
 
     /// The router of `phase`.
@@ -127,18 +178,19 @@ impl PhaseRouter for KvPhaseRouter {
         request: &'a PreprocessedRequest,
         phase: RequestPhase,
     ) -> BoxFuture<'a, Result<WorkerWithDpRank, PhaseRouteError>> {
+        Box::pin(async move { self.query(request, phase).map(|decision| decision.worker) })
+    }
+
+    fn place<'a>(
+        &'a self,
+        request: &'a PreprocessedRequest,
+    ) -> BoxFuture<'a, Result<PrefillSite, PhaseRouteError>> {
         Box::pin(async move {
-            let router = self.router(phase);
-            let now = router.now();
-            let route_req =
-                RouteRequest::from_preprocessed(kvroute_scheduler::RequestId(0), request)
-                    .with_phase(phase);
-            // A peek must not advance the router's RNG, so it draws from its own.
-            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(now.as_nanos() as u64);
-            router
-                .with_core(|core| core.query(&route_req, now, &mut rng))
-                .map(|decision| decision.worker)
-                .map_err(|e| phase_error(phase, KvRouterError::Route(e)))
+            Ok(if self.placement(request)?.is_local() {
+                PrefillSite::Local
+            } else {
+                PrefillSite::Remote
+            })
         })
     }
 }

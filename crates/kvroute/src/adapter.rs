@@ -27,9 +27,11 @@ use anyhow::{Context as _, bail};
 use kvroute_engines::{EngineKind, HttpEngine, HttpEngineConfig};
 use kvroute_indexer::hash::{HashSalt, compute_block_hash};
 use kvroute_protocols::WorkerId;
+use kvroute_protocols::{BOOTSTRAP_HOST_KEY, BOOTSTRAP_PORT_KEY};
 use kvroute_runtime::{
     BlockHasher, DEFAULT_RING_CAPACITY, KV_EVENTS_METADATA, KvEventPublisher,
-    LOAD_REPORTS_METADATA, LoadReporter, ZmqKvListener, ZmqKvListenerConfig, ZmqListenerStats,
+    LOAD_REPORTS_METADATA, LoadReporter, WorkerRole, ZmqKvListener, ZmqKvListenerConfig,
+    ZmqListenerStats,
 };
 
 use crate::load::{LoadSampler, spawn_load_sampler};
@@ -59,6 +61,63 @@ pub(crate) struct EngineSpec {
     /// Sent as `Authorization: Bearer <key>` to the engine (read from a file or the
     /// environment, never from the command line; never logged).
     pub(crate) api_key: Option<String>,
+    /// The engine's part in disaggregated serving (checked by [`check_role`]).
+    pub(crate) role: WorkerRole,
+    /// A bootstrapping prefill engine's bootstrap server port (SGLang's
+    /// `--disaggregation-bootstrap-port`); `None` takes [`DEFAULT_BOOTSTRAP_PORT`].
+    pub(crate) bootstrap_port: Option<u16>,
+}
+
+/// SGLang's default `--disaggregation-bootstrap-port`.
+pub(crate) const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
+/// The bootstrap endpoint a prefill engine advertises (SGLang's: the router hands it to both
+/// engines of a pair): the engine URL's host and the bootstrap port. `None` for engines that
+/// take no bootstrap.
+fn bootstrap_endpoint(spec: &EngineSpec) -> anyhow::Result<Option<(String, u16)>> {
+    let bootstraps = spec.role == WorkerRole::Prefill && spec.engine.bootstraps();
+    if !bootstraps {
+        if let Some(port) = spec.bootstrap_port {
+            bail!(
+                "a bootstrap port ({port}) is for a prefill engine that bootstraps (sglang with \
+                 role prefill); got engine {} with another role",
+                spec.engine
+            );
+        }
+        return Ok(None);
+    }
+    let port = spec.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT);
+    if port == 0 {
+        bail!("the bootstrap port must be 1..=65535, got 0");
+    }
+    let url = reqwest::Url::parse(&spec.engine_url)
+        .with_context(|| format!("engine_url {}", spec.engine_url))?;
+    let host = url
+        .host_str()
+        .with_context(|| format!("engine_url {} has no host", spec.engine_url))?;
+    Ok(Some((host.to_owned(), port)))
+}
+
+/// Refuses a prefill or decode role for an engine whose disaggregation exchange kvroute does
+/// not speak.
+pub(crate) fn check_role(engine: EngineKind, role: WorkerRole) -> anyhow::Result<()> {
+    if role != WorkerRole::Aggregated && !engine.disaggregates() {
+        let speaking: Vec<&str> = EngineKind::ALL
+            .into_iter()
+            .filter(|k| k.disaggregates())
+            .map(EngineKind::as_str)
+            .collect();
+        let role = match role {
+            WorkerRole::Prefill => "prefill",
+            _ => "decode",
+        };
+        bail!(
+            "engine {engine} cannot take role {role}: kvroute speaks the disaggregation exchange \
+             of {} only; serve it aggregated",
+            speaking.join(", ")
+        );
+    }
+    Ok(())
 }
 
 // Hand-written so that the API key never reaches a log.
@@ -73,6 +132,8 @@ impl std::fmt::Debug for EngineSpec {
             .field("first_byte_timeout", &self.first_byte_timeout)
             .field("idle_timeout", &self.idle_timeout)
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("role", &self.role)
+            .field("bootstrap_port", &self.bootstrap_port)
             .finish()
     }
 }
@@ -101,6 +162,8 @@ pub(crate) struct Adapter {
     listener: Option<ZmqKvListener>,
     kind: EngineKind,
     load: Option<(LoadReporter, LoadSampler)>,
+    /// The bootstrap endpoint it advertises (a bootstrapping prefill engine).
+    bootstrap: Option<(String, u16)>,
 }
 
 /// How long the adapter waits for an engine to answer its health check at start.
@@ -120,7 +183,10 @@ impl Adapter {
         if spec.kv_events_replay.is_some() && spec.kv_events.is_none() {
             bail!("kv_events_replay needs kv_events (the engine's event publisher) as well");
         }
-        let mut config = HttpEngineConfig::new(spec.engine, spec.engine_url.clone());
+        check_role(spec.engine, spec.role)?;
+        let bootstrap = bootstrap_endpoint(spec)?;
+        let mut config =
+            HttpEngineConfig::new(spec.engine, spec.engine_url.clone()).with_role(spec.role);
         config.served_model_name = spec.served_model_name.clone();
         config.api_key = spec.api_key.clone();
         if let Some(limit) = spec.first_byte_timeout {
@@ -183,6 +249,7 @@ impl Adapter {
             listener,
             kind: spec.engine,
             load,
+            bootstrap,
         })
     }
 
@@ -199,14 +266,19 @@ impl Adapter {
 
     /// The discovery metadata a worker serving this adapter advertises.
     pub(crate) fn metadata(&self) -> BTreeMap<String, String> {
-        BTreeMap::from([
+        let mut metadata = BTreeMap::from([
             ("engine".to_owned(), self.kind.to_string()),
             (KV_EVENTS_METADATA.to_owned(), self.kv_events().to_string()),
             (
                 LOAD_REPORTS_METADATA.to_owned(),
                 self.load.is_some().to_string(),
             ),
-        ])
+        ]);
+        if let Some((host, port)) = &self.bootstrap {
+            metadata.insert(BOOTSTRAP_HOST_KEY.to_owned(), host.clone());
+            metadata.insert(BOOTSTRAP_PORT_KEY.to_owned(), port.to_string());
+        }
+        metadata
     }
 
     /// The KV event listener's counters, when the engine publishes events.

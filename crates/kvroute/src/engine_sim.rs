@@ -14,8 +14,10 @@
 mod generate;
 mod http;
 mod kv_events;
+mod kv_transfer;
 mod metrics;
 mod openai;
+mod sglang;
 mod state;
 
 use std::io::Write as _;
@@ -26,12 +28,14 @@ use std::sync::atomic::AtomicU64;
 
 use anyhow::{Context as _, bail};
 use kvroute_mocker::MockerConfig;
+use kvroute_mocker::disagg::{DecodeConfig, Role};
 use kvroute_mocker::live::LiveMocker;
 use kvroute_router::tokenizer::{ChatTemplate, HfTokenizer, MockTokenizer, Tokenizer};
 use kvroute_runtime::KvEventPublisher;
 
 use crate::mocker_args::MockerArgs;
 use crate::signal;
+use kv_transfer::{EngineAddress, Transfers};
 use metrics::{CacheShape, Counters};
 use state::{Sim, TextSide};
 
@@ -73,6 +77,16 @@ pub(crate) struct EngineSimArgs {
     /// The context length the engines state and enforce (prompt plus output tokens).
     #[arg(long, default_value_t = 8192, value_name = "TOKENS")]
     max_model_len: u32,
+    /// With --dialect sglang: every engine's part in SGLang's prefill/decode disaggregation
+    /// (as SGLang's own flag): null, prefill (requests fill their bootstrap room; the engine's
+    /// HTTP port is its bootstrap port) or decode (requests fetch their room first).
+    #[arg(long, value_enum, default_value = "null", value_name = "MODE")]
+    disaggregation_mode: sglang::Mode,
+    /// How long an engine holds a prefill's blocks for remote decode (vLLM's KV connector
+    /// handshake: a request with `kv_transfer_params.do_remote_decode`); a decode request
+    /// naming them later is refused, as a real engine frees blocks nobody read.
+    #[arg(long, default_value = "480s", value_name = "DURATION")]
+    kv_transfer_ttl: crate::cli::HumanDuration,
     /// The simulated engine.
     #[command(flatten)]
     mocker: MockerArgs,
@@ -83,6 +97,8 @@ pub(crate) struct EngineSimArgs {
 enum SimDialect {
     /// vLLM's OpenAI-compatible server.
     Vllm,
+    /// SGLang's native `/generate` API (no OpenAI endpoints).
+    Sglang,
 }
 
 /// Runs the engines until a shutdown signal.
@@ -103,7 +119,9 @@ pub(crate) fn run(args: EngineSimArgs) -> anyhow::Result<()> {
             args.max_model_len
         );
     }
-    let SimDialect::Vllm = args.dialect;
+    if args.dialect != SimDialect::Sglang && args.disaggregation_mode != sglang::Mode::Null {
+        bail!("--disaggregation-mode is SGLang's: it needs --dialect sglang");
+    }
     let mocker = args.mocker.config()?;
     let tokenizer: Arc<dyn Tokenizer> = match &args.tokenizer {
         Some(path) => Arc::new(HfTokenizer::from_file(path)?),
@@ -131,8 +149,20 @@ async fn serve(
     text: Arc<TextSide>,
 ) -> anyhow::Result<()> {
     let mut servers = Vec::with_capacity(args.engines);
+    let transfers = Arc::new(Transfers::new(args.kv_transfer_ttl.0));
+    let rooms = Arc::new(sglang::Rooms::default());
+    let client = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(30))
+        .build()
+        .context("building the KV transfer client")?;
     for i in 0..args.engines {
-        let (line, server) = start_engine(&args, i, &mocker, &text).await?;
+        let shared = Shared {
+            text: Arc::clone(&text),
+            transfers: Arc::clone(&transfers),
+            client: client.clone(),
+            rooms: Arc::clone(&rooms),
+        };
+        let (line, server) = start_engine(&args, i, &mocker, shared).await?;
         println!("{line}");
         servers.push(server);
     }
@@ -147,12 +177,20 @@ async fn serve(
     Ok(())
 }
 
+/// What every engine of the process shares.
+struct Shared {
+    text: Arc<TextSide>,
+    transfers: Arc<Transfers>,
+    client: reqwest::Client,
+    rooms: Arc<sglang::Rooms>,
+}
+
 /// Starts engine `i`: its mocker, its event feed, its HTTP server. Returns its stdout line.
 async fn start_engine(
     args: &EngineSimArgs,
     i: usize,
     mocker: &MockerConfig,
-    text: &Arc<TextSide>,
+    shared: Shared,
 ) -> anyhow::Result<(String, tokio::task::JoinHandle<()>)> {
     let mut addr = args.listen;
     if addr.port() != 0 {
@@ -186,12 +224,20 @@ async fn start_engine(
         block_size: config.block_size,
         num_blocks: config.num_blocks,
     };
-    let engine = LiveMocker::spawn(config, 0, publisher)
+    // The decode role serves ordinary requests whole and takes a prefill result's KV as
+    // transferred: every engine can play either side of the handshake, as vLLM's `kv_both`.
+    let role = Role::Decode(DecodeConfig::default());
+    let engine = LiveMocker::spawn_with_role(config, 0, publisher, role)
         .with_context(|| format!("engine {i}: starting the simulated engine"))?;
+    let address = EngineAddress {
+        engine_id: format!("engine-sim-{i}-{}", addr.port()),
+        host: addr.ip().to_string(),
+        port: addr.port(),
+    };
     let sim = Arc::new(Sim {
         engine,
         model: args.model.clone(),
-        text: Arc::clone(text),
+        text: shared.text,
         cache,
         max_model_len: args.max_model_len,
         counters: Counters::default(),
@@ -200,8 +246,14 @@ async fn start_engine(
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
+        transfers: shared.transfers,
+        address,
+        client: shared.client,
     });
-    let app = http::app(sim);
+    let app = match args.dialect {
+        SimDialect::Vllm => http::app(sim),
+        SimDialect::Sglang => sglang::app(sim, args.disaggregation_mode, shared.rooms),
+    };
     // As vLLM's server (uvicorn) does: each streamed token leaves at once, not held back by
     // Nagle's algorithm until the previous one is acknowledged.
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {

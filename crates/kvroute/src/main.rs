@@ -41,7 +41,7 @@ struct Cli {
 enum Command {
     /// Replay a Mooncake JSONL trace against simulated engines in virtual time and compare
     /// routing policies.
-    Replay(replay::ReplayArgs),
+    Replay(Box<replay::ReplayArgs>),
     /// Start a router and a simulated fleet in this process, drive generated multi-turn
     /// conversations through the HTTP API with round-robin and then kv routing, and compare.
     Demo(demo::DemoArgs),

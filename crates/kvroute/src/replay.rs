@@ -28,12 +28,13 @@ use kvroute_mocker::MockerConfig;
 use kvroute_mocker::disagg::DecodeConfig;
 use kvroute_mocker::sim::{DisaggSimulation, SimReport, Simulation};
 use kvroute_mocker::trace::TraceRecord;
-use kvroute_router_core::{KvMode, KvRouterCore, WorkerSpec};
+use kvroute_router_core::{ConditionalDisagg, KvMode, KvRouterCore, WorkerSpec};
 use kvroute_workloads::synth::{self, Workload};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use disagg::DisaggRouterDispatcher;
+use disagg::args::{DisaggArgs, DisaggPlan};
 use dispatch::{RouterDispatcher, RunState, SessionTracker};
 use metrics::Recorder;
 use oracle::{Oracle, ratio};
@@ -106,10 +107,13 @@ pub(crate) struct ReplayArgs {
     cache_blocks: Option<u32>,
     /// Disaggregated serving: N prefill engines before the --workers decode engines. Each
     /// request is prefilled (one token) on a prefill engine routed by the policy, then its KV is
-    /// transferred to a decode engine routed without overlap credit; TTFT is the first decode
-    /// token, hit rate counts cached prompt tokens on the prefill engines.
+    /// transferred to a decode engine routed without overlap credit (with --disagg conditional,
+    /// only where the router's rule says so); TTFT is the first decode token, hit rate counts
+    /// cached prompt tokens where prompts were computed.
     #[arg(long, value_name = "N")]
     prefill_workers: Option<usize>,
+    #[command(flatten)]
+    disagg: DisaggArgs,
     /// Router replicas sharing the fleet, as `kvroute serve --nats` runs them: arrivals go to
     /// them in turn, and each learns the others' requests and every worker's KV events
     /// --router-sync-delay after they happen (aggregated serving only).
@@ -165,6 +169,8 @@ struct Plan {
     workers: usize,
     /// Prefill engines in disaggregated replay; `None` is aggregated serving.
     prefill_workers: Option<usize>,
+    /// Conditional disaggregation's rule; `None` prefills every request remotely.
+    conditional: Option<ConditionalDisagg>,
     mocker: MockerConfig,
     synthesis: Synthesis,
     seed: u64,
@@ -220,6 +226,12 @@ impl Plan {
         if !(args.speed.is_finite() && args.speed > 0.0) {
             bail!("--speed must be a finite number > 0, got {}", args.speed);
         }
+        let (workers, prefill_workers, conditional) =
+            match args.disagg.plan(args.prefill_workers.is_some())? {
+                DisaggPlan::Enforced => (args.workers, args.prefill_workers, None),
+                DisaggPlan::Conditional(rule) => (args.workers, args.prefill_workers, Some(rule)),
+                DisaggPlan::Never => (args.workers + args.prefill_workers.unwrap_or(0), None, None),
+            };
         let profile = args.engine_profile.mocker();
         let block_size = args.block_size.unwrap_or(profile.block_size);
         if block_size == 0 {
@@ -257,8 +269,9 @@ impl Plan {
         }
         Ok(Self {
             policies,
-            workers: args.workers,
-            prefill_workers: args.prefill_workers,
+            workers,
+            prefill_workers,
+            conditional,
             mocker,
             synthesis: Synthesis {
                 trace_block_tokens: args.trace_block_size as usize,
@@ -604,7 +617,16 @@ fn run_disagg_policy(
     let rng = ChaCha8Rng::seed_from_u64(plan.seed);
     let run = RunState::new(rng, recorder, progress, sessions);
     let mut dispatcher = DisaggRouterDispatcher::new(prefill_core, decode_core, prefill, run);
+    if let Some(rule) = plan.conditional {
+        dispatcher = dispatcher.with_conditional(rule);
+    }
     let result = sim.run(workload::arrivals(records, plan.synthesis), &mut dispatcher);
+    if plan.conditional.is_some() {
+        eprintln!(
+            "policy {policy}: prefill placements {:?}",
+            dispatcher.placements
+        );
+    }
     let (cores, run) = dispatcher.into_parts();
     finish_run(policy, result, &cores, run)
 }

@@ -449,7 +449,7 @@ async fn start_routers(
                 .await
                 .context("starting the KV router of the decode phase")?;
             let disagg = Disagg::new(
-                KvPhaseRouter::new(prefill, decode.clone()),
+                KvPhaseRouter::new(prefill, decode.clone()).with_conditional(config.conditional),
                 instances,
                 PrefillRouterConfig::default().with_mode(mode),
             );

@@ -58,11 +58,6 @@ pub(crate) fn run(args: WorkerArgs) -> anyhow::Result<()> {
                  the simulated engine (--mock), not --engine"
             );
         }
-        if args.role != RoleArg::Aggregated {
-            bail!(
-                "--role prefill|decode is for simulated workers; an --engine worker is aggregated"
-            );
-        }
         if args.kv_block_size == Some(0) {
             bail!("--kv-block-size must be at least 1 token");
         }
@@ -150,7 +145,14 @@ async fn serve_engine(args: WorkerArgs) -> anyhow::Result<()> {
         first_byte_timeout: Some(args.first_byte_timeout.0),
         idle_timeout: Some(args.idle_timeout.0),
         api_key: engine_api_key(args.engine_api_key_file.as_deref())?,
+        role: match args.role {
+            RoleArg::Aggregated => WorkerRole::Aggregated,
+            RoleArg::Prefill => WorkerRole::Prefill,
+            RoleArg::Decode => WorkerRole::Decode,
+        },
+        bootstrap_port: args.bootstrap_port,
     };
+    crate::adapter::check_role(engine, spec.role)?;
     let block_size = args.kv_block_size.unwrap_or(DEFAULT_ENGINE_BLOCK_SIZE);
     let adapter = Adapter::start(
         id,
@@ -175,7 +177,7 @@ async fn serve_engine(args: WorkerArgs) -> anyhow::Result<()> {
     }
     let worker = Worker {
         id,
-        role: WorkerRole::Aggregated,
+        role: spec.role,
         block_size,
         metadata,
         publisher: adapter.publisher.clone(),

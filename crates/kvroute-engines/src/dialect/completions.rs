@@ -54,7 +54,8 @@ pub(super) struct Body<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     max_tokens: Option<u32>,
     stream: bool,
-    stream_options: StreamOptions,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_options: Option<StreamOptions>,
     #[serde(skip_serializing_if = "Option::is_none")]
     temperature: Option<f32>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -94,6 +95,12 @@ pub(super) struct Body<'a> {
     /// vLLM: salts the prefix cache.
     #[serde(skip_serializing_if = "Option::is_none")]
     cache_salt: Option<&'a str>,
+    /// vLLM's KV connector handshake (see `vllm.rs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) kv_transfer_params: Option<Value>,
+    /// TensorRT-LLM's context / generation exchange (see `trtllm.rs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) disaggregated_params: Option<Value>,
 }
 
 #[derive(Debug, Serialize)]
@@ -118,9 +125,9 @@ impl<'a> Body<'a> {
             prompt: &request.token_ids,
             max_tokens: target.max_tokens,
             stream: true,
-            stream_options: StreamOptions {
+            stream_options: Some(StreamOptions {
                 include_usage: true,
-            },
+            }),
             temperature: sampling.temperature,
             top_p: sampling.top_p,
             top_k: sampling.top_k.filter(|_| ext),
@@ -139,7 +146,19 @@ impl<'a> Body<'a> {
             return_token_ids: (flavor == Flavor::Vllm).then_some(true),
             detokenize: (flavor == Flavor::Trtllm).then_some(false),
             cache_salt: request.cache_salt().filter(|_| flavor == Flavor::Vllm),
+            kv_transfer_params: None,
+            disaggregated_params: None,
         }
+    }
+
+    /// The same body asking for one whole (non-streamed) answer of one token, as a prefill
+    /// whose KV another engine continues from; `min_tokens` goes, since a prefill engine
+    /// refuses it with one token.
+    pub(super) fn one_whole_token(&mut self) {
+        self.stream = false;
+        self.stream_options = None;
+        self.max_tokens = Some(1);
+        self.min_tokens = None;
     }
 }
 
@@ -163,6 +182,7 @@ impl Parser {
         }
         let mut step = Step {
             usage: chunk.usage.map(Usage::into_usage),
+            disaggregated_params: chunk.kv_transfer_params.filter(|p| !p.is_null()),
             ..Step::default()
         };
         let Some(choices) = chunk.choices else {
@@ -182,6 +202,9 @@ impl Parser {
                 ));
             }
         };
+        if let Some(params) = choice.disaggregated_params.filter(|p| !p.is_null()) {
+            step.disaggregated_params = Some(params);
+        }
         match choice.token_ids {
             Some(ids) => step.token_ids = ids,
             None => step.text = choice.text.filter(|t| !t.is_empty()),
@@ -263,6 +286,10 @@ struct Chunk {
     usage: Option<Usage>,
     #[serde(default)]
     error: Option<Value>,
+    /// vLLM: a prefill for remote decode answers with its KV's whereabouts (whole responses
+    /// only).
+    #[serde(default)]
+    kv_transfer_params: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -279,6 +306,9 @@ struct Choice {
     finish_reason: Option<String>,
     #[serde(default)]
     stop_reason: Option<Value>,
+    /// TensorRT-LLM: a context (prefill) engine's handover (whole responses).
+    #[serde(default)]
+    disaggregated_params: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]

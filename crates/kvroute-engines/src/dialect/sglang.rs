@@ -15,6 +15,13 @@
 //! `finish_reason` is `{"type": "stop", "matched": id | string}`, `{"type": "length"}` or
 //! `{"type": "abort", "message", "status_code"}`; an abort with an HTTP status is an error (a
 //! 503 means overloaded), one without is a cancellation.
+//!
+//! Disaggregated serving is SGLang's bootstrap exchange: the router gives a request's prefill
+//! and decode engines the same `bootstrap_host`, `bootstrap_port` (the prefill engine's
+//! `--disaggregation-bootstrap-port`) and `bootstrap_room` (top-level fields of
+//! `GenerateReqInput`, `sglang/srt/managers/io_struct.py`) and sends both at once; the decode
+//! engine fetches the KV from the prefill engine's bootstrap server by room and streams. The
+//! prefill router fills `bootstrap_info` for both; here it is only written out.
 
 use kvroute_protocols::{CompletionUsage, FinishReason, PreprocessedRequest, PromptTokensDetails};
 use kvroute_runtime::EngineError;
@@ -45,6 +52,13 @@ struct Body<'a> {
     /// SGLang salts the request's cache (and its KV events) with it, as the router hashes it.
     #[serde(skip_serializing_if = "Option::is_none")]
     cache_salt: Option<&'a str>,
+    /// The prefill engine's bootstrap server and the pair's room (disaggregated serving).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bootstrap_host: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bootstrap_port: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bootstrap_room: Option<u64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -94,6 +108,7 @@ impl Dialect for Sglang {
         let stop = &request.stop_conditions;
         let sampling = &request.sampling_options;
         let logprobs = request.output_options.logprobs;
+        let bootstrap = request.bootstrap_info.as_ref();
         Built::json(&Body {
             input_ids: &request.token_ids,
             sampling_params: SamplingParams {
@@ -122,6 +137,9 @@ impl Dialect for Sglang {
                 .and_then(|r| r.dp_rank)
                 .filter(|&r| r != u32::MAX),
             cache_salt: request.cache_salt(),
+            bootstrap_host: bootstrap.map(|b| b.bootstrap_host.as_str()),
+            bootstrap_port: bootstrap.map(|b| b.bootstrap_port),
+            bootstrap_room: bootstrap.map(|b| b.bootstrap_room),
         })
     }
 

@@ -5,7 +5,7 @@ use kvroute_protocols::{
     CompletionUsage, FinishReason, OutputOptions, PreprocessedRequest, PromptTokensDetails,
     RoutingHints, SamplingOptions, StopConditions,
 };
-use kvroute_runtime::EngineError;
+use kvroute_runtime::{EngineError, WorkerRole};
 use serde_json::{Value, json};
 
 use super::{Parsed, Step, Target, check_supported, for_kind};
@@ -63,6 +63,7 @@ fn check_body(
     let target = Target {
         model,
         max_tokens: request.stop_conditions.max_tokens,
+        role: WorkerRole::Aggregated,
     };
     let built = for_kind(kind).build(request, &target).expect("builds");
     let body: Value = serde_json::from_slice(&built.body).expect("json body");
@@ -223,6 +224,7 @@ fn ignore_eos_leaves_hidden_stop_ids_out() {
     let target = Target {
         model: "m",
         max_tokens: None,
+        role: WorkerRole::Aggregated,
     };
     let body: Value =
         serde_json::from_slice(&for_kind(EngineKind::Vllm).build(&r, &target).unwrap().body)
@@ -238,6 +240,7 @@ fn cache_salt_goes_to_vllm_and_sglang_only_and_only_as_a_string() {
     let target = Target {
         model: "m",
         max_tokens: None,
+        role: WorkerRole::Aggregated,
     };
     let vllm = |r: &PreprocessedRequest| -> Value {
         serde_json::from_slice(&for_kind(EngineKind::Vllm).build(r, &target).unwrap().body).unwrap()

@@ -163,3 +163,82 @@ fn disaggregated_runs_prefill_then_decode_and_is_deterministic() {
         a.cached_prompt_tokens
     );
 }
+
+/// Serves every even request whole on a decode engine (a local prefill) and the rest through a
+/// prefill engine.
+#[derive(Default)]
+struct EvenLocal {
+    inner: DisaggRoundRobin,
+    local: Vec<u64>,
+}
+
+impl kvroute_mocker::sim::Dispatcher for EvenLocal {
+    fn pick(
+        &mut self,
+        now: Duration,
+        request: &kvroute_mocker::Request,
+        engines: &[kvroute_mocker::Engine],
+    ) -> usize {
+        self.inner.pick(now, request, engines)
+    }
+}
+
+impl kvroute_mocker::sim::DisaggDispatcher for EvenLocal {
+    fn pick_local(
+        &mut self,
+        _now: Duration,
+        request: &kvroute_mocker::Request,
+        decode: &[kvroute_mocker::Engine],
+    ) -> Option<usize> {
+        request.id.is_multiple_of(2).then(|| {
+            self.local.push(request.id);
+            request.id as usize / 2 % decode.len()
+        })
+    }
+
+    fn pick_decode(
+        &mut self,
+        now: Duration,
+        request: &kvroute_mocker::Request,
+        decode: &[kvroute_mocker::Engine],
+    ) -> usize {
+        self.inner.pick_decode(now, request, decode)
+    }
+}
+
+#[test]
+fn a_request_placed_locally_is_served_whole_by_its_decode_engine() {
+    use kvroute_mocker::disagg::DecodeConfig;
+    use kvroute_mocker::sim::DisaggSimulation;
+
+    let records = trace_records();
+    let config = kvroute_mocker::MockerConfig {
+        num_blocks: 2000,
+        ..kvroute_mocker::MockerConfig::default()
+    };
+    let mut sim =
+        DisaggSimulation::new(&config, 2, 2, DecodeConfig::default()).expect("valid config");
+    let mut dispatcher = EvenLocal::default();
+    let report = sim
+        .run(trace::arrivals(&records), &mut dispatcher)
+        .expect("sorted arrivals");
+    assert_eq!(
+        (report.arrived, report.completed, report.rejected),
+        (40, 40, 0)
+    );
+    assert_eq!(dispatcher.local.len(), 20);
+    let remote = &dispatcher.inner.decode_picks;
+    assert_eq!(
+        remote.len(),
+        20,
+        "only remote prefills are handed to decode"
+    );
+    assert!(remote.iter().all(|(id, _)| !id.is_multiple_of(2)));
+    // Every prompt is counted once, where it was computed; every output on decode.
+    let prompts: u64 = records.iter().map(|r| u64::from(r.input_length)).sum();
+    assert_eq!(report.prompt_tokens, prompts);
+    let outputs: u64 = records.iter().map(|r| u64::from(r.output_length)).sum();
+    assert_eq!(report.output_tokens, outputs);
+    assert_eq!(report.ttft.count, 40);
+    assert!(sim.decode_engines().iter().all(|e| e.num_requests() == 0));
+}

@@ -257,3 +257,91 @@ async fn a_failed_background_prefill_leaves_no_details_and_the_stream_ends() {
     while stream.next().await.is_some() {}
     assert_eq!(stream.prefill_tokens_details(), None);
 }
+
+#[tokio::test]
+async fn a_bootstrap_prefill_that_fails_fails_its_waiting_decode_and_cancels_it() {
+    let phases = Arc::new(ScriptedPhases::default());
+    let (router, _discovery) = router(&phases, &bootstrap_meta("7302"));
+    let prefill: Vec<Item> = vec![Ok(Annotated::from_error("prefill engine out of memory"))];
+    phases.push(
+        RequestPhase::Prefill,
+        Box::pin(futures::stream::iter(prefill)),
+    );
+    // The decode worker waits for KV that never comes: its stream stays open.
+    let (decode_tx, decode_rx) = mpsc::unbounded::<Item>();
+    phases.push(RequestPhase::Decode, Box::pin(decode_rx));
+    let mut stream = router.generate("r", request()).await.expect("served");
+    assert!(matches!(stream.served(), Served::Bootstrap { .. }));
+    let item = stream.next().await.expect("an error item");
+    let message = item.error_message().expect("an error").to_owned();
+    assert!(
+        message.contains("prefill engine out of memory") && message.contains("prefill worker"),
+        "{message}"
+    );
+    assert!(stream.next().await.is_none(), "the pair ends together");
+    assert!(
+        decode_tx.is_closed(),
+        "the decode half was dropped, which cancels it on its worker"
+    );
+}
+
+#[tokio::test]
+async fn a_bootstrap_prefill_failing_after_the_kv_arrived_leaves_decode_running() {
+    let phases = Arc::new(ScriptedPhases::default());
+    let (router, _discovery) = router(&phases, &bootstrap_meta("7303"));
+    let (prefill_tx, prefill_rx) = mpsc::unbounded::<Item>();
+    phases.push(RequestPhase::Prefill, Box::pin(prefill_rx));
+    let (decode_tx, decode_rx) = mpsc::unbounded::<Item>();
+    phases.push(RequestPhase::Decode, Box::pin(decode_rx));
+    let mut stream = router.generate("r", request()).await.expect("served");
+    decode_tx
+        .unbounded_send(Ok(Annotated::from_data(LLMEngineOutput {
+            token_ids: vec![100],
+            ..LLMEngineOutput::default()
+        })))
+        .expect("send");
+    let first = stream.next().await.expect("the first token");
+    assert_eq!(first.data.expect("data").token_ids, vec![100]);
+    // The prefill worker goes wrong now: decoding, which has its KV, carries on.
+    prefill_tx
+        .unbounded_send(Ok(Annotated::from_error("late failure")))
+        .expect("send");
+    drop(prefill_tx);
+    decode_tx
+        .unbounded_send(Ok(Annotated::from_data(LLMEngineOutput::length())))
+        .expect("send");
+    drop(decode_tx);
+    let rest: Vec<_> = stream.collect().await;
+    assert!(rest.iter().all(|i| !i.is_error()), "{rest:?}");
+    assert_eq!(rest.len(), 1);
+}
+
+#[tokio::test]
+async fn a_decode_that_fails_takes_its_background_prefill_down_with_it() {
+    let phases = Arc::new(ScriptedPhases::default());
+    let (router, _discovery) = router(&phases, &bootstrap_meta("7304"));
+    // The prefill worker is still computing: its stream stays open.
+    let (prefill_tx, prefill_rx) = mpsc::unbounded::<Item>();
+    phases.push(RequestPhase::Prefill, Box::pin(prefill_rx));
+    let lost = RequestError::WorkerUnavailable {
+        addr: "127.0.0.1:1".into(),
+        reason: "connection reset".into(),
+    };
+    let decode: Vec<Item> = vec![Err(lost)];
+    phases.push(
+        RequestPhase::Decode,
+        Box::pin(futures::stream::iter(decode)),
+    );
+    let mut stream = router.generate("r", request()).await.expect("served");
+    let failure = stream.next().await.expect("the decode failure");
+    assert!(failure.is_error(), "{failure:?}");
+    // The client side gives up (or the router migrates): dropping the pair cancels the prefill.
+    drop(stream);
+    for _ in 0..500 {
+        if prefill_tx.is_closed() {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("the background prefill outlived its failed decode");
+}

@@ -5,6 +5,7 @@
 //! the prefill result). The same contract is tested against the mocker's prefill role in
 //! kvroute-mocker's own tests, since the layering keeps the two crates apart.
 
+mod conditional;
 mod details;
 mod disagg;
 mod support;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use futures::future::BoxFuture;
-use kvroute_prefill::{PhaseRouteError, PhaseRouter, Routed};
+use kvroute_prefill::{PhaseRouteError, PhaseRouter, PrefillSite, Routed};
 use kvroute_protocols::{
     Annotated, BOOTSTRAP_HOST_KEY, BOOTSTRAP_PORT_KEY, CompletionUsage, LLMEngineOutput,
     PreprocessedRequest, PromptTokensDetails, RequestPhase, WorkerId, WorkerWithDpRank,
@@ -171,6 +171,8 @@ pub(crate) struct PushPhases {
     instances: tokio::sync::watch::Receiver<kvroute_runtime::InstanceSet>,
     /// Phases whose routing is saturated (refused with resource-exhausted).
     pub(crate) saturated: Mutex<BTreeSet<&'static str>>,
+    /// Conditional disaggregation places prompts of at most this many tokens locally.
+    pub(crate) local_up_to: Mutex<usize>,
 }
 
 impl PushPhases {
@@ -184,6 +186,7 @@ impl PushPhases {
             decode: LlmPushRouter::new(discovery.watch(), with_role(WorkerRole::Decode)),
             instances: discovery.watch(),
             saturated: Mutex::new(BTreeSet::new()),
+            local_up_to: Mutex::new(0),
         }
     }
 
@@ -290,6 +293,20 @@ impl PhaseRouter for PushPhases {
                 .find(|i| i.role == role)
                 .map(|i| WorkerWithDpRank::from_worker_id(i.id))
                 .ok_or(PhaseRouteError::NoWorkers { phase })
+        })
+    }
+
+    fn place<'a>(
+        &'a self,
+        request: &'a PreprocessedRequest,
+    ) -> BoxFuture<'a, Result<PrefillSite, PhaseRouteError>> {
+        Box::pin(async move {
+            self.check(RequestPhase::Aggregated)?;
+            Ok(if request.token_ids.len() <= *self.local_up_to.lock() {
+                PrefillSite::Local
+            } else {
+                PrefillSite::Remote
+            })
         })
     }
 }

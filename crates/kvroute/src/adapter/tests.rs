@@ -28,3 +28,62 @@ async fn the_engine_wait_lasts_as_long_as_asked_not_a_backoff_step_less() {
         "{error:#}"
     );
 }
+
+fn spec(engine: EngineKind, role: kvroute_runtime::WorkerRole) -> super::EngineSpec {
+    super::EngineSpec {
+        engine,
+        engine_url: "http://10.0.0.7:30000".to_owned(),
+        kv_events: None,
+        kv_events_replay: None,
+        served_model_name: None,
+        first_byte_timeout: None,
+        idle_timeout: None,
+        api_key: None,
+        role,
+        bootstrap_port: None,
+    }
+}
+
+#[test]
+fn a_bootstrapping_prefill_engine_advertises_its_url_host_and_bootstrap_port() {
+    use kvroute_runtime::WorkerRole;
+
+    use super::{DEFAULT_BOOTSTRAP_PORT, bootstrap_endpoint, check_role};
+    let prefill = spec(EngineKind::Sglang, WorkerRole::Prefill);
+    assert_eq!(
+        bootstrap_endpoint(&prefill).unwrap(),
+        Some(("10.0.0.7".to_owned(), DEFAULT_BOOTSTRAP_PORT))
+    );
+    let given = super::EngineSpec {
+        bootstrap_port: Some(9100),
+        ..prefill.clone()
+    };
+    assert_eq!(
+        bootstrap_endpoint(&given).unwrap(),
+        Some(("10.0.0.7".to_owned(), 9100))
+    );
+    // Decode engines and vLLM prefill engines meet no one at a bootstrap server.
+    assert_eq!(
+        bootstrap_endpoint(&spec(EngineKind::Sglang, WorkerRole::Decode)).unwrap(),
+        None
+    );
+    assert_eq!(
+        bootstrap_endpoint(&spec(EngineKind::Vllm, WorkerRole::Prefill)).unwrap(),
+        None
+    );
+    let stray = super::EngineSpec {
+        bootstrap_port: Some(9100),
+        ..spec(EngineKind::Vllm, WorkerRole::Prefill)
+    };
+    let err = bootstrap_endpoint(&stray).unwrap_err().to_string();
+    assert!(err.contains("sglang with role prefill"), "{err}");
+
+    assert!(check_role(EngineKind::Trtllm, WorkerRole::Decode).is_ok());
+    let err = check_role(EngineKind::Openai, WorkerRole::Decode)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("engine openai cannot take role decode"),
+        "{err}"
+    );
+}

@@ -13,13 +13,17 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::{FutureExt as _, StreamExt};
-use kvroute_protocols::{FinishReason, LLMEngineOutput, PreprocessedRequest};
+use kvroute_mocker::disagg::prefill_params;
+use kvroute_protocols::{
+    FinishReason, LLMEngineOutput, PrefillResult, PreprocessedRequest, PromptTokensDetails,
+};
 use kvroute_router::tokenizer::IncrementalDetokenizer;
 use kvroute_runtime::{Engine as _, RequestContext, ResponseStream};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
 use super::kv_events::RequestBlocks;
+use super::kv_transfer::Handshake;
 use super::openai::error_response;
 use super::openai::{Envelope, Usage};
 use super::state::Sim;
@@ -31,12 +35,26 @@ pub(super) struct Job {
     pub(super) max_tokens: u32,
     pub(super) stream: bool,
     pub(super) include_usage: bool,
+    /// What its `kv_transfer_params` ask.
+    pub(super) handshake: Handshake,
 }
 
 /// Runs `job` and answers it, streamed or whole.
 pub(super) async fn run(sim: Arc<Sim>, job: Job) -> Response {
     let mut request = PreprocessedRequest::new(job.envelope.model.clone(), job.prompt.clone());
     request.stop_conditions.max_tokens = Some(job.max_tokens);
+    if let Handshake::RemotePrefill { transferred_tokens } = job.handshake {
+        // The mocker's decode role takes the prompt's KV as transferred (its own params shape)
+        // and reports the transferred tokens as cached, as a vLLM decode engine does.
+        let block_size = sim.cache.block_size;
+        request.prefill_result = Some(PrefillResult {
+            disaggregated_params: prefill_params(0, 0, &job.prompt, block_size),
+            prompt_tokens_details: Some(PromptTokensDetails {
+                audio_tokens: None,
+                cached_tokens: Some(transferred_tokens),
+            }),
+        });
+    }
     let mut blocks = sim
         .blocks
         .as_ref()
@@ -148,7 +166,17 @@ impl Running {
                 Some(Step::Tokens(_, text)) => self.text.push_str(&text),
                 Some(Step::Done(finish, usage)) => {
                     let env = &self.job.envelope;
-                    let body = env.whole(&self.text, &self.output, &self.job.prompt, finish, usage);
+                    let mut body =
+                        env.whole(&self.text, &self.output, &self.job.prompt, finish, usage);
+                    if self.job.handshake == Handshake::RemoteDecode {
+                        let sim = &self.sim;
+                        let params = sim.transfers.hold(
+                            &sim.address,
+                            &self.job.prompt,
+                            sim.cache.block_size,
+                        );
+                        body["kv_transfer_params"] = params;
+                    }
                     return axum::Json(body).into_response();
                 }
                 Some(Step::Failed(message)) => {

@@ -15,6 +15,7 @@ use serde::de::DeserializeOwned;
 use serde_json::json;
 
 use super::generate::{self, Job};
+use super::kv_transfer::{self, Asked, Handshake};
 use super::metrics;
 use super::openai::{
     ChatMessage, ChatRequest, CompletionRequest, Envelope, Kind, Prompt, TokenizeRequest,
@@ -31,6 +32,7 @@ pub(super) fn app(sim: Arc<Sim>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/kv_transfer/pull", post(pull_blocks))
         .with_state(sim)
 }
 
@@ -168,6 +170,7 @@ fn job(
     prompt: Vec<u32>,
     max_tokens: Option<u32>,
     common: &super::openai::Common,
+    handshake: Handshake,
 ) -> Result<Job, ApiError> {
     let len = prompt.len() as u32;
     if prompt.is_empty() {
@@ -197,6 +200,7 @@ fn job(
         max_tokens,
         stream: common.stream,
         include_usage: common.include_usage(),
+        handshake,
     })
 }
 
@@ -216,7 +220,8 @@ async fn completions(State(sim): State<Arc<Sim>>, body: Bytes) -> Result<Respons
     };
     let common = &request.common;
     let envelope = envelope(&sim, Kind::Completion, common.return_token_ids);
-    let job = job(&sim, envelope, prompt, common.max_tokens, common)?;
+    let handshake = handshake(&sim, common, &prompt).await?;
+    let job = job(&sim, envelope, prompt, common.max_tokens, common, handshake)?;
     Ok(generate::run(sim, job).await)
 }
 
@@ -227,6 +232,54 @@ async fn chat_completions(State(sim): State<Arc<Sim>>, body: Bytes) -> Result<Re
     let common = &request.common;
     let max_tokens = request.max_completion_tokens.or(common.max_tokens);
     let envelope = envelope(&sim, Kind::Chat, common.return_token_ids);
-    let job = job(&sim, envelope, prompt, max_tokens, common)?;
+    let handshake = handshake(&sim, common, &prompt).await?;
+    let job = job(&sim, envelope, prompt, max_tokens, common, handshake)?;
     Ok(generate::run(sim, job).await)
+}
+
+/// What the request's `kv_transfer_params` ask; a decode request's blocks are pulled from the
+/// prefill engine they name (refused with a 400 saying why when that fails).
+async fn handshake(
+    sim: &Sim,
+    common: &super::openai::Common,
+    prompt: &[u32],
+) -> Result<Handshake, ApiError> {
+    let Some(params) = common.kv_transfer_params.as_ref().filter(|p| !p.is_null()) else {
+        return Ok(Handshake::None);
+    };
+    match kv_transfer::asked(params).map_err(|m| bad_request(&m))? {
+        Asked::Nothing => Ok(Handshake::None),
+        Asked::RemoteDecode => Ok(Handshake::RemoteDecode),
+        Asked::RemotePrefill(pull) => {
+            let transferred_tokens = kv_transfer::pull(&sim.client, &pull, prompt)
+                .await
+                .map_err(|m| bad_request(&m))?;
+            Ok(Handshake::RemotePrefill { transferred_tokens })
+        }
+    }
+}
+
+/// `POST /kv_transfer/pull`: another engine takes blocks this one holds.
+async fn pull_blocks(State(sim): State<Arc<Sim>>, body: Bytes) -> Result<Response, ApiError> {
+    let request: kv_transfer::PullRequest = parse(&body)?;
+    let pull = &request.pull;
+    if pull.engine_id != sim.address.engine_id {
+        return Err(ApiError {
+            status: StatusCode::NOT_FOUND,
+            kind: "NotFoundError",
+            message: format!(
+                "blocks of engine {} were asked of engine {}",
+                pull.engine_id, sim.address.engine_id
+            ),
+        });
+    }
+    let transferred = sim
+        .transfers
+        .take(&pull.engine_id, &pull.block_ids, &request.prompt)
+        .map_err(|message| ApiError {
+            status: StatusCode::NOT_FOUND,
+            kind: "NotFoundError",
+            message,
+        })?;
+    Ok(axum::Json(json!({"transferred_tokens": transferred})).into_response())
 }

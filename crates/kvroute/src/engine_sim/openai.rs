@@ -78,6 +78,9 @@ pub(super) struct Common {
     /// vLLM's extension: echo prompt and output token ids.
     #[serde(default)]
     pub(super) return_token_ids: bool,
+    /// vLLM's KV connector handshake (see `kv_transfer.rs`).
+    #[serde(default)]
+    pub(super) kv_transfer_params: Option<Value>,
 }
 
 impl Common {

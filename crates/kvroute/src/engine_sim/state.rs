@@ -9,6 +9,7 @@ use kvroute_mocker::live::LiveMocker;
 use kvroute_router::tokenizer::{ChatTemplate, Tokenizer};
 
 use super::kv_events::BlockTokens;
+use super::kv_transfer::{EngineAddress, Transfers};
 use super::metrics::{CacheShape, Counters};
 
 /// Turning text into tokens and back, shared by every engine of the process.
@@ -30,4 +31,10 @@ pub(super) struct Sim {
     pub(super) next_id: AtomicU64,
     /// When the engine started, seconds since the epoch (`created` of `/v1/models`).
     pub(super) started: u64,
+    /// The blocks every engine of the process holds for remote decode.
+    pub(super) transfers: Arc<Transfers>,
+    /// How other engines reach this one (its `kv_transfer_params`).
+    pub(super) address: EngineAddress,
+    /// Pulls transferred blocks from other engines.
+    pub(super) client: reqwest::Client,
 }

@@ -4,13 +4,20 @@
 //!
 //! Prefill engine `i` is prefill-core worker `i`; decode engine `j` is decode-core worker `j` and
 //! recorder worker `prefill + j`, so the load timeline shows both pools side by side.
+//!
+//! With conditional disaggregation each arrival is first placed by the router core's
+//! [`ConditionalDisagg`] rule, from a query of each core: a prompt prefilled locally is routed
+//! by the decode core as an aggregated request (overlap credit, prefill tracked) and served whole
+//! by its decode engine.
 
 use std::time::Duration;
 
 use kvroute_mocker::sim::{DisaggDispatcher, Dispatcher};
 use kvroute_mocker::{Engine, Request, RequestError, StepOutput};
 use kvroute_protocols::RouterConfigOverride;
-use kvroute_router_core::{KvRouterCore, RequestId, RouteRequest};
+use kvroute_router_core::{
+    ConditionalDisagg, KvRouterCore, PrefillPlacement, RequestId, RouteRequest,
+};
 
 use crate::replay::dispatch::{RunState, feed};
 
@@ -33,6 +40,10 @@ pub(crate) struct DisaggRouterDispatcher {
     decode: KvRouterCore,
     prefill_workers: usize,
     overrides: RouterConfigOverride,
+    /// Conditional disaggregation's rule, or `None` to prefill every request remotely.
+    conditional: Option<ConditionalDisagg>,
+    /// Requests placed by the rule, by placement name (for the report).
+    pub(crate) placements: std::collections::BTreeMap<&'static str, u64>,
     run: RunState,
 }
 
@@ -49,8 +60,31 @@ impl DisaggRouterDispatcher {
             decode,
             prefill_workers,
             overrides: decode_override(),
+            conditional: None,
+            placements: std::collections::BTreeMap::new(),
             run,
         }
+    }
+
+    /// The same dispatcher deciding per request, with `rule`, whether to prefill remotely.
+    pub(crate) fn with_conditional(mut self, rule: ConditionalDisagg) -> Self {
+        self.conditional = Some(rule);
+        self
+    }
+
+    /// Where `rule` places `request`'s prefill now, from a query of each core; `None` after a
+    /// routing error (recorded).
+    fn place(
+        &mut self,
+        rule: ConditionalDisagg,
+        now: Duration,
+        request: &Request,
+    ) -> Option<PrefillPlacement> {
+        let route = RouteRequest::new(RequestId(request.id), &request.tokens);
+        let local = self.run.query(&mut self.decode, &route, now)?;
+        let remote = self.run.query(&mut self.prefill, &route, now)?;
+        let block_size = self.decode.config().block_size();
+        Some(rule.place_routed(&local, &remote, block_size))
     }
 
     /// Both cores, named by role for the drain check, and the run's state, after the run.
@@ -63,11 +97,8 @@ impl DisaggRouterDispatcher {
 }
 
 impl Dispatcher for DisaggRouterDispatcher {
+    // Expiry and progress run in `pick_local`, which sees every arrival first.
     fn pick(&mut self, now: Duration, request: &Request, engines: &[Engine]) -> usize {
-        if self.run.pacer.arrival(now) {
-            self.run.expired += self.prefill.expire(now).requests.len() as u64;
-            self.run.expired += self.decode.expire(now).requests.len() as u64;
-        }
         match self.run.route_arrival(&mut self.prefill, request, now) {
             Some(worker) => {
                 self.run.recorder.arrived(request.id, worker, now);
@@ -90,6 +121,31 @@ impl Dispatcher for DisaggRouterDispatcher {
 }
 
 impl DisaggDispatcher for DisaggRouterDispatcher {
+    fn pick_local(&mut self, now: Duration, request: &Request, decode: &[Engine]) -> Option<usize> {
+        if self.run.pacer.arrival(now) {
+            self.run.expired += self.prefill.expire(now).requests.len() as u64;
+            self.run.expired += self.decode.expire(now).requests.len() as u64;
+        }
+        let rule = self.conditional?;
+        // A routing error stops the run: an index past the last engine, reported by the caller.
+        let Some(placement) = self.place(rule, now, request) else {
+            return Some(decode.len());
+        };
+        *self.placements.entry(placement.name()).or_default() += 1;
+        if !placement.is_local() {
+            return None;
+        }
+        match self.run.route_arrival(&mut self.decode, request, now) {
+            Some(worker) => {
+                self.run
+                    .recorder
+                    .arrived(request.id, self.prefill_workers + worker, now);
+                Some(worker)
+            }
+            None => Some(decode.len()),
+        }
+    }
+
     fn pick_decode(&mut self, now: Duration, request: &Request, decode: &[Engine]) -> usize {
         let route = RouteRequest::new(RequestId(request.id), &request.tokens)
             .with_overrides(&self.overrides);
@@ -118,6 +174,8 @@ impl DisaggDispatcher for DisaggRouterDispatcher {
         self.run.recorder.left(id, now, false);
     }
 }
+
+pub(crate) mod args;
 
 #[cfg(test)]
 mod tests;

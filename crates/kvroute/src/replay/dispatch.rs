@@ -13,7 +13,7 @@ use kvroute_mocker::sim::Dispatcher;
 use kvroute_mocker::{Engine, Request, RequestError, StepOutput};
 use kvroute_protocols::kv_events::{RouterEvent, StorageTier};
 use kvroute_protocols::{RoutingHints, SessionAction, SessionControl};
-use kvroute_router_core::{KvRouterCore, RequestId, RouteError, RouteRequest};
+use kvroute_router_core::{KvRouterCore, RequestId, RouteError, RouteRequest, Routed};
 use rand_chacha::ChaCha8Rng;
 
 use crate::replay::metrics::Recorder;
@@ -129,6 +129,23 @@ impl RunState {
             self.sessions.served(session, worker);
         }
         Some(worker)
+    }
+
+    /// Asks `core` where `route` would go, changing nothing but the tie-break RNG; `None` after
+    /// recording a routing error.
+    pub(crate) fn query(
+        &mut self,
+        core: &mut KvRouterCore,
+        route: &RouteRequest<'_>,
+        now: Duration,
+    ) -> Option<Routed> {
+        match core.query(route, now, &mut self.rng) {
+            Ok(routed) => Some(routed),
+            Err(e) => {
+                self.error.get_or_insert(e);
+                None
+            }
+        }
     }
 
     /// Routes `route` with `core` and returns the chosen worker's index, or records the first

@@ -9,7 +9,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use kvroute_router::http::HttpConfig;
-use kvroute_router::{DisaggMode, KvPushRouterConfig, ModelConfig};
+use kvroute_router::{ConditionalDisagg, DisaggMode, KvPushRouterConfig, ModelConfig};
 use serde::Deserialize;
 
 use super::fleet::FleetWorker;
@@ -148,9 +148,24 @@ pub(crate) struct RouterOptions {
     #[arg(long)]
     pub(crate) seed: Option<u64>,
     /// Disaggregated serving: optional (while prefill workers are registered), enforced
-    /// (refuse without them) or off (aggregated workers only) (default optional).
-    #[arg(long, value_name = "optional|enforced|off")]
+    /// (refuse without them), conditional (per request: prefill on the decode worker when that
+    /// is cheaper, see --max-local-prefill-tokens) or off (aggregated workers only) (default
+    /// optional).
+    #[arg(long, value_name = "optional|enforced|conditional|off")]
     pub(crate) disagg: Option<String>,
+    /// With --disagg conditional: prefill on the decode worker when at most this many prompt
+    /// tokens are uncached there (default 1000).
+    #[arg(long, value_name = "TOKENS")]
+    pub(crate) max_local_prefill_tokens: Option<u64>,
+    /// With --disagg conditional: prefill on the decode worker when at least this share of the
+    /// prompt is cached there; above 1 turns the rule off (default 0.8).
+    #[arg(long, value_name = "SHARE")]
+    pub(crate) min_local_cached_share: Option<f64>,
+    /// With --disagg conditional: prefill on the decode worker when the prefill workers' queue
+    /// (tokens to prefill, this prompt's included) is at least this many times the decode
+    /// worker's (default 2).
+    #[arg(long, value_name = "RATIO")]
+    pub(crate) prefill_queue_ratio: Option<f64>,
 }
 
 /// `[discovery]`: registration (the default) or a static fleet file.
@@ -349,6 +364,8 @@ pub(crate) struct ServeConfig {
     pub(crate) router: KvPushRouterConfig,
     /// Disaggregated serving, or `None` (off: aggregated workers only).
     pub(crate) disagg: Option<DisaggMode>,
+    /// Where conditional disaggregation prefills (the defaults unless it is on).
+    pub(crate) conditional: ConditionalDisagg,
     /// How workers are found.
     pub(crate) discovery: Discovery,
     /// The served models.
@@ -404,6 +421,12 @@ impl ServeOptions {
                 kv_mode: pick(r.kv_mode, fr.kv_mode),
                 seed: pick(r.seed, fr.seed),
                 disagg: pick(r.disagg, fr.disagg),
+                max_local_prefill_tokens: pick(
+                    r.max_local_prefill_tokens,
+                    fr.max_local_prefill_tokens,
+                ),
+                min_local_cached_share: pick(r.min_local_cached_share, fr.min_local_cached_share),
+                prefill_queue_ratio: pick(r.prefill_queue_ratio, fr.prefill_queue_ratio),
             },
             discovery: DiscoveryOptions {
                 registry_listen,

@@ -29,7 +29,8 @@ pub(crate) struct FleetWorker {
     /// A worker process's request-plane address, `host:port` (not with `engine`).
     #[serde(default)]
     pub(crate) address: Option<String>,
-    /// What the worker serves (engines behind this process serve aggregated).
+    /// What the worker serves: aggregated (the default), prefill or decode (an engine this
+    /// process fronts takes a prefill or decode role only in a dialect that disaggregates).
     #[serde(default)]
     pub(crate) role: WorkerRole,
     /// Tokens per KV block; must equal the router's block size.
@@ -70,6 +71,10 @@ pub(crate) struct FleetWorker {
     /// requests, `ip:port`; default: the host and port of `engine_url`.
     #[serde(default)]
     pub(crate) endpoint: Option<String>,
+    /// A bootstrapping prefill engine's bootstrap port (SGLang's
+    /// `--disaggregation-bootstrap-port`, default 8998).
+    #[serde(default)]
+    pub(crate) bootstrap_port: Option<u16>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -168,17 +173,16 @@ fn check(worker: FleetWorker) -> anyhow::Result<Entry> {
         || worker.served_model_name.is_some()
         || worker.first_byte_timeout_ms.is_some()
         || worker.idle_timeout_ms.is_some()
-        || worker.engine_api_key_file.is_some();
+        || worker.engine_api_key_file.is_some()
+        || worker.bootstrap_port.is_some();
     match (worker.address, worker.engine, worker.engine_url) {
         (Some(address), None, None) if !engine_keys => {
             info.address = address;
             Ok(Entry::Process(info))
         }
         (None, Some(engine), Some(engine_url)) => {
-            if worker.role != WorkerRole::Aggregated {
-                bail!(
-                    "workers[id={id}]: an engine fronted by kvroute serve is aggregated; role must be \"aggregated\""
-                );
+            if let Err(e) = crate::adapter::check_role(engine, worker.role) {
+                bail!("workers[id={id}]: {e}");
             }
             if worker.first_byte_timeout_ms == Some(0) || worker.idle_timeout_ms == Some(0) {
                 bail!(
@@ -204,6 +208,8 @@ fn check(worker: FleetWorker) -> anyhow::Result<Entry> {
                         .map(std::time::Duration::from_millis),
                     idle_timeout: worker.idle_timeout_ms.map(std::time::Duration::from_millis),
                     api_key,
+                    role: worker.role,
+                    bootstrap_port: worker.bootstrap_port,
                 },
             ))
         }

@@ -79,9 +79,15 @@ pub(crate) struct WorkerArgs {
     /// How long to wait at start for the engine to answer its health check (250ms, 5s, 2m, ...).
     #[arg(long, default_value = "120s", value_name = "DURATION")]
     pub(super) engine_wait: HumanDuration,
-    /// What the worker serves.
+    /// What the worker serves. With --engine, prefill or decode needs an engine whose
+    /// disaggregation exchange kvroute speaks (vllm: its KV connector handshake; sglang: its
+    /// bootstrap rooms).
     #[arg(long, value_enum, default_value = "aggregated")]
     pub(super) role: RoleArg,
+    /// With --engine sglang --role prefill: the engine's `--disaggregation-bootstrap-port`,
+    /// advertised (with the --engine-url host) for its decode partners [default: 8998].
+    #[arg(long, value_name = "PORT", requires = "engine")]
+    pub(super) bootstrap_port: Option<u16>,
     /// The request-plane address, ip:port (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:0", value_name = "IP:PORT")]
     pub(super) listen: SocketAddr,

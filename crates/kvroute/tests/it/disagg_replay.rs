@@ -95,3 +95,47 @@ fn disaggregated_replay_is_deterministic() {
     let b = disagg_json(&trace, &dir.join("b.json"), &extra);
     assert_eq!(a, b);
 }
+
+#[test]
+fn conditional_and_never_replay_the_same_engines_and_thresholds_need_conditional() {
+    let dir = scratch("disagg_conditional");
+    let trace = write_fixture(&dir);
+    let json = disagg_json(
+        &trace,
+        &dir.join("conditional.json"),
+        &["--policy", "kv", "--disagg", "conditional"],
+    );
+    let p = &json["policies"][0];
+    assert_eq!(
+        (p["completed"].clone(), p["rejected"].clone()),
+        (100.into(), 0.into()),
+        "{p:#}"
+    );
+    assert_eq!(json["setup"]["prefill_workers"], 2);
+
+    // never: the 2 + 2 engines all aggregated.
+    let json = disagg_json(
+        &trace,
+        &dir.join("never.json"),
+        &["--policy", "kv", "--disagg", "never"],
+    );
+    assert_eq!(json["setup"]["prefill_workers"], 0);
+    assert_eq!(json["setup"]["workers"], 4);
+    assert_eq!(json["policies"][0]["completed"], 100);
+
+    let output = kvroute(&[
+        "replay",
+        "--trace",
+        trace.to_str().expect("utf-8 path"),
+        "--prefill-workers",
+        "2",
+        "--max-local-prefill-tokens",
+        "5",
+    ]);
+    let (_, stderr) = text(&output);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("apply to --disagg conditional only, got --disagg enforced"),
+        "{stderr}"
+    );
+}

@@ -113,7 +113,12 @@ impl Fleet {
     }
 
     /// Starts the router and one worker per entry of `roles` (ids 1, 2, ...).
-    async fn start_roles(test: &str, serve_flags: &[&str], speedup: &str, roles: &[&str]) -> Fleet {
+    pub(crate) async fn start_roles(
+        test: &str,
+        serve_flags: &[&str],
+        speedup: &str,
+        roles: &[&str],
+    ) -> Fleet {
         let dir = scratch(&format!("e2e-{test}"));
         let mut args = vec![
             "serve",

@@ -12,22 +12,39 @@ use crate::e2e::{BOUND, Fleet, Proc, Sse, active_requests, gauge};
 use crate::support::scratch;
 
 /// The served model name the simulator is started with.
-const MODEL: &str = "sim-model";
+pub(crate) const MODEL: &str = "sim-model";
 
 /// An `engine-sim` process and its engines' lines; killed when dropped.
-struct EngineSim {
+pub(crate) struct EngineSim {
     child: Child,
     engines: Vec<Vec<(String, String)>>,
 }
 
 impl EngineSim {
     fn start(test: &str, engines: usize) -> EngineSim {
+        Self::start_with(test, engines, &[])
+    }
+
+    /// `engines` simulated engines with `extra` flags (vLLM with `--kv-events` unless they name
+    /// a `--dialect`; `--speedup 50` unless they say).
+    pub(crate) fn start_with(test: &str, engines: usize, extra: &[&str]) -> EngineSim {
         let log = scratch(&format!("engine-sim-{test}-engines")).join("engine-sim.log");
         let n = engines.to_string();
+        let vllm = !extra.contains(&"--dialect");
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(["engine-sim", "--dialect", "vllm", "--engines", &n])
-            .args(["--listen", "127.0.0.1:0", "--kv-events", "--model", MODEL])
-            .args(["--speedup", "50"])
+            .args(["engine-sim", "--engines", &n])
+            .args(if vllm {
+                &["--dialect", "vllm", "--kv-events"][..]
+            } else {
+                &[][..]
+            })
+            .args(["--listen", "127.0.0.1:0", "--model", MODEL])
+            .args(if extra.contains(&"--speedup") {
+                &[][..]
+            } else {
+                &["--speedup", "50"][..]
+            })
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).expect("create log"))
             .spawn()
@@ -55,12 +72,20 @@ impl EngineSim {
         EngineSim { child, engines }
     }
 
-    fn field(&self, engine: usize, key: &str) -> &str {
+    pub(crate) fn field(&self, engine: usize, key: &str) -> &str {
         self.engines[engine]
             .iter()
             .find(|(k, _)| k == key)
             .map(|(_, v)| v.as_str())
             .unwrap_or_else(|| panic!("no {key}= for engine {engine}: {:?}", self.engines))
+    }
+}
+
+impl EngineSim {
+    /// Kills the process (every engine of it) now.
+    pub(crate) fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -71,7 +96,7 @@ impl Drop for EngineSim {
     }
 }
 
-fn client() -> reqwest::Client {
+pub(crate) fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(BOUND)
         .build()
@@ -79,7 +104,7 @@ fn client() -> reqwest::Client {
 }
 
 /// A prompt of several 16-token blocks.
-fn long_prompt(tag: &str) -> String {
+pub(crate) fn long_prompt(tag: &str) -> String {
     (0..80).map(|i| format!("{tag}{i} ")).collect()
 }
 
@@ -106,14 +131,14 @@ async fn stream(http: &reqwest::Client, url: &str, body: &Value) -> Vec<String> 
     events
 }
 
-fn cached(usage: &Value) -> u64 {
+pub(crate) fn cached(usage: &Value) -> u64 {
     usage["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap_or_else(|| panic!("no prompt_tokens_details.cached_tokens in {usage}"))
 }
 
 /// The value of an unlabelled-but-for-engine vLLM sample.
-fn vllm_sample(metrics: &str, name: &str) -> f64 {
+pub(crate) fn vllm_sample(metrics: &str, name: &str) -> f64 {
     let prefix = format!("{name}{{");
     metrics
         .lines()
@@ -239,7 +264,7 @@ async fn engine_sim_speaks_vllms_http_shapes_and_metrics() {
 /// A word-level `tokenizer.json` knowing the words of [`long_prompt`] (the router refuses to
 /// front real engines with its mock tokenizer) and the mock model's chat template; returns the
 /// `--model` value for `kvroute serve`.
-fn word_level_model(dir: &std::path::Path) -> String {
+pub(crate) fn word_level_model(dir: &std::path::Path) -> String {
     let mut vocab = serde_json::Map::new();
     vocab.insert("[UNK]".into(), json!(0));
     for tag in ["a", "b", "c", "d"] {

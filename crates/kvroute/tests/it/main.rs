@@ -4,6 +4,7 @@
 //! `kvroute engine-sim`'s simulated vLLM servers), except `prefill`, which composes the prefill router with
 //! simulated prefill and decode workers in-process (over TCP on loopback).
 
+mod conditional;
 mod demo;
 mod dialect_migration;
 mod disagg_replay;
@@ -16,5 +17,7 @@ mod nats;
 mod prefill;
 mod replay;
 mod security;
+mod sglang_disagg;
 mod soak;
 mod support;
+mod vllm_disagg;

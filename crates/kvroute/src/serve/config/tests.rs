@@ -191,7 +191,9 @@ fn bad_values_name_the_key_the_flag_and_what_was_expected() {
     check(
         "[router]\ndisagg = \"always\"",
         &[],
-        Err("`router.disagg` (flag --disagg): expected optional, enforced or off, got \"always\""),
+        Err(
+            "`router.disagg` (flag --disagg): expected optional, enforced, conditional or off, got \"always\"",
+        ),
     );
     check(
         "[router]\ntemperature = -1.0",
@@ -316,6 +318,18 @@ fn defaults_in_help_are_the_constants() {
         ("max_migrations", config.http.max_migrations.to_string()),
         ("kv_mode", "events".to_owned()),
         ("disagg", "optional".to_owned()),
+        (
+            "max_local_prefill_tokens",
+            config.conditional.max_local_prefill_tokens.to_string(),
+        ),
+        (
+            "min_local_cached_share",
+            config.conditional.min_local_cached_share.to_string(),
+        ),
+        (
+            "prefill_queue_ratio",
+            config.conditional.prefill_queue_ratio.to_string(),
+        ),
         ("registry_listen", defaults::REGISTRY_LISTEN.to_owned()),
         ("lease_ttl", secs(crate::cli::DEFAULT_LEASE_TTL)),
         ("namespace", crate::cli::DEFAULT_NATS_NAMESPACE.to_owned()),
@@ -383,6 +397,11 @@ fn disagg_defaults_to_optional_and_off_routes_aggregated_workers_only() {
         (
             "[router]\ndisagg = \"enforced\"",
             Some(DisaggMode::Enforced),
+            None,
+        ),
+        (
+            "[router]\ndisagg = \"conditional\"",
+            Some(DisaggMode::Conditional),
             None,
         ),
         (
@@ -540,5 +559,43 @@ fn a_negative_number_flag_is_a_value_refused_by_range_not_an_unknown_flag() {
         "",
         &["--overlap-credit", "-2"],
         Err("router.overlap_credit"),
+    );
+}
+
+#[test]
+fn conditional_thresholds_apply_to_conditional_disaggregation_only() {
+    let validate = |file: &str| {
+        ServeOptions::from_toml(file)
+            .expect("toml")
+            .validate()
+            .map_err(|e| e.to_string())
+    };
+    let c = validate(
+        "[router]\ndisagg = \"conditional\"\nmax_local_prefill_tokens = 256\n\
+         min_local_cached_share = 1.5\nprefill_queue_ratio = 3.0",
+    )
+    .expect("valid");
+    assert_eq!(
+        c.conditional,
+        ConditionalDisagg {
+            max_local_prefill_tokens: 256,
+            min_local_cached_share: 1.5,
+            prefill_queue_ratio: 3.0,
+        }
+    );
+    assert_eq!(
+        validate("[router]\nmax_local_prefill_tokens = 256").unwrap_err(),
+        "invalid option `router.max_local_prefill_tokens` (flag --max-local-prefill-tokens): \
+         expected to be set only with disagg = \"conditional\", got it with disagg = \"optional\""
+    );
+    assert!(
+        validate("[router]\ndisagg = \"conditional\"\nprefill_queue_ratio = 0.0")
+            .unwrap_err()
+            .contains("expected a finite number > 0, got 0.0")
+    );
+    assert!(
+        validate("[router]\ndisagg = \"conditional\"\nmin_local_cached_share = -1.0")
+            .unwrap_err()
+            .contains("min-local-cached-share")
     );
 }

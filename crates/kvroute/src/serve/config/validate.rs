@@ -9,7 +9,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvroute_router::http::{AdmissionConfig, HttpConfig};
-use kvroute_router::{DisaggMode, KvMode, KvPushRouterConfig, ModelConfig, Policy};
+use kvroute_router::{
+    ConditionalDisagg, DisaggMode, KvMode, KvPushRouterConfig, ModelConfig, Policy,
+};
+use kvroute_router_core::disagg::ConditionalDisaggError;
 use kvroute_runtime::WorkerRole;
 
 use super::{
@@ -32,6 +35,7 @@ impl ServeOptions {
         } = self;
         let frontend = Frontend::validate(http)?;
         let (mut router_config, disagg) = validate_router(&router)?;
+        let conditional = validate_conditional(&router, disagg)?;
         let d = discovery;
         let fleet_tls = validate_fleet_tls(d.fleet_ca, d.fleet_cert, d.fleet_key)?;
         let fleet = validate_static_fleet(d.fleet, d.workers)?;
@@ -61,6 +65,7 @@ impl ServeOptions {
             fleet_tls,
             router: router_config,
             disagg,
+            conditional,
             discovery,
             models,
         })
@@ -168,6 +173,71 @@ impl Frontend {
     }
 }
 
+/// `[router]`'s conditional disaggregation thresholds, which only `disagg = "conditional"`
+/// uses: given with another mode they would silently do nothing, so they are refused.
+fn validate_conditional(
+    r: &RouterOptions,
+    disagg: Option<DisaggMode>,
+) -> Result<ConditionalDisagg, InvalidOption> {
+    let defaults = ConditionalDisagg::default();
+    let rule = ConditionalDisagg {
+        max_local_prefill_tokens: r
+            .max_local_prefill_tokens
+            .unwrap_or(defaults.max_local_prefill_tokens),
+        min_local_cached_share: r
+            .min_local_cached_share
+            .unwrap_or(defaults.min_local_cached_share),
+        prefill_queue_ratio: r
+            .prefill_queue_ratio
+            .unwrap_or(defaults.prefill_queue_ratio),
+    };
+    let given = [
+        (
+            "router.max_local_prefill_tokens",
+            "max-local-prefill-tokens",
+            r.max_local_prefill_tokens.is_some(),
+        ),
+        (
+            "router.min_local_cached_share",
+            "min-local-cached-share",
+            r.min_local_cached_share.is_some(),
+        ),
+        (
+            "router.prefill_queue_ratio",
+            "prefill-queue-ratio",
+            r.prefill_queue_ratio.is_some(),
+        ),
+    ];
+    if disagg != Some(DisaggMode::Conditional)
+        && let Some(&(key, flag, _)) = given.iter().find(|(_, _, set)| *set)
+    {
+        return Err(InvalidOption {
+            key,
+            flag,
+            expected: "to be set only with disagg = \"conditional\"".to_owned(),
+            got: format!(
+                "it with disagg = {:?}",
+                r.disagg.as_deref().unwrap_or("optional")
+            ),
+        });
+    }
+    rule.validated().map_err(|e| match e {
+        ConditionalDisaggError::CachedShare(v) => invalid(
+            "router.min_local_cached_share",
+            "min-local-cached-share",
+            "a number >= 0",
+            v,
+        ),
+        ConditionalDisaggError::QueueRatio(v) => invalid(
+            "router.prefill_queue_ratio",
+            "prefill-queue-ratio",
+            "a finite number > 0",
+            v,
+        ),
+        other => invalid("router", "disagg", "valid conditional thresholds", other),
+    })
+}
+
 /// `[router]` but `max_migrations` (an HTTP setting): the router's configuration and the
 /// disaggregation mode (`None`: off).
 fn validate_router(
@@ -196,12 +266,13 @@ fn validate_router(
     let disagg = match r.disagg.as_deref() {
         None | Some("optional") => Some(DisaggMode::Optional),
         Some("enforced") => Some(DisaggMode::Enforced),
+        Some("conditional") => Some(DisaggMode::Conditional),
         Some("off") => None,
         Some(other) => {
             return Err(invalid(
                 "router.disagg",
                 "disagg",
-                "optional, enforced or off",
+                "optional, enforced, conditional or off",
                 other,
             ));
         }

@@ -45,8 +45,9 @@ fn an_entry_is_a_worker_process_or_an_engine_this_process_fronts() {
             "workers[id=6]: `address` names a worker process",
         ),
         (
-            "[[workers]]\nid = 7\nrole = \"prefill\"\nengine = \"vllm\"\nengine_url = \"http://h:2\"\nkv_block_size = 16\n",
-            "workers[id=7]: an engine fronted by kvroute serve is aggregated",
+            "[[workers]]\nid = 7\nrole = \"prefill\"\nengine = \"llamacpp\"\nengine_url = \"http://h:2\"\nkv_block_size = 16\n",
+            "workers[id=7]: engine llamacpp cannot take role prefill: kvroute speaks the \
+             disaggregation exchange of vllm, sglang, trtllm only",
         ),
     ];
     for (text, expected) in cases {
