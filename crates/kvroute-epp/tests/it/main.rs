@@ -27,15 +27,7 @@ fn run<F: std::future::Future<Output = ()>>(f: F) {
 async fn full_request(h: &Harness, prompt: &str, cached: u64) -> String {
     let mut s = h.stream().await;
     let body = chat(prompt, true);
-    s.request_headers(
-        "POST",
-        "/v1/chat/completions",
-        &[],
-        false,
-        Mode::FullDuplex,
-        None,
-    )
-    .await;
+    s.post_chat(None).await;
     s.request_body(&body[..10], false).await;
     s.request_body(&body[10..], true).await;
     let routed = s.next().await.unwrap();
@@ -154,15 +146,7 @@ fn bad_requests_are_answered_at_once_in_openai_shape_and_hold_nothing() {
         ];
         for (body, status, needle) in cases {
             let mut s = h.stream().await;
-            s.request_headers(
-                "POST",
-                "/v1/chat/completions",
-                &[],
-                false,
-                Mode::FullDuplex,
-                None,
-            )
-            .await;
+            s.post_chat(None).await;
             s.request_body(body, true).await;
             let (code, json) = immediate(&s.next().await.unwrap()).expect("an immediate answer");
             assert_eq!(code, status, "{json}");
@@ -172,15 +156,7 @@ fn bad_requests_are_answered_at_once_in_openai_shape_and_hold_nothing() {
         }
         // Over max_body_bytes: refused before the body ends.
         let mut s = h.stream().await;
-        s.request_headers(
-            "POST",
-            "/v1/chat/completions",
-            &[],
-            false,
-            Mode::FullDuplex,
-            None,
-        )
-        .await;
+        s.post_chat(None).await;
         s.request_body(&[b' '; 300], false).await;
         let (code, json) = immediate(&s.next().await.unwrap()).unwrap();
         assert_eq!(code, 413, "{json}");
@@ -210,15 +186,7 @@ fn the_subset_hint_limits_the_choice_and_an_unknown_subset_is_503() {
                 "x-gateway-destination-endpoint-subset",
                 &[&endpoint_of(2), &endpoint_of(3)],
             );
-            s.request_headers(
-                "POST",
-                "/v1/chat/completions",
-                &[],
-                false,
-                Mode::FullDuplex,
-                Some(hint),
-            )
-            .await;
+            s.post_chat(Some(hint)).await;
             s.request_body(&chat(&format!("prompt number {i}"), false), true)
                 .await;
             let (endpoint, _) = destination(&s.next().await.unwrap()).unwrap();
@@ -234,15 +202,7 @@ fn the_subset_hint_limits_the_choice_and_an_unknown_subset_is_503() {
             "x-gateway-destination-endpoint-subset",
             &["192.0.2.1:80"],
         );
-        s.request_headers(
-            "POST",
-            "/v1/chat/completions",
-            &[],
-            false,
-            Mode::FullDuplex,
-            Some(hint),
-        )
-        .await;
+        s.post_chat(Some(hint)).await;
         s.request_body(&chat("anything", false), true).await;
         let (code, json) = immediate(&s.next().await.unwrap()).unwrap();
         assert_eq!(code, 503, "{json}");
@@ -255,15 +215,7 @@ fn a_stream_closed_mid_response_frees_its_load() {
     run(async {
         let h = Harness::start(2).await;
         let mut s = h.stream().await;
-        s.request_headers(
-            "POST",
-            "/v1/chat/completions",
-            &[],
-            false,
-            Mode::FullDuplex,
-            None,
-        )
-        .await;
+        s.post_chat(None).await;
         s.request_body(&chat("a request the client gives up on", true), true)
             .await;
         s.next().await.unwrap();
@@ -291,15 +243,7 @@ fn an_engine_envoy_cannot_reach_is_ejected_and_the_next_requests_go_elsewhere() 
         h.until_idle().await;
         // The engine dies: Envoy answers the next request itself with 503.
         let mut s = h.stream().await;
-        s.request_headers(
-            "POST",
-            "/v1/chat/completions",
-            &[],
-            false,
-            Mode::FullDuplex,
-            None,
-        )
-        .await;
+        s.post_chat(None).await;
         s.request_body(&chat(prompt, true), true).await;
         let (endpoint, _) = destination(&s.next().await.unwrap()).unwrap();
         assert_eq!(endpoint, first);
@@ -367,28 +311,12 @@ fn when_every_slot_is_taken_the_gateway_sheds_with_429() {
         };
         let h = Harness::start_with(2, http, EppConfig::default()).await;
         let mut held = h.stream().await;
-        held.request_headers(
-            "POST",
-            "/v1/chat/completions",
-            &[],
-            false,
-            Mode::FullDuplex,
-            None,
-        )
-        .await;
+        held.post_chat(None).await;
         held.request_body(&chat("the one in flight", true), true)
             .await;
         held.next().await.unwrap();
         let mut s = h.stream().await;
-        s.request_headers(
-            "POST",
-            "/v1/chat/completions",
-            &[],
-            false,
-            Mode::FullDuplex,
-            None,
-        )
-        .await;
+        s.post_chat(None).await;
         s.request_body(&chat("one too many", true), true).await;
         let (code, json) = immediate(&s.next().await.unwrap()).unwrap();
         assert_eq!(code, 429, "{json}");
@@ -406,15 +334,7 @@ fn fallback_endpoints_name_the_next_best_after_the_pick() {
         };
         let h = Harness::start_with(3, HttpConfig::default(), epp).await;
         let mut s = h.stream().await;
-        s.request_headers(
-            "POST",
-            "/v1/chat/completions",
-            &[],
-            false,
-            Mode::FullDuplex,
-            None,
-        )
-        .await;
+        s.post_chat(None).await;
         s.request_body(&chat("fallbacks", false), true).await;
         let (header, metadata) = destination(&s.next().await.unwrap()).unwrap();
         assert_eq!(header, metadata);
@@ -432,15 +352,7 @@ fn trailers_end_a_body_whose_last_piece_did_not() {
     run(async {
         let h = Harness::start(2).await;
         let mut s = h.stream().await;
-        s.request_headers(
-            "POST",
-            "/v1/chat/completions",
-            &[],
-            false,
-            Mode::FullDuplex,
-            None,
-        )
-        .await;
+        s.post_chat(None).await;
         let body = chat("with trailers", false);
         s.request_body(&body, false).await;
         s.request_trailers().await;

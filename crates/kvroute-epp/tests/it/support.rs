@@ -247,6 +247,19 @@ impl Stream {
         .await;
     }
 
+    /// The headers of `POST /v1/chat/completions` with a body to follow, full-duplex.
+    pub(crate) async fn post_chat(&self, metadata: Option<Metadata>) {
+        self.request_headers(
+            "POST",
+            "/v1/chat/completions",
+            &[],
+            false,
+            Mode::FullDuplex,
+            metadata,
+        )
+        .await;
+    }
+
     pub(crate) async fn request_body(&self, body: &[u8], end_of_stream: bool) {
         self.send(
             Request::RequestBody(HttpBody {
