@@ -9,7 +9,7 @@ use kvroute_router::http::{ApiError, OpenAiEndpoint};
 use kvroute_router::{Pick, PickedRequest};
 use serde_json::json;
 
-use super::Exchange;
+use super::{BodyMode, Exchange};
 use crate::endpoints::EndpointTable;
 use crate::messages::{Destination, immediate, immediate_json};
 use crate::metrics::Handled;
@@ -58,6 +58,13 @@ impl Exchange {
     /// load in the router (nothing about it predicts engine work).
     pub(super) fn route_bodyless(&mut self) -> Result<Destination, ApiError> {
         if OpenAiEndpoint::from_path(&self.path).is_some() && self.method == "POST" {
+            if self.request_mode == BodyMode::None {
+                return Err(ApiError::internal(
+                    "Envoy's ext_proc filter sends kvroute epp no request body \
+                     (request_body_mode NONE), and the destination depends on the prompt: \
+                     configure request_body_mode FULL_DUPLEX_STREAMED or BUFFERED",
+                ));
+            }
             return Err(ApiError::invalid(
                 format!(
                     "POST {} needs an OpenAI JSON body; the request has none",

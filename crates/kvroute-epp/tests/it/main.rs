@@ -176,6 +176,36 @@ fn bad_requests_are_answered_at_once_in_openai_shape_and_hold_nothing() {
 }
 
 #[test]
+fn an_envoy_that_sends_no_body_is_told_how_to_configure_the_filter() {
+    run(async {
+        let h = Harness::start(2).await;
+        let mut s = h.stream().await;
+        s.request_headers(
+            "POST",
+            "/v1/chat/completions",
+            &[],
+            false,
+            Mode::NoBody,
+            None,
+        )
+        .await;
+        let (code, json) = immediate(&s.next().await.unwrap()).unwrap();
+        assert_eq!(code, 500, "{json}");
+        assert!(
+            json.to_string()
+                .contains("FULL_DUPLEX_STREAMED or BUFFERED"),
+            "{json}"
+        );
+        // A bodyless GET is still routed in that mode.
+        let mut s = h.stream().await;
+        s.request_headers("GET", "/v1/models", &[], false, Mode::NoBody, None)
+            .await;
+        assert!(destination(&s.next().await.unwrap()).is_some());
+        assert!(h.idle());
+    });
+}
+
+#[test]
 fn the_subset_hint_limits_the_choice_and_an_unknown_subset_is_503() {
     run(async {
         let h = Harness::start(4).await;

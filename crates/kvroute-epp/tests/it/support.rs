@@ -148,6 +148,8 @@ pub(crate) struct Stream {
 pub(crate) enum Mode {
     FullDuplex,
     Buffered,
+    /// Envoy configured not to send the body at all.
+    NoBody,
 }
 
 fn header_map(headers: &[(&str, &str)]) -> HeaderMap {
@@ -192,6 +194,7 @@ impl Stream {
             let body = match m {
                 Mode::FullDuplex => BodySendMode::FullDuplexStreamed,
                 Mode::Buffered => BodySendMode::Buffered,
+                Mode::NoBody => BodySendMode::None,
             };
             ProtocolConfiguration {
                 request_body_mode: body as i32,
