@@ -45,3 +45,21 @@ pub(crate) fn project_root() -> PathBuf {
         .expect("xtask lives one level below the workspace root")
         .to_path_buf()
 }
+
+/// Builds the `kvroute` binary (release, or the debug build CI's tests already made when
+/// `release` is false: smoke runs) and returns its path.
+pub(crate) fn build_kvroute(root: &Path, release: bool) -> Result<PathBuf> {
+    let profile = if release { "release" } else { "debug" };
+    eprintln!("building kvroute ({profile})");
+    let mut build = Command::new(cargo());
+    build
+        .current_dir(root)
+        .args(["build", "--locked", "-p", "kvroute"]);
+    if release {
+        build.arg("--release");
+    }
+    run_command(&mut build)?;
+    Ok(crate::table::target_directory(root)?
+        .join(profile)
+        .join("kvroute"))
+}

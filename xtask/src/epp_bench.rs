@@ -20,7 +20,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 
-use crate::cmd::{cargo, run_command};
+use crate::cmd::build_kvroute;
 use crate::peers::fleet::{self, BLOCK_SIZE, MODEL};
 use crate::peers::load::{self, Figures, Request, word};
 use crate::procs::{Proc, TempDir, block_on_interruptible};
@@ -88,18 +88,8 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
             envoy.display()
         );
     }
-    let profile = if args.quick { "debug" } else { "release" };
-    eprintln!("building kvroute ({profile})");
-    let mut build = Command::new(cargo());
-    build
-        .current_dir(root)
-        .args(["build", "--locked", "-p", "kvroute"]);
-    if !args.quick {
-        build.arg("--release");
-    }
-    run_command(&mut build)?;
+    let kvroute = build_kvroute(root, !args.quick)?;
     let target = target_directory(root)?;
-    let kvroute = target.join(profile).join("kvroute");
     let logs = target.join("bench-epp");
     std::fs::create_dir_all(&logs).with_context(|| format!("cannot create {}", logs.display()))?;
     let scratch = TempDir::new("kvroute-bench-epp")?;

@@ -37,7 +37,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 
-use crate::cmd::{cargo, run_command};
+use crate::cmd::{build_kvroute, run_command};
 use crate::procs::{TempDir, block_on_interruptible};
 use crate::python;
 use crate::table::target_directory;
@@ -204,22 +204,13 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
         .context("the venv's interpreter has no directory")?
         .to_path_buf();
     // The smoke test runs the debug build CI's tests already made; figures need the release.
-    let profile = if args.quick { "debug" } else { "release" };
-    eprintln!("building kvroute ({profile})");
-    let mut build = Command::new(cargo());
-    build
-        .current_dir(root)
-        .args(["build", "--locked", "-p", "kvroute"]);
-    if !args.quick {
-        build.arg("--release");
-    }
-    run_command(&mut build)?;
+    let kvroute = build_kvroute(root, !args.quick)?;
     let target = target_directory(root)?;
     let logs = target.join("bench-peers");
     std::fs::create_dir_all(&logs).with_context(|| format!("cannot create {}", logs.display()))?;
     let scratch = TempDir::new("kvroute-bench-peers")?;
     let binaries = Binaries {
-        kvroute: target.join(profile).join("kvroute"),
+        kvroute,
         smg: bin_dir.join("smg"),
         vllm_router: bin_dir.join("vllm-router"),
         tokenizer: fleet::write_tokenizer(&scratch.0)?,

@@ -8,6 +8,7 @@ mod conditional;
 mod demo;
 mod dialect_migration;
 mod disagg_replay;
+mod disagg_support;
 mod e2e;
 mod engine_sim;
 mod envoy;

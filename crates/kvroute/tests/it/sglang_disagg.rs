@@ -4,17 +4,17 @@
 //! `bootstrap_host`, `bootstrap_port` and a fresh `bootstrap_room` and sends them together; the
 //! decode engine fetches the room from the prefill engine and streams.
 
-use serde_json::{Value, json};
+use serde_json::json;
 
-use crate::e2e::{Fleet, Proc, Sse, active_requests};
-use crate::engine_sim::{EngineSim, client, long_prompt, word_level_model};
+use crate::disagg_support::{assert_no_load, chat_body, serve_disaggregated};
+use crate::e2e::{Fleet, Sse};
+use crate::engine_sim::EngineSim;
 use crate::support::scratch;
 
 /// `kvroute serve --disagg enforced` over `prefill` (worker 1, its HTTP port its bootstrap
 /// port) and `decode` (worker 2).
 async fn fleet_of(prefill: &EngineSim, decode: &EngineSim, test: &str) -> Fleet {
     let dir = scratch(&format!("sglang-disagg-{test}"));
-    let model = word_level_model(&dir);
     let prefill_url = prefill.field(0, "url");
     let port = prefill_url.rsplit(':').next().expect("a port");
     let text = format!(
@@ -24,56 +24,7 @@ async fn fleet_of(prefill: &EngineSim, decode: &EngineSim, test: &str) -> Fleet 
          kv_block_size = 16\n",
         decode.field(0, "url")
     );
-    let fleet = dir.join("fleet.toml");
-    std::fs::write(&fleet, text).expect("write the fleet file");
-    let serve = Proc::start(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--fleet",
-            fleet.to_str().expect("utf-8 path"),
-            "--disagg",
-            "enforced",
-            "--model",
-            &model,
-        ],
-        &dir.join("serve.log"),
-    );
-    let fleet = Fleet {
-        base: format!("http://{}", serve.field("http")),
-        serve,
-        workers: Vec::new(),
-        http: client(),
-    };
-    fleet
-        .eventually("the router to list both engines", |m| {
-            (1..=2).all(|w| active_requests(m, w).is_some())
-        })
-        .await;
-    fleet
-}
-
-fn body(tag: &str, max_tokens: u32, stream: bool) -> Value {
-    json!({
-        "model": "mock",
-        "messages": [{"role": "user", "content": long_prompt(tag)}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-        "nvext": {"extra_fields": ["worker_id"]},
-    })
-}
-
-async fn assert_no_load(fleet: &Fleet) {
-    fleet
-        .eventually("no request or load left on either engine", |m| {
-            (1..=2).all(|w| {
-                active_requests(m, w).is_none_or(|n| n == 0)
-                    && crate::e2e::gauge(m, "worker_prefill_tokens", w).is_none_or(|v| v == 0.0)
-                    && crate::e2e::gauge(m, "worker_active_blocks", w).is_none_or(|v| v == 0.0)
-            })
-        })
-        .await;
+    serve_disaggregated(&dir, &text).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -83,7 +34,7 @@ async fn sglang_prefill_and_decode_engines_meet_in_a_bootstrap_room() {
     let decode = EngineSim::start_with("sglang-d", 1, &[&sglang[..], &["decode"]].concat());
     let fleet = fleet_of(&prefill, &decode, "pair").await;
 
-    let (status, answer) = fleet.chat(&body("a", 4, false), None).await;
+    let (status, answer) = fleet.chat(&chat_body("a", 4, false), None).await;
     assert_eq!(status, 200, "{answer}");
     let workers = &answer["nvext"]["worker_id"];
     assert_eq!(workers["prefill_worker_id"], json!(1), "{answer}");
@@ -99,7 +50,7 @@ async fn sglang_prefill_and_decode_engines_meet_in_a_bootstrap_room() {
     let response = fleet
         .http
         .post(format!("{}/v1/chat/completions", fleet.base))
-        .json(&body("b", 3, true))
+        .json(&chat_body("b", 3, true))
         .send()
         .await
         .expect("POST");
@@ -139,7 +90,7 @@ async fn a_decode_engine_killed_mid_stream_fails_the_pair_and_leaves_no_load() {
     let response = fleet
         .http
         .post(format!("{}/v1/chat/completions", fleet.base))
-        .json(&body("c", 2000, true))
+        .json(&chat_body("c", 2000, true))
         .send()
         .await
         .expect("POST");
@@ -165,10 +116,10 @@ async fn a_killed_prefill_engine_fails_the_pair_and_leaves_no_decode_half() {
         EngineSim::start_with("sglang-kp-p", 1, &[&sglang[..], &["prefill"]].concat());
     let decode = EngineSim::start_with("sglang-kp-d", 1, &[&sglang[..], &["decode"]].concat());
     let fleet = fleet_of(&prefill, &decode, "kill-prefill").await;
-    let (status, answer) = fleet.chat(&body("d", 4, false), None).await;
+    let (status, answer) = fleet.chat(&chat_body("d", 4, false), None).await;
     assert_eq!(status, 200, "{answer}");
     prefill.kill();
-    let (status, answer) = fleet.chat(&body("e", 4, false), None).await;
+    let (status, answer) = fleet.chat(&chat_body("e", 4, false), None).await;
     assert!((400..600).contains(&status), "{status} {answer}");
     assert_no_load(&fleet).await;
     assert_eq!(

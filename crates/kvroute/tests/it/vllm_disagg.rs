@@ -4,10 +4,11 @@
 //! whole token with `kv_transfer_params.do_remote_decode`, its answer's parameters go verbatim to
 //! the decode engine, which refuses parameters naming blocks nobody holds.
 
-use serde_json::{Value, json};
+use serde_json::json;
 
-use crate::e2e::{Fleet, Proc, Sse, active_requests};
-use crate::engine_sim::{EngineSim, MODEL, client, long_prompt, vllm_sample, word_level_model};
+use crate::disagg_support::{assert_no_load, chat_body, serve_disaggregated};
+use crate::e2e::{Fleet, Sse};
+use crate::engine_sim::{EngineSim, MODEL, vllm_sample};
 use crate::support::scratch;
 
 /// `kvroute serve --disagg enforced` over engine 0 of `sim` as prefill worker 1 and engine 1 as
@@ -20,53 +21,17 @@ async fn disagg_fleet(sim: &EngineSim, test: &str) -> Fleet {
 /// at `decode` as decode worker 2.
 async fn fleet_of(prefill: &str, decode: &str, test: &str) -> Fleet {
     let dir = scratch(&format!("vllm-disagg-{test}"));
-    let model = word_level_model(&dir);
-    let fleet = dir.join("fleet.toml");
     let entry = |id: u64, role: &str, url: &str| {
         format!(
             "[[workers]]\nid = {id}\nrole = \"{role}\"\nengine = \"vllm\"\nengine_url = \"{url}\"\n\
              served_model_name = \"{MODEL}\"\nkv_block_size = 16\n\n"
         )
     };
-    let text = entry(1, "prefill", prefill) + &entry(2, "decode", decode);
-    std::fs::write(&fleet, text).expect("write the fleet file");
-    let fleet_path = fleet.to_str().expect("utf-8 path");
-    let serve = Proc::start(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--fleet",
-            fleet_path,
-            "--disagg",
-            "enforced",
-            "--model",
-            &model,
-        ],
-        &dir.join("serve.log"),
-    );
-    let fleet = Fleet {
-        base: format!("http://{}", serve.field("http")),
-        serve,
-        workers: Vec::new(),
-        http: client(),
-    };
-    fleet
-        .eventually("the router to list both engines", |m| {
-            (1..=2).all(|w| active_requests(m, w).is_some())
-        })
-        .await;
-    fleet
-}
-
-fn body(tag: &str, max_tokens: u32, stream: bool) -> Value {
-    json!({
-        "model": "mock",
-        "messages": [{"role": "user", "content": long_prompt(tag)}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-        "nvext": {"extra_fields": ["worker_id"]},
-    })
+    serve_disaggregated(
+        &dir,
+        &(entry(1, "prefill", prefill) + &entry(2, "decode", decode)),
+    )
+    .await
 }
 
 async fn engine_metrics(fleet: &Fleet, sim: &EngineSim, engine: usize) -> String {
@@ -80,7 +45,7 @@ async fn vllm_prefill_and_decode_engines_hand_the_kv_over_through_kvroute() {
     let sim = EngineSim::start_with("vllm-disagg", 2, &[]);
     let fleet = disagg_fleet(&sim, "handoff").await;
 
-    let (status, answer) = fleet.chat(&body("a", 4, false), None).await;
+    let (status, answer) = fleet.chat(&chat_body("a", 4, false), None).await;
     assert_eq!(status, 200, "{answer}");
     let workers = &answer["nvext"]["worker_id"];
     assert_eq!(workers["prefill_worker_id"], json!(1), "{answer}");
@@ -110,7 +75,7 @@ async fn vllm_prefill_and_decode_engines_hand_the_kv_over_through_kvroute() {
     let response = fleet
         .http
         .post(format!("{}/v1/chat/completions", fleet.base))
-        .json(&body("b", 3, true))
+        .json(&chat_body("b", 3, true))
         .send()
         .await
         .expect("POST");
@@ -138,29 +103,11 @@ async fn a_decode_engine_refuses_expired_blocks_and_the_client_is_told() {
     // The prefill engine frees its blocks at once: the decode engine finds nothing to pull.
     let sim = EngineSim::start_with("vllm-disagg-expired", 2, &["--kv-transfer-ttl", "0s"]);
     let fleet = disagg_fleet(&sim, "expired").await;
-    let (status, answer) = fleet.chat(&body("c", 4, false), None).await;
+    let (status, answer) = fleet.chat(&chat_body("c", 4, false), None).await;
     assert!((400..600).contains(&status), "{status} {answer}");
     let message = answer.to_string();
     assert!(message.contains("expired"), "{message}");
     fleet.assert_idle(&[1, 2]).await;
-}
-
-/// No request left on either worker, and no prefill or decode load in either router.
-async fn assert_no_load(fleet: &Fleet) {
-    fleet
-        .eventually("no request left on either engine", |m| {
-            (1..=2).all(|w| active_requests(m, w).is_none_or(|n| n == 0))
-        })
-        .await;
-    let metrics = fleet.router_metrics().await;
-    for w in [1, 2] {
-        for gauge in ["worker_prefill_tokens", "worker_active_blocks"] {
-            assert!(
-                crate::e2e::gauge(&metrics, gauge, w).is_none_or(|v| v == 0.0),
-                "{gauge} of worker {w}:\n{metrics}"
-            );
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -177,7 +124,7 @@ async fn a_decode_engine_killed_mid_stream_fails_the_request_and_frees_every_loa
     let response = fleet
         .http
         .post(format!("{}/v1/chat/completions", fleet.base))
-        .json(&body("d", 2000, true))
+        .json(&chat_body("d", 2000, true))
         .send()
         .await
         .expect("POST");
@@ -214,10 +161,10 @@ async fn a_killed_prefill_engine_fails_the_next_request_cleanly() {
         "kill-prefill",
     )
     .await;
-    let (status, answer) = fleet.chat(&body("e", 4, false), None).await;
+    let (status, answer) = fleet.chat(&chat_body("e", 4, false), None).await;
     assert_eq!(status, 200, "across processes: {answer}");
     prefill.kill();
-    let (status, answer) = fleet.chat(&body("f", 4, false), None).await;
+    let (status, answer) = fleet.chat(&chat_body("f", 4, false), None).await;
     assert!((400..600).contains(&status), "{status} {answer}");
     assert_no_load(&fleet).await;
     let metrics = fleet
@@ -233,7 +180,7 @@ async fn engines_killed_mid_stream_fail_the_request_cleanly_and_free_every_load(
     let response = fleet
         .http
         .post(format!("{}/v1/chat/completions", fleet.base))
-        .json(&body("d", 2000, true))
+        .json(&chat_body("d", 2000, true))
         .send()
         .await
         .expect("POST");

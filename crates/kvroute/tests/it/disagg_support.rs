@@ -1,0 +1,70 @@
+//! What the disaggregated end-to-end tests of both dialects share (`vllm_disagg`,
+//! `sglang_disagg`): `kvroute serve --disagg enforced` over a static fleet of a prefill worker 1
+//! and a decode worker 2, the request they send, and the check that nothing is left.
+
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+use crate::e2e::{Fleet, Proc, active_requests, gauge};
+use crate::engine_sim::{client, long_prompt, word_level_model};
+
+/// `kvroute serve --disagg enforced` over the fleet `workers` (TOML `[[workers]]` entries for
+/// ids 1 and 2) written in `dir`, serving the word-level model; returns once the router lists
+/// both workers.
+pub(crate) async fn serve_disaggregated(dir: &Path, workers: &str) -> Fleet {
+    let model = word_level_model(dir);
+    let fleet = dir.join("fleet.toml");
+    std::fs::write(&fleet, workers).expect("write the fleet file");
+    let serve = Proc::start(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--fleet",
+            fleet.to_str().expect("utf-8 path"),
+            "--disagg",
+            "enforced",
+            "--model",
+            &model,
+        ],
+        &dir.join("serve.log"),
+    );
+    let fleet = Fleet {
+        base: format!("http://{}", serve.field("http")),
+        serve,
+        workers: Vec::new(),
+        http: client(),
+    };
+    fleet
+        .eventually("the router to list both engines", |m| {
+            (1..=2).all(|w| active_requests(m, w).is_some())
+        })
+        .await;
+    fleet
+}
+
+/// A chat request over `long_prompt(tag)` that asks for the workers' ids in `nvext`.
+pub(crate) fn chat_body(tag: &str, max_tokens: u32, stream: bool) -> Value {
+    json!({
+        "model": "mock",
+        "messages": [{"role": "user", "content": long_prompt(tag)}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "nvext": {"extra_fields": ["worker_id"]},
+    })
+}
+
+/// Waits (bounded) until no request is left on workers 1 and 2 and neither router holds prefill
+/// or decode load on them.
+pub(crate) async fn assert_no_load(fleet: &Fleet) {
+    fleet
+        .eventually("no request or load left on either engine", |m| {
+            (1..=2).all(|w| {
+                active_requests(m, w).is_none_or(|n| n == 0)
+                    && gauge(m, "worker_prefill_tokens", w).is_none_or(|v| v == 0.0)
+                    && gauge(m, "worker_active_blocks", w).is_none_or(|v| v == 0.0)
+            })
+        })
+        .await;
+}
