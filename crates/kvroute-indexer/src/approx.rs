@@ -110,9 +110,9 @@ pub enum Learnt {
     Lowered(f64),
     /// The engine held more than the learnt capacity allowed: it went up to this (blocks).
     Raised(f64),
-    /// The engine no longer held blocks far younger than its capacity (or this was the first
-    /// shortfall, which cannot tell): it evidently lost its cache, restarted say. The capacity
-    /// stands (or starts at the missing block's age); the caller decides what to drop.
+    /// The engine held nothing of a prompt whose blocks were far younger than its capacity: it
+    /// evidently lost its cache, restarted say. The capacity stands; the caller decides what
+    /// to drop.
     Lost,
 }
 
@@ -240,8 +240,10 @@ impl ApproxIndex {
     /// The engine serving `request` (recorded with [`Self::record_request`]) found `reported`
     /// of its prompt's blocks cached where this index predicted `predicted` (its match then,
     /// after the capacity cut). Below the prediction, the first block not found was too old to
-    /// be held: the worker's capacity moves down toward its age ([`Learnt::Lost`] when the
-    /// block was far too young for that, or on the first shortfall). Above it, a block the
+    /// be held: the worker's capacity moves down toward its age (the first shortfall sets it
+    /// there; [`Learnt::Lost`] when the engine held none of the prompt and its first block
+    /// was far too young to be evicted; a young block missing behind held ones teaches nothing).
+    /// Above it, a block the
     /// capacity cut was still held: the capacity moves up past its age. Unknown requests teach
     /// nothing.
     pub fn on_report(&mut self, request: u64, predicted: u32, reported: u32) -> Learnt {
@@ -255,14 +257,26 @@ impl ApproxIndex {
             };
             let target = age as f64;
             match learned.capacity {
-                // The first miss: the capacity starts there, but whether the engine evicted or
-                // lost everything (a restart) cannot be told yet.
+                // The first miss: the capacity starts there. Had the engine lost its cache (a
+                // restart), the cut at this age drops the older predictions all the same.
                 None => {
-                    learned.capacity = Some(target.max(1.0));
-                    Learnt::Lost
+                    let capacity = target.max(1.0);
+                    learned.capacity = Some(capacity);
+                    Learnt::Lowered(capacity)
                 }
-                // A block far younger than the capacity was gone: the engine lost its cache.
-                Some(c) if target < c * LOST_FRACTION => Learnt::Lost,
+                // A block far younger than the capacity was gone. With none of the prompt
+                // held, the engine lost its cache (a restart). With its first blocks held it
+                // did not: under LRU a prompt's first blocks are its most recently used, and a
+                // young tail missing is a prompt still being computed (chunked prefill of
+                // another request with the same prefix) or an engine briefly short of memory
+                // (preempting); neither says what the engine keeps, so nothing is learnt.
+                Some(c) if target < c * LOST_FRACTION => {
+                    if reported <= REPORT_SLACK_BLOCKS {
+                        Learnt::Lost
+                    } else {
+                        Learnt::Nothing
+                    }
+                }
                 Some(c) if target >= c => Learnt::Nothing,
                 Some(c) => {
                     let capacity = c + LEARNING_RATE * (target - c);

@@ -589,10 +589,10 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// cache, where the router predicted `predicted`. For a worker in approximate mode the report
     /// teaches the prediction: the worker's effective capacity is learnt from it
     /// ([`kvroute_indexer::ApproxIndex::on_report`]), so later matches stop where the engine's
-    /// cache evidently ends. A report far below the prediction (under half of it, two blocks or
-    /// more short) that is not an eviction the capacity explains means the engine lost what it
-    /// held (a restart): every prediction for that worker is dropped but this request's prompt,
-    /// which the engine holds now. Returns how many predicted blocks were
+    /// cache evidently ends. A report of none of a prompt whose blocks were far too young to be
+    /// evicted ([`kvroute_indexer::Learnt::Lost`]) means the engine lost what it held (a
+    /// restart): every prediction for that worker is dropped but this request's prompt, which
+    /// the engine holds now. Returns how many predicted blocks were
     /// dropped (0 when nothing was wrong, or the worker publishes events, or the request is
     /// unknown).
     pub fn on_cache_report(&mut self, id: RequestId, predicted: u64, reported: u64) -> usize {
@@ -607,12 +607,9 @@ impl<S: AffinityStore> KvRouterCore<S> {
         let learnt = self
             .approx
             .on_report(id.0, blocks(predicted), blocks(reported));
-        if matches!(learnt, Learnt::Lowered(_) | Learnt::Raised(_)) {
-            // An eviction or a survival, now learnt: the predictions stand.
-            return 0;
-        }
-        let short = predicted.saturating_sub(reported);
-        if short < 2 * block || reported.saturating_mul(2) >= predicted {
+        // An eviction or a survival is learnt as capacity and the predictions stand; only a
+        // lost cache drops them.
+        if learnt != Learnt::Lost {
             return 0;
         }
         self.approx.retain_worker(load.worker, &load.block_hashes)

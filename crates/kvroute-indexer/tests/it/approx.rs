@@ -102,9 +102,10 @@ fn a_report_of_fewer_blocks_teaches_the_capacity_and_cuts_older_predictions() {
     assert_eq!(approx.capacity(w), None);
 
     // Conversation 0 again: predicted 4 blocks, the engine had none (evicted at age 8). The
-    // first shortfall cannot tell an eviction from a lost cache.
+    // first shortfall cannot tell an eviction from a lost cache: it sets the capacity, whose
+    // cut drops the older predictions either way.
     approx.record_request(w, &blocks(&[0, 1, 2, 3, 50]), secs(4), Some(10));
-    assert_eq!(approx.on_report(10, 4, 0), Learnt::Lost);
+    assert_eq!(approx.on_report(10, 4, 0), Learnt::Lowered(8.0));
     assert_eq!(approx.capacity(w), Some(8.0));
     // A second report of the same request teaches nothing.
     assert_eq!(approx.on_report(10, 4, 0), Learnt::Nothing);
@@ -131,7 +132,7 @@ fn matches_stop_at_the_first_block_older_than_the_capacity() {
     // `long` is 10 blocks old, the 700s 5.
     assert_eq!(approx.find_matches(&blocks(&long)).score(w), 10);
     approx.record_request(w, &blocks(&[700, 701, 702, 703, 704]), secs(3), Some(5));
-    assert_eq!(approx.on_report(5, 5, 0), Learnt::Lost);
+    assert_eq!(approx.on_report(5, 5, 0), Learnt::Lowered(5.0));
     assert_eq!(approx.capacity(w), Some(5.0));
     assert_eq!(approx.find_matches(&blocks(&long)).score(w), 0);
     // The first half of `long` used again (with one new block): young again, the rest old.
@@ -147,7 +148,7 @@ fn a_report_above_the_cut_raises_the_capacity() {
     three_conversations(&mut approx, w, 4);
     // Learn a small capacity from a miss of conversation 0 (age 8).
     approx.record_request(w, &blocks(&[0, 1, 2, 3]), secs(4), Some(10));
-    assert_eq!(approx.on_report(10, 4, 0), Learnt::Lost);
+    assert_eq!(approx.on_report(10, 4, 0), Learnt::Lowered(8.0));
     assert_eq!(approx.capacity(w), Some(8.0));
     // 8 fresh blocks elsewhere: conversation 1 is age 12 now, cut to nothing...
     approx.record_request(w, &blocks(&(300..308).collect::<Vec<_>>()), secs(5), None);
@@ -161,6 +162,12 @@ fn a_report_above_the_cut_raises_the_capacity() {
     // A young block lost (age 0 against a capacity of 10.5): the cache was lost.
     approx.record_request(w, &blocks(&[100, 101, 102, 103]), secs(7), Some(12));
     assert_eq!(approx.on_report(12, 4, 0), Learnt::Lost);
+    assert_eq!(approx.capacity(w), Some(10.5));
+    // A young block missing while the prompt's first blocks were held: not a restart (LRU
+    // loses a prompt's tail first) but a prefix still being computed or a brief shortage of
+    // memory, which says nothing of the capacity.
+    approx.record_request(w, &blocks(&[100, 101, 102, 103]), secs(8), Some(13));
+    assert_eq!(approx.on_report(13, 4, 2), Learnt::Nothing);
     assert_eq!(approx.capacity(w), Some(10.5));
     // Removing the worker forgets what was learnt.
     approx.remove_worker(1);

@@ -869,26 +869,44 @@ fn an_approximate_worker_whose_engine_reports_far_fewer_cached_tokens_loses_its_
     assert_eq!(predicted(&mut core, &a, 90), 8);
     assert_eq!(predicted(&mut core, &b, 91), 8);
 
-    // Conversation `a` again: predicted 32 tokens cached, and the engine (restarted) says 0.
+    // Conversation `a` again, predicted 32 tokens cached. A near miss (a block or so short)
+    // changes nothing.
     let routed = core
         .route(&RouteRequest::new(RequestId(3), &a), T0, &mut rng())
         .unwrap();
     assert_eq!(routed.overlap_blocks, 8);
-    // A near miss (a block or so short) changes nothing.
     assert_eq!(core.on_cache_report(RequestId(3), 32, 28), 0);
-    assert_eq!(
-        core.on_cache_report(RequestId(3), 32, 0),
-        8,
-        "b's 8 blocks dropped"
-    );
     core.on_finished(RequestId(3));
+    // Again, and the engine had none of it: the first shortfall is learnt as the worker's
+    // capacity (an eviction and a restart look alike the first time), and nothing is dropped.
+    core.route(&RouteRequest::new(RequestId(4), &a), T0, &mut rng())
+        .unwrap();
+    assert_eq!(core.on_cache_report(RequestId(4), 32, 0), 0);
+    let worker = WorkerWithDpRank::from_worker_id(1);
+    assert!(core.approx_index().capacity(worker).is_some());
+    core.on_finished(RequestId(4));
     assert_eq!(
         predicted(&mut core, &b, 92),
-        0,
-        "b is no longer believed held"
+        8,
+        "b is younger than the capacity"
     );
+    // Conversation `b`, far too young to be evicted, and the engine (restarted) has none of it:
+    // the cache was lost, and every other prediction for the worker goes.
+    core.route(&RouteRequest::new(RequestId(5), &b), T0, &mut rng())
+        .unwrap();
+    assert_eq!(
+        core.on_cache_report(RequestId(5), 32, 0),
+        8,
+        "a's 8 blocks dropped"
+    );
+    core.on_finished(RequestId(5));
     assert_eq!(
         predicted(&mut core, &a, 93),
+        0,
+        "a is no longer believed held"
+    );
+    assert_eq!(
+        predicted(&mut core, &b, 94),
         8,
         "the prompt just served is held now"
     );
