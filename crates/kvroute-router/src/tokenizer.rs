@@ -16,6 +16,8 @@
 //! as `<|role|> content` on its own line and ends with `<|assistant|>` when a generation prompt is
 //! asked for.
 
+pub(crate) mod chunked;
+
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
@@ -116,8 +118,13 @@ impl Tokenizer for MockTokenizer {
 }
 
 /// A Hugging Face `tokenizer.json`, loaded with the `tokenizers` crate (pure Rust, no Python).
+///
+/// Long prompts are tokenized a chunk at a time with a cache of the chunks seen before, for
+/// tokenizers where that gives the same ids (see [`chunked`]; checked against whole encodings
+/// as it runs): a prompt that repeats an earlier one's prefix costs its new chunks only.
 pub struct HfTokenizer {
     inner: tokenizers::Tokenizer,
+    chunks: Option<chunked::ChunkCache>,
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -132,7 +139,7 @@ impl HfTokenizer {
     /// Loads a `tokenizer.json` file.
     pub fn from_file(path: &Path) -> Result<Self, TokenizerError> {
         tokenizers::Tokenizer::from_file(path)
-            .map(|inner| Self { inner })
+            .map(Self::new)
             .map_err(|e| TokenizerError::Load {
                 path: path.to_owned(),
                 message: e.to_string(),
@@ -142,11 +149,40 @@ impl HfTokenizer {
     /// Parses a `tokenizer.json` document.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, TokenizerError> {
         tokenizers::Tokenizer::from_bytes(bytes)
-            .map(|inner| Self { inner })
+            .map(Self::new)
             .map_err(|e| TokenizerError::Load {
                 path: PathBuf::from("<bytes>"),
                 message: e.to_string(),
             })
+    }
+
+    fn new(inner: tokenizers::Tokenizer) -> Self {
+        let chunks = serde_json::to_value(&inner)
+            .map_err(|e| e.to_string())
+            .and_then(|config| chunked::ChunkCache::supports(&config));
+        let chunks = match chunks {
+            Ok(()) => Some(chunked::ChunkCache::new(chunked::CAPACITY_IDS)),
+            Err(why) => {
+                tracing::debug!("prompts are tokenized whole: {why}");
+                None
+            }
+        };
+        Self { inner, chunks }
+    }
+
+    /// Whether long prompts are tokenized a chunk at a time with a cache (see [`chunked`]):
+    /// false for tokenizers where that could give other ids, and once a check found it did.
+    pub fn tokenizes_in_chunks(&self) -> bool {
+        self.chunks.as_ref().is_some_and(|c| !c.disabled())
+    }
+
+    /// `text`'s ids, tokenized whole.
+    fn encode_whole(&self, text: &str) -> Result<Vec<u32>, String> {
+        // `encode_fast` skips the offsets nobody here reads; the ids are the same.
+        self.inner
+            .encode_fast(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| e.to_string())
     }
 
     /// The id of a token string (e.g. the end-of-sequence token named by a model config).
@@ -157,11 +193,11 @@ impl HfTokenizer {
 
 impl Tokenizer for HfTokenizer {
     fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        // `encode_fast` skips the offsets nobody here reads; the ids are the same.
-        self.inner
-            .encode_fast(text, false)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TokenizerError::Encode(e.to_string()))
+        match &self.chunks {
+            Some(chunks) => chunks.encode(text, |piece| self.encode_whole(piece)),
+            None => self.encode_whole(text),
+        }
+        .map_err(TokenizerError::Encode)
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {

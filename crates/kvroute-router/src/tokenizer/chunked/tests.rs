@@ -1,0 +1,214 @@
+use std::cell::Cell;
+
+use proptest::prelude::*;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{PreTokenizerWrapper, SplitDelimiterBehavior};
+
+use super::*;
+use crate::tokenizer::{HfTokenizer, Tokenizer};
+
+/// Llama 3's pre-tokenizer pattern: a space joins the word after it, digits go in threes.
+const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A byte-level BPE tokenizer pre-tokenized as Llama 3's, with merges that join a space to the
+/// word after it (so a token spanning a bad cut would show).
+fn byte_level_bpe() -> HfTokenizer {
+    let mut vocab: Vec<String> = ByteLevel::alphabet()
+        .into_iter()
+        .map(String::from)
+        .collect();
+    vocab.sort();
+    let merges: Vec<(String, String)> = [
+        ("Ġ", "t"),
+        ("h", "e"),
+        ("Ġt", "he"),
+        ("Ġ", "a"),
+        ("Ġa", "n"),
+        ("Ġan", "d"),
+        ("i", "n"),
+        ("Ġ", "in"),
+        ("Ċ", "Ċ"),
+        ("Ġ", "Ġ"),
+        ("1", "2"),
+    ]
+    .iter()
+    .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
+    .collect();
+    for (a, b) in &merges {
+        vocab.push(format!("{a}{b}"));
+    }
+    let vocab: tokenizers::models::bpe::Vocab = vocab
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| (t, i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .expect("a valid BPE");
+    let mut t = tokenizers::Tokenizer::new(bpe);
+    let split = Split::new(
+        SplitPattern::Regex(LLAMA3_PATTERN.to_owned()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .expect("a valid pattern");
+    t.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(Sequence::new(vec![
+        split.into(),
+        ByteLevel::new(false, true, false).into(),
+    ]))));
+    let json = t.to_string(false).expect("serializable");
+    HfTokenizer::from_bytes(json.as_bytes()).expect("loads")
+}
+
+/// Text of words, digits, punctuation, newlines, runs of spaces and non-ASCII characters.
+fn text(pieces: &[(u8, u16)]) -> String {
+    const WORDS: [&str; 8] = ["the", "and", "in", "token", "Word", "été", "日本", "x"];
+    const GAPS: [&str; 8] = [" ", " ", " ", "  ", "\n", "\n\n ", ", ", "\u{3000}"];
+    let mut out = String::new();
+    for &(kind, n) in pieces {
+        out.push_str(WORDS[usize::from(kind % 8)]);
+        if kind % 5 == 0 {
+            out.push_str(&n.to_string());
+        }
+        out.push_str(GAPS[usize::from(n % 8)]);
+    }
+    out
+}
+
+#[test]
+fn a_byte_level_tokenizer_is_chunked() {
+    let t = byte_level_bpe();
+    assert!(t.tokenizes_in_chunks());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn chunked_ids_are_the_whole_texts_and_shared_prefixes_hit_the_cache(
+        pieces in prop::collection::vec((any::<u8>(), any::<u16>()), 300..1200),
+        extra in prop::collection::vec((any::<u8>(), any::<u16>()), 1..200),
+    ) {
+        let t = byte_level_bpe();
+        let cache = t.chunks.as_ref().expect("chunked");
+        let first = text(&pieces);
+        let whole = t.encode_whole(&first).unwrap();
+        prop_assert_eq!(&t.encode(&first).unwrap(), &whole);
+        let cached = cache.cached_chunks();
+        prop_assert!(cached >= first.len() / CHUNK_BYTES - 1, "{} chunks for {} bytes", cached, first.len());
+        // The same prefix, longer: its chunks come from the cache and the ids stay exact.
+        let mut second = first.clone();
+        second.push_str(&text(&extra));
+        let ids = t.encode(&second).unwrap();
+        prop_assert_eq!(&ids, &t.encode_whole(&second).unwrap());
+        prop_assert!(t.tokenizes_in_chunks(), "no check found a difference");
+    }
+}
+
+#[test]
+fn safe_cuts_sit_before_a_single_space_and_a_letter() {
+    let t = text(&(0..2000u16).map(|i| ((i * 7) as u8, i)).collect::<Vec<_>>());
+    let cuts: Vec<usize> = safe_cuts(&t).collect();
+    assert!(cuts.len() > 3, "{} cuts in {} bytes", cuts.len(), t.len());
+    let mut last = 0;
+    for &p in &cuts {
+        assert!(p > last && t.is_char_boundary(p));
+        assert_eq!(&t[p..p + 1], " ");
+        assert!(t[p + 1..].starts_with(|c: char| c.is_ascii_alphabetic()));
+        assert!(
+            !t[..p].ends_with(char::is_whitespace),
+            "{:?}",
+            &t[p - 4..p + 2]
+        );
+        last = p;
+    }
+    // No space, or only spaces after whitespace, gives no cut.
+    assert_eq!(safe_cuts(&"a".repeat(5000)).count(), 0);
+    assert_eq!(safe_cuts(&"\u{3000} word".repeat(500)).count(), 0);
+    assert_eq!(safe_cuts(&"\n word".repeat(800)).count(), 0);
+}
+
+#[test]
+fn a_tokenizer_that_differs_in_chunks_turns_chunking_off_and_is_answered_whole() {
+    let cache = ChunkCache::new(1 << 16);
+    let text = "word ".repeat(1000);
+    // A context-sensitive "tokenizer": one id, the text's length.
+    let calls = Cell::new(0);
+    let by_length = |s: &str| {
+        calls.set(calls.get() + 1);
+        Ok(vec![s.len() as u32])
+    };
+    assert_eq!(cache.encode(&text, by_length).unwrap(), vec![5000]);
+    assert!(cache.disabled());
+    assert_eq!(cache.cached_chunks(), 0, "the cache is dropped");
+    let before = calls.get();
+    assert_eq!(cache.encode(&text, by_length).unwrap(), vec![5000]);
+    assert_eq!(calls.get(), before + 1, "tokenized whole, once");
+}
+
+#[test]
+fn checks_run_first_and_then_now_and_then() {
+    let cache = ChunkCache::new(1 << 16);
+    let text = "word ".repeat(1000);
+    let wholes = Cell::new(0u64);
+    let per_word = |s: &str| {
+        if s.len() == text.len() {
+            wholes.set(wholes.get() + 1);
+        }
+        Ok(s.split_whitespace().map(|w| w.len() as u32).collect())
+    };
+    let n = VERIFY_FIRST + 2 * VERIFY_EVERY;
+    for _ in 0..n {
+        assert_eq!(cache.encode(&text, per_word).unwrap().len(), 1000);
+    }
+    assert!(!cache.disabled());
+    // The first VERIFY_FIRST, then every VERIFY_EVERY-th (0 and 512 are among the first).
+    assert_eq!(wholes.get(), VERIFY_FIRST + 2);
+}
+
+#[test]
+fn tokenizers_that_could_tokenize_across_a_cut_are_refused() {
+    let ok = serde_json::json!({
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split"}, {"type": "ByteLevel"}]},
+        "added_tokens": [{"content": "<|eot_id|>", "lstrip": false, "rstrip": false}],
+    });
+    assert_eq!(ChunkCache::supports(&ok), Ok(()));
+    let refused = |patch: serde_json::Value, why: &str| {
+        let mut t = ok.clone();
+        for (k, v) in patch.as_object().expect("an object") {
+            t[k] = v.clone();
+        }
+        let err = ChunkCache::supports(&t).expect_err("refused");
+        assert!(err.contains(why), "{err}");
+    };
+    refused(
+        serde_json::json!({"normalizer": {"type": "NFC"}}),
+        "normalizer",
+    );
+    refused(
+        serde_json::json!({"pre_tokenizer": null}),
+        "no pre-tokenizer",
+    );
+    refused(
+        serde_json::json!({"pre_tokenizer": {"type": "Metaspace", "split": false}}),
+        "does not split",
+    );
+    refused(
+        serde_json::json!({"pre_tokenizer": {"type": "UnicodeScripts"}}),
+        "UnicodeScripts",
+    );
+    refused(
+        serde_json::json!({"added_tokens": [{"content": "<x>", "rstrip": true}]}),
+        "strips whitespace",
+    );
+    refused(
+        serde_json::json!({"added_tokens": [{"content": "<think> "}]}),
+        "holds or strips",
+    );
+}
