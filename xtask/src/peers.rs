@@ -393,7 +393,10 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
     let results = result?;
     let report = report(&args, &results);
     print!("{report}");
-    let path = logs.join("results.md");
+    let path = logs.join(match args.engine {
+        EngineKind::Sim => "results.md",
+        EngineKind::Llamacpp => "results-llamacpp.md",
+    });
     std::fs::write(&path, &report).with_context(|| format!("writing {}", path.display()))?;
     eprintln!("tables written to {}", path.display());
     if args.quick {
