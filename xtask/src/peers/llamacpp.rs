@@ -5,9 +5,11 @@
 //! The conversations come in families: the conversations of a family share a long system prompt
 //! and each has its own user turns; every reply the engine streams back is appended to that
 //! conversation's history as the assistant's message before its next turn, as a chat client
-//! does. A few clients work closed-loop through one queue of conversations, one turn at a time,
-//! so a family's conversations and a conversation's turns interleave with the others'. The text
-//! is drawn from the words the model's vocabulary was learned on, from the bench's seed.
+//! does. A few clients work closed-loop, each running one conversation turn after turn and then
+//! taking the next one not yet started; the conversations are ordered so that families alternate,
+//! so the conversations in flight together are mostly of different families and a family's later
+//! conversations find its system prompt cached. The text is drawn from the words the model's
+//! vocabulary was learned on, from the bench's seed.
 //!
 //! The servers run with one slot and `--slot-prompt-similarity 0` (what
 //! `tests/python/llamacpp/e2e.py` measured to make each engine a prefix cache: every request
@@ -15,11 +17,11 @@
 //! most of the new one); `--cache-ram 0` turns that memory off, so an engine keeps only the prompt
 //! its one slot last held.
 
-use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -99,11 +101,12 @@ pub(crate) struct Sizing {
 }
 
 impl Sizing {
-    /// The full run: 8 families of 3 conversations, 5 turns each (120 requests), 4 clients.
+    /// The full run: 8 families of 4 conversations, 6 turns each (192 requests), 4 clients;
+    /// the longest prompt is about 1,900 tokens, a system prompt about 780.
     pub(crate) const FULL: Sizing = Sizing {
         families: 8,
-        per_family: 3,
-        turns: 5,
+        per_family: 4,
+        turns: 6,
         clients: 4,
         max_tokens: 16,
         system_sentences: 25,
@@ -316,15 +319,10 @@ pub(crate) fn render(messages: &[Value]) -> String {
     text
 }
 
-/// One conversation in the queue: its history so far and its next turn.
-struct Dialogue {
-    index: usize,
-    messages: Vec<Value>,
-    next_turn: usize,
-}
-
 /// Runs `conversations` through the router at `base` (`http://HOST:PORT`) with `sizing.clients`
-/// closed-loop clients; returns one sample per turn (conversation-major) and the wall time.
+/// closed-loop clients, each taking the next conversation not yet started and running its turns
+/// one after the other, as a user chats; returns one sample per turn (conversation-major) and
+/// the wall time.
 pub(crate) async fn converse(
     http: &reqwest::Client,
     base: &str,
@@ -332,16 +330,7 @@ pub(crate) async fn converse(
     conversations: &Arc<Vec<Conversation>>,
     sizing: Sizing,
 ) -> (Vec<Sample>, Duration) {
-    let queue: VecDeque<Dialogue> = conversations
-        .iter()
-        .enumerate()
-        .map(|(index, c)| Dialogue {
-            index,
-            messages: vec![json!({"role": "system", "content": c.system})],
-            next_turn: 0,
-        })
-        .collect();
-    let queue = Arc::new(Mutex::new(queue));
+    let next = Arc::new(AtomicUsize::new(0));
     let samples = Arc::new(Mutex::new(vec![
         Sample {
             error: Some("not sent".to_owned()),
@@ -353,29 +342,25 @@ pub(crate) async fn converse(
     let mut clients = JoinSet::new();
     for _ in 0..sizing.clients {
         let (http, base) = (http.clone(), base.to_owned());
-        let (queue, samples, conversations) =
-            (queue.clone(), samples.clone(), conversations.clone());
+        let (next, samples, conversations) = (next.clone(), samples.clone(), conversations.clone());
         clients.spawn(async move {
             loop {
-                let Some(mut d) = queue.lock().expect("queue lock").pop_front() else {
+                let index = next.fetch_add(1, Ordering::Relaxed);
+                let Some(conversation) = conversations.get(index) else {
                     return;
                 };
-                let turn = d.next_turn;
-                let content = &conversations[d.index].turns[turn];
-                d.messages.push(json!({"role": "user", "content": content}));
-                let (sample, reply) = turn_request(&http, &base, api, &d.messages, sizing).await;
-                let failed = sample.error.is_some();
-                samples.lock().expect("samples lock")[d.index * sizing.turns + turn] = sample;
-                if failed {
-                    // The conversation cannot go on without the reply; its later turns stay
-                    // "not sent".
-                    continue;
-                }
-                d.messages
-                    .push(json!({"role": "assistant", "content": reply}));
-                d.next_turn += 1;
-                if d.next_turn < sizing.turns {
-                    queue.lock().expect("queue lock").push_back(d);
+                let mut messages = vec![json!({"role": "system", "content": conversation.system})];
+                for (turn, content) in conversation.turns.iter().enumerate() {
+                    messages.push(json!({"role": "user", "content": content}));
+                    let (sample, reply) = turn_request(&http, &base, api, &messages, sizing).await;
+                    let failed = sample.error.is_some();
+                    samples.lock().expect("samples lock")[index * sizing.turns + turn] = sample;
+                    if failed {
+                        // The conversation cannot go on without the reply; its later turns stay
+                        // "not sent".
+                        break;
+                    }
+                    messages.push(json!({"role": "assistant", "content": reply}));
                 }
             }
         });
