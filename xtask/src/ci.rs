@@ -74,6 +74,13 @@ pub(crate) fn run(root: &Path, args: &CiArgs) -> Result<()> {
     step("peers", &mut || {
         crate::peers::run(root, &["--quick".to_owned()])
     })?;
+    // A few seconds: real llama.cpp servers behind the same routers.
+    step("peers-llamacpp", &mut || {
+        crate::peers::run(
+            root,
+            &["--engine", "llamacpp", "--quick"].map(str::to_owned),
+        )
+    })?;
     step("examples", &mut || examples::run_all(root))?;
     step("package", &mut || package::run(root))?;
     step("doc", &mut || {

@@ -19,12 +19,17 @@ pub(crate) fn client(timeout: Duration) -> Result<reqwest::Client> {
 }
 
 /// Scans a server-sent event stream as it arrives: whether a chunk with a choice has come,
-/// the last `usage` seen, and whether `data: [DONE]` has come.
+/// the last `usage` seen, the text of the first choice, and whether `data: [DONE]` has come.
 #[derive(Debug, Default)]
 pub(crate) struct SseScan {
     partial: Vec<u8>,
     pub(crate) first_choice: bool,
     pub(crate) usage: Option<Value>,
+    /// The first choice's text so far (`delta.content` of a chat stream, `text` of a
+    /// completion's).
+    pub(crate) content: String,
+    /// The last `timings` object seen (llama.cpp's own, with `cache_n`).
+    pub(crate) timings: Option<Value>,
     pub(crate) done: bool,
 }
 
@@ -48,11 +53,18 @@ impl SseScan {
             if !event["error"].is_null() {
                 bail!("an error event: {data}");
             }
-            if event["choices"].as_array().is_some_and(|c| !c.is_empty()) {
+            if let Some(first) = event["choices"].as_array().and_then(|c| c.first()) {
                 self.first_choice = true;
+                let piece = first["delta"]["content"]
+                    .as_str()
+                    .or(first["text"].as_str());
+                self.content.push_str(piece.unwrap_or_default());
             }
             if event["usage"].is_object() {
                 self.usage = Some(event["usage"].clone());
+            }
+            if event["timings"].is_object() {
+                self.timings = Some(event["timings"].clone());
             }
         }
         Ok(())

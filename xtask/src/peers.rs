@@ -18,17 +18,29 @@
 //! requests and peak RSS (every process of its process group, from `/proc`). kvroute's own
 //! predicted hit rate (its cache-report counters) is printed beside the reported one.
 //!
+//! `--engine llamacpp` puts real llama.cpp servers behind the routers instead (`llamacpp.rs`):
+//! the project's tiny model on the CPU, one slot each, fresh per run, 4 of them by default, under
+//! streamed multi-turn chats over shared system prompts; its rows are llama.cpp's host-memory
+//! prompt cache sizes (`--cache-ram default,0`). llama.cpp publishes no KV events, so kvroute
+//! runs in approximate mode (a static fleet of `engine = "llamacpp"` workers, with the model's
+//! tokenizer and chat template) and the configurations that read events are refused. vLLM's
+//! router 0.1.17 reads no text from chat bodies, so its `cache_aware` routes these on load alone.
+//! The engine-reported hit rate is checked against llama.cpp's own counters
+//! (`llamacpp:prompt_tokens_cached_total`, `llamacpp:prompt_tokens_total`).
+//!
 //! `--quick` is CI's smoke test: one small cell, every configuration once; it fails unless every
-//! router served every request and every table was produced (rankings are not asserted).
+//! router served every request and every table was produced (rankings are not asserted). With
+//! `--engine llamacpp` it is 2 engines, llama.cpp's default prompt memory, 24 requests.
 
 pub(crate) mod fleet;
+mod llamacpp;
 pub(crate) mod load;
+mod report;
 mod routers;
 #[cfg(test)]
 mod tests;
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -41,7 +53,9 @@ use crate::cmd::{build_kvroute, run_command};
 use crate::procs::{TempDir, block_on_interruptible};
 use crate::python;
 use crate::table::target_directory;
+use llamacpp::{Api, CacheRam, Conversation, ModelFiles, Sizing};
 use load::{Figures, Shape};
+use report::{check_quick, report, run_summary};
 use routers::{Binaries, Config};
 
 /// The bench's name after `cargo xtask bench`.
@@ -49,31 +63,46 @@ pub(crate) const NAME: &str = "peers";
 /// The share of sessions of the non-agentic workloads by default.
 const DEFAULT_SCALE: f64 = 0.15;
 
+/// The workloads of the simulated fleet, every one by default.
+const WORKLOADS: [&str; 5] = ["agentic", "agentic-tools", "multi-turn", "rag", "bursty"];
+
+/// The engines behind the routers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum EngineKind {
+    /// `kvroute engine-sim` as vLLM (with ZMQ KV events), under the evaluation workloads.
+    Sim,
+    /// Real llama.cpp servers (one slot each, no KV events), under multi-turn chats.
+    Llamacpp,
+}
+
 /// Options of `cargo xtask bench peers`.
 #[derive(Debug, Parser, PartialEq)]
 #[command(
     name = "cargo xtask bench peers",
-    about = "kvroute, SGLang's SMG and vLLM's router in front of the same simulated vLLM fleet, \
-             under the evaluation workloads in real time, side by side"
+    about = "kvroute, SGLang's SMG and vLLM's router in front of the same fleet (simulated vLLM \
+             engines under the evaluation workloads, or real llama.cpp servers under multi-turn \
+             chats), side by side"
 )]
 pub(crate) struct Args {
-    /// Fleet sizes (engines), comma-separated.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "8,32",
-        value_name = "N,..."
-    )]
+    /// The engines: `sim` (simulated vLLM engines replaying the evaluation workloads) or
+    /// `llamacpp` (real llama.cpp servers on the CPU with the project's tiny model, one slot
+    /// each, fresh per run, under streamed multi-turn chats over shared system prompts).
+    #[arg(long, value_enum, default_value_t = EngineKind::Sim)]
+    engine: EngineKind,
+    /// Fleet sizes (engines), comma-separated [default: 8,32; 4 with --engine llamacpp].
+    #[arg(long, value_delimiter = ',', value_name = "N,...")]
     engines: Vec<usize>,
-    /// Workloads (`kvroute replay --workload` names), comma-separated.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "agentic,agentic-tools,multi-turn,rag,bursty",
-        value_name = "NAME,..."
-    )]
+    /// Workloads (`kvroute replay --workload` names), comma-separated [default: all five;
+    /// --engine sim only].
+    #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
     workloads: Vec<String>,
-    /// Router configurations, comma-separated [default: all].
+    /// llama.cpp's host-memory prompt cache per server (its `--cache-ram`, MiB), comma-separated,
+    /// each a cell of its own: `default` (llama.cpp's 8 GiB) or a size, 0 turning it off
+    /// [default: default,0; --engine llamacpp only].
+    #[arg(long, value_delimiter = ',', value_name = "default|MIB,...")]
+    cache_ram: Vec<CacheRam>,
+    /// Router configurations, comma-separated [default: all; with --engine llamacpp, all but
+    /// the two that read KV events].
     #[arg(long, value_enum, value_delimiter = ',', value_name = "CONFIG,...")]
     routers: Vec<Config>,
     /// Rounds; each runs every configuration once, in the other order from the round before.
@@ -103,9 +132,36 @@ pub(crate) struct Args {
     /// or a weight against the same runs: `--kvroute-arg=--policy --kvroute-arg=kv`.
     #[arg(long = "kvroute-arg", value_name = "ARG", allow_hyphen_values = true)]
     kvroute_args: Vec<String>,
-    /// CI's smoke test: 4 engines, `multi-turn` only, one round of every configuration, short.
+    /// CI's smoke test: 4 engines, `multi-turn` only, one round of every configuration, short
+    /// (with --engine llamacpp: 2 engines, llama.cpp's default prompt memory, 24 requests).
     #[arg(long)]
     quick: bool,
+}
+
+/// One row of the table: a workload on the simulated fleet, or the chats on llama.cpp with one
+/// prompt-memory size.
+#[derive(Debug, Clone, PartialEq)]
+enum Workload {
+    Trace(String),
+    Chat(CacheRam),
+}
+
+impl Workload {
+    /// The row's name in the table.
+    fn label(&self) -> String {
+        match self {
+            Workload::Trace(name) => name.clone(),
+            Workload::Chat(cache_ram) => format!("chat, cache-ram {cache_ram}"),
+        }
+    }
+
+    /// The row's name in log file names.
+    fn tag(&self) -> String {
+        match self {
+            Workload::Trace(name) => name.clone(),
+            Workload::Chat(cache_ram) => format!("chat-cache-ram-{cache_ram}"),
+        }
+    }
 }
 
 impl Args {
@@ -114,18 +170,76 @@ impl Args {
     pub(crate) fn parse(args: &[String]) -> Result<Self> {
         let argv = std::iter::once(NAME.to_owned()).chain(args.iter().cloned());
         let mut parsed = Self::try_parse_from(argv).map_err(|e| anyhow::anyhow!("{e}"))?;
-        if parsed.routers.is_empty() {
-            parsed.routers = Config::ALL.to_vec();
-        }
-        if parsed.quick {
-            parsed.engines = vec![4];
-            parsed.workloads = vec!["multi-turn".to_owned()];
-            parsed.rounds = 1;
-            parsed.workload_scale = Some(parsed.workload_scale.unwrap_or(0.03).min(0.03));
-            parsed.duration = parsed.duration.min(3.0);
+        match parsed.engine {
+            EngineKind::Sim => parsed.sim_defaults()?,
+            EngineKind::Llamacpp => parsed.llamacpp_defaults()?,
         }
         parsed.check()?;
         Ok(parsed)
+    }
+
+    fn sim_defaults(&mut self) -> Result<()> {
+        if !self.cache_ram.is_empty() {
+            bail!(
+                "--cache-ram applies to --engine llamacpp only (the simulated engines have none)"
+            );
+        }
+        if self.routers.contains(&Config::VllmCacheAwareText) {
+            bail!(
+                "`{}` applies to --engine llamacpp only: the simulated fleet is sent text \
+                 completions in every configuration",
+                Config::VllmCacheAwareText.label()
+            );
+        }
+        if self.engines.is_empty() {
+            self.engines = vec![8, 32];
+        }
+        if self.workloads.is_empty() {
+            self.workloads = WORKLOADS.map(str::to_owned).to_vec();
+        }
+        if self.routers.is_empty() {
+            self.routers = Config::ALL.to_vec();
+        }
+        if self.quick {
+            self.engines = vec![4];
+            self.workloads = vec!["multi-turn".to_owned()];
+            self.rounds = 1;
+            self.workload_scale = Some(self.workload_scale.unwrap_or(0.03).min(0.03));
+            self.duration = self.duration.min(3.0);
+        }
+        Ok(())
+    }
+
+    fn llamacpp_defaults(&mut self) -> Result<()> {
+        if !self.workloads.is_empty() {
+            bail!(
+                "--workloads applies to --engine sim only: --engine llamacpp runs its multi-turn \
+                 chats (its rows are the --cache-ram sizes)"
+            );
+        }
+        if let Some(bad) = self.routers.iter().find(|c| c.uses_events()) {
+            bail!(
+                "`{}` reads the engines' KV events, which llama.cpp does not publish: with \
+                 --engine llamacpp choose from {}",
+                bad.label(),
+                Config::LLAMACPP.map(|c| c.label()).join(", ")
+            );
+        }
+        if self.engines.is_empty() {
+            self.engines = vec![4];
+        }
+        if self.cache_ram.is_empty() {
+            self.cache_ram = vec![CacheRam::Default, CacheRam::Mib(0)];
+        }
+        if self.routers.is_empty() {
+            self.routers = Config::LLAMACPP.to_vec();
+        }
+        if self.quick {
+            self.engines = vec![2];
+            self.cache_ram = vec![CacheRam::Default];
+            self.rounds = 1;
+        }
+        Ok(())
     }
 
     fn check(&self) -> Result<()> {
@@ -135,11 +249,14 @@ impl Args {
                 self.engines
             );
         }
-        const NAMES: [&str; 5] = ["agentic", "agentic-tools", "multi-turn", "rag", "bursty"];
-        if let Some(bad) = self.workloads.iter().find(|w| !NAMES.contains(&w.as_str())) {
+        if let Some(bad) = self
+            .workloads
+            .iter()
+            .find(|w| !WORKLOADS.contains(&w.as_str()))
+        {
             bail!(
                 "unknown workload `{bad}`: expected one of {}",
-                NAMES.join(", ")
+                WORKLOADS.join(", ")
             );
         }
         if !(1..=10).contains(&self.rounds) {
@@ -169,6 +286,28 @@ impl Args {
             "agentic" | "agentic-tools" => 1.0,
             _ => DEFAULT_SCALE,
         })
+    }
+
+    /// The table's rows.
+    fn rows(&self) -> Vec<Workload> {
+        match self.engine {
+            EngineKind::Sim => self
+                .workloads
+                .iter()
+                .cloned()
+                .map(Workload::Trace)
+                .collect(),
+            EngineKind::Llamacpp => self.cache_ram.iter().copied().map(Workload::Chat).collect(),
+        }
+    }
+
+    /// The size of the llama.cpp conversations.
+    fn sizing(&self) -> Sizing {
+        if self.quick {
+            Sizing::QUICK
+        } else {
+            Sizing::FULL
+        }
     }
 
     fn shape(&self) -> Shape {
@@ -209,18 +348,42 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
     let logs = target.join("bench-peers");
     std::fs::create_dir_all(&logs).with_context(|| format!("cannot create {}", logs.display()))?;
     let scratch = TempDir::new("kvroute-bench-peers")?;
-    let binaries = Binaries {
+    let mut binaries = Binaries {
         kvroute,
         smg: bin_dir.join("smg"),
         vllm_router: bin_dir.join("vllm-router"),
-        tokenizer: fleet::write_tokenizer(&scratch.0)?,
+        tokenizer: PathBuf::new(),
+        chat_template: None,
+        dialect: "vllm",
     };
-    let traces = write_traces(&binaries.kvroute, &args, &scratch.0)?;
-    let mocker = fleet::write_mocker_config(&scratch.0, args.token_scale, args.speedup)?;
+    let (mut mocker, mut llama, mut traces) = (None, None, BTreeMap::new());
+    match args.engine {
+        EngineKind::Sim => {
+            binaries.tokenizer = fleet::write_tokenizer(&scratch.0)?;
+            traces = write_traces(&binaries.kvroute, &args, &scratch.0)?;
+            mocker = Some(fleet::write_mocker_config(
+                &scratch.0,
+                args.token_scale,
+                args.speedup,
+            )?);
+        }
+        EngineKind::Llamacpp => {
+            let model = llamacpp::write_model(&python, root, &scratch.0.join("model"))?;
+            binaries.tokenizer = model.tokenizer.clone();
+            binaries.chat_template = Some(model.template.clone());
+            binaries.dialect = "llamacpp";
+            llama = Some(Llama {
+                python: python.clone(),
+                root: root.to_owned(),
+                model,
+            });
+        }
+    }
 
     let setup = Setup {
         binaries,
         mocker,
+        llama,
         scratch: scratch.0.clone(),
         logs: logs.clone(),
         traces,
@@ -230,7 +393,10 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
     let results = result?;
     let report = report(&args, &results);
     print!("{report}");
-    let path = logs.join("results.md");
+    let path = logs.join(match args.engine {
+        EngineKind::Sim => "results.md",
+        EngineKind::Llamacpp => "results-llamacpp.md",
+    });
     std::fs::write(&path, &report).with_context(|| format!("writing {}", path.display()))?;
     eprintln!("tables written to {}", path.display());
     if args.quick {
@@ -242,11 +408,29 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
 /// What the runs start from.
 struct Setup {
     binaries: Binaries,
-    mocker: PathBuf,
+    /// The simulated engines' mocker config (`--engine sim`).
+    mocker: Option<PathBuf>,
+    /// What llama.cpp servers start from (`--engine llamacpp`).
+    llama: Option<Llama>,
     scratch: PathBuf,
     logs: PathBuf,
     /// Workload name → its trace text.
     traces: BTreeMap<String, String>,
+}
+
+/// What llama.cpp servers are started from.
+struct Llama {
+    python: PathBuf,
+    root: PathBuf,
+    model: ModelFiles,
+}
+
+/// One row's load, the same for every configuration.
+enum Load {
+    /// Text completions replayed open-loop.
+    Trace(Arc<Vec<load::Request>>),
+    /// Conversations run closed-loop.
+    Chat(Arc<Vec<Conversation>>),
 }
 
 /// Writes each workload's trace with `kvroute replay --write-trace`; returns their texts.
@@ -272,19 +456,38 @@ fn write_traces(kvroute: &Path, args: &Args, dir: &Path) -> Result<BTreeMap<Stri
 async fn bench(setup: &Setup, args: &Args) -> Result<Results> {
     let http = load::client()?;
     let shape = args.shape();
-    let total =
-        args.engines.len() * args.workloads.len() * args.rounds as usize * args.routers.len();
+    let rows = args.rows();
+    let total = args.engines.len() * rows.len() * args.rounds as usize * args.routers.len();
     let mut step = 0;
     let mut results = Results::new();
     for &engines in &args.engines {
-        for workload in &args.workloads {
-            let requests = Arc::new(load::requests(&setup.traces[workload], shape)?);
-            let tokens: u64 = requests.iter().map(|r| r.prompt_tokens).sum();
-            eprintln!(
-                "{workload} on {engines} engines: {} requests, {:.0} prompt tokens each on average",
-                requests.len(),
-                tokens as f64 / requests.len() as f64
-            );
+        for workload in &rows {
+            let requests = match workload {
+                Workload::Trace(name) => {
+                    let requests = Arc::new(load::requests(&setup.traces[name], shape)?);
+                    let tokens: u64 = requests.iter().map(|r| r.prompt_tokens).sum();
+                    eprintln!(
+                        "{name} on {engines} engines: {} requests, {:.0} prompt tokens each on \
+                         average",
+                        requests.len(),
+                        tokens as f64 / requests.len() as f64
+                    );
+                    Load::Trace(requests)
+                }
+                Workload::Chat(_) => {
+                    let sizing = args.sizing();
+                    eprintln!(
+                        "{} on {engines} engines: {} conversations of {} turns ({} requests), \
+                         {} clients",
+                        workload.label(),
+                        sizing.families * sizing.per_family,
+                        sizing.turns,
+                        sizing.requests(),
+                        sizing.clients
+                    );
+                    Load::Chat(Arc::new(llamacpp::conversations(args.seed, sizing)))
+                }
+            };
             for round in 1..=args.rounds {
                 let mut order = args.routers.clone();
                 if round % 2 == 0 {
@@ -302,7 +505,7 @@ async fn bench(setup: &Setup, args: &Args) -> Result<Results> {
                     let run = one_run(setup, args, &http, &cell, &requests).await;
                     eprintln!("{}", run_summary(&run));
                     results
-                        .entry((engines, workload.clone()))
+                        .entry((engines, workload.label()))
                         .or_default()
                         .entry(config)
                         .or_default()
@@ -314,22 +517,22 @@ async fn bench(setup: &Setup, args: &Args) -> Result<Results> {
     Ok(results)
 }
 
-/// One configuration on a fresh fleet; a router that cannot start is a failed run, not the end
-/// of the bench.
 /// One run's place in the table.
 struct Cell<'a> {
     config: Config,
     engines: usize,
-    workload: &'a str,
+    workload: &'a Workload,
     round: u32,
 }
 
+/// One configuration on a fresh fleet; a router that cannot start is a failed run, not the end
+/// of the bench.
 async fn one_run(
     setup: &Setup,
     args: &Args,
     http: &reqwest::Client,
     cell: &Cell<'_>,
-    requests: &Arc<Vec<load::Request>>,
+    requests: &Load,
 ) -> Run {
     match try_run(setup, args, http, cell, requests).await {
         Ok(run) => run,
@@ -346,7 +549,7 @@ async fn try_run(
     args: &Args,
     http: &reqwest::Client,
     cell: &Cell<'_>,
-    requests: &Arc<Vec<load::Request>>,
+    requests: &Load,
 ) -> Result<Run> {
     let Cell {
         config,
@@ -354,15 +557,33 @@ async fn try_run(
         workload,
         round,
     } = *cell;
-    let tag = format!("{engines}-{workload}-{config:?}-{round}").to_lowercase();
-    let mut fleet = fleet::start(
-        &setup.binaries.kvroute,
-        engines,
-        &setup.binaries.tokenizer,
-        &setup.mocker,
-        &setup.logs.join(format!("{tag}-engines.log")),
-    )
-    .await?;
+    let tag = format!("{engines}-{}-{config:?}-{round}", workload.tag()).to_lowercase();
+    let engine_log = setup.logs.join(format!("{tag}-engines.log"));
+    let mut fleet = match (workload, &setup.mocker, &setup.llama) {
+        (Workload::Trace(_), Some(mocker), _) => {
+            fleet::start(
+                &setup.binaries.kvroute,
+                engines,
+                &setup.binaries.tokenizer,
+                mocker,
+                &engine_log,
+            )
+            .await?
+        }
+        (Workload::Chat(cache_ram), _, Some(llama)) => {
+            let servers = llamacpp::Servers {
+                python: &llama.python,
+                root: &llama.root,
+                model: &llama.model,
+                log_dir: &setup.logs.join(format!("{tag}-llamacpp")),
+            };
+            llamacpp::start(&servers, engines, *cache_ram, &engine_log).await?
+        }
+        _ => bail!(
+            "the bench was set up for another engine than {}",
+            workload.label()
+        ),
+    };
     let mut router = routers::start(
         config,
         &args.kvroute_args,
@@ -375,16 +596,32 @@ async fn try_run(
     .await?;
     let pgid = router.proc.pid();
     let (cpu_before, _) = fleet::group_usage(pgid);
-    let (samples, wall) = load::replay(http, &router.completions, fleet::MODEL, requests).await;
+    let (samples, wall) = match requests {
+        Load::Trace(requests) => {
+            let url = format!("{}/v1/completions", router.base);
+            load::replay(http, &url, fleet::MODEL, requests).await
+        }
+        Load::Chat(conversations) => {
+            let api = if config == Config::VllmCacheAwareText {
+                Api::Text
+            } else {
+                Api::Chat
+            };
+            llamacpp::converse(http, &router.base, api, conversations, args.sizing()).await
+        }
+    };
     let (cpu_after, hwm_kib) = fleet::group_usage(pgid);
     router.proc.check_alive()?;
     fleet.proc.check_alive()?;
     let mut figures = load::figures(&samples, wall);
-    figures.hit_rate_engines = fleet::engine_hit_rate(http, &fleet.engines).await.ok();
-    figures.cpu_s_per_1k = Some((cpu_after - cpu_before) / requests.len() as f64 * 1000.0);
+    figures.hit_rate_engines = match requests {
+        Load::Trace(_) => fleet::engine_hit_rate(http, &fleet.engines).await.ok(),
+        Load::Chat(_) => llamacpp::engine_hit_rate(http, &fleet.engines).await.ok(),
+    };
+    figures.cpu_s_per_1k = Some((cpu_after - cpu_before) / samples.len() as f64 * 1000.0);
     figures.peak_rss_mib = Some(hwm_kib as f64 / 1024.0);
     let predicted = if matches!(config, Config::Kvroute | Config::KvrouteApprox) {
-        kvroute_predicted(http, &router.completions).await.ok()
+        kvroute_predicted(http, &router.base).await.ok()
     } else {
         None
     };
@@ -397,8 +634,7 @@ async fn try_run(
 
 /// kvroute's predicted hit rate over the requests whose engines reported cached tokens: the sum
 /// of its `cache_report_predicted_tokens_total` over its `cache_report_prompt_tokens_total`.
-async fn kvroute_predicted(http: &reqwest::Client, completions: &str) -> Result<f64> {
-    let base = completions.trim_end_matches("/v1/completions");
+async fn kvroute_predicted(http: &reqwest::Client, base: &str) -> Result<f64> {
     let text = http
         .get(format!("{base}/metrics"))
         .send()
@@ -411,204 +647,4 @@ async fn kvroute_predicted(http: &reqwest::Client, completions: &str) -> Result<
         bail!("no cache report counted");
     }
     Ok(predicted / prompt)
-}
-
-fn run_summary(run: &Run) -> String {
-    if let Some(e) = &run.failed {
-        return format!("FAILED: {}", first_line(e));
-    }
-    let f = &run.figures;
-    let mut out = format!(
-        "{}/{} ok, hit {} (engines {}), TTFT p50/p99 {}/{} ms, CPU {} s/1k, RSS {} MiB",
-        f.ok,
-        f.requests,
-        pct(f.hit_rate_usage),
-        pct(f.hit_rate_engines),
-        num(f.ttft_p50_ms, 1),
-        num(f.ttft_p99_ms, 1),
-        num(f.cpu_s_per_1k, 2),
-        num(f.peak_rss_mib, 0),
-    );
-    if let Some(p) = run.predicted {
-        let _ = write!(out, ", predicted {}", pct(Some(p)));
-    }
-    if let Some(e) = &f.first_error {
-        let _ = write!(out, "; first error: {}", first_line(e));
-    }
-    out
-}
-
-/// The first line of an error, and its last when it ends in a log tail (what the process said
-/// last).
-fn first_line(text: &str) -> String {
-    let mut lines = text.lines().filter(|l| !l.trim().is_empty());
-    let first = lines.next().unwrap_or_default();
-    match lines.next_back() {
-        Some(last) => format!("{first} … {}", last.trim()),
-        None => first.to_owned(),
-    }
-}
-
-fn pct(v: Option<f64>) -> String {
-    v.map_or_else(|| "-".to_owned(), |v| format!("{:.1}%", v * 100.0))
-}
-
-fn num(v: Option<f64>, decimals: usize) -> String {
-    v.map_or_else(|| "-".to_owned(), |v| format!("{v:.decimals$}"))
-}
-
-/// The mean over a cell's successful runs of one figure.
-fn mean(runs: &[Run], figure: impl Fn(&Run) -> Option<f64>) -> Option<f64> {
-    let values: Vec<f64> = runs
-        .iter()
-        .filter(|r| r.failed.is_none())
-        .filter_map(figure)
-        .collect();
-    (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
-}
-
-/// The markdown report: a summary matrix per fleet size (hit rate and TTFT p99 per workload
-/// and configuration), then every figure of every cell.
-fn report(args: &Args, results: &Results) -> String {
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "\nkvroute bench peers: workload scale {}, token scale {}, speed-up {}x, {} s of each \
-         trace, seed {}, {} round(s); latencies in real milliseconds (multiply by the speed-up \
-         for the modelled H100's); figures are means over rounds{}.\n",
-        args.workloads
-            .iter()
-            .map(|w| format!("{w} {}", args.scale(w)))
-            .collect::<Vec<_>>()
-            .join(", "),
-        args.token_scale,
-        args.speedup,
-        args.duration,
-        args.seed,
-        args.rounds,
-        if args.kvroute_args.is_empty() {
-            String::new()
-        } else {
-            format!("; kvroute serve given `{}`", args.kvroute_args.join(" "))
-        }
-    );
-    for &engines in &args.engines {
-        let _ = writeln!(
-            out,
-            "### {engines} engines: engine-reported hit rate / TTFT p99 (ms)\n"
-        );
-        let _ = write!(out, "| workload |");
-        for config in &args.routers {
-            let _ = write!(out, " {} |", config.label());
-        }
-        let _ = writeln!(out);
-        let _ = writeln!(out, "|---|{}", "---|".repeat(args.routers.len()));
-        for workload in &args.workloads {
-            let _ = write!(out, "| {workload} |");
-            let cell = results.get(&(engines, workload.clone()));
-            for config in &args.routers {
-                let runs = cell
-                    .and_then(|c| c.get(config))
-                    .map_or(&[][..], Vec::as_slice);
-                let _ = write!(
-                    out,
-                    " {} / {} |",
-                    pct(mean(runs, |r| r.figures.hit_rate_usage)),
-                    num(mean(runs, |r| r.figures.ttft_p99_ms), 1)
-                );
-            }
-            let _ = writeln!(out);
-        }
-        let _ = writeln!(out);
-    }
-    let _ = writeln!(out, "### Every figure\n");
-    let _ = writeln!(
-        out,
-        "| engines | workload | router | ok / requests | hit (usage) | hit (engine counters) | \
-         kvroute predicted | TTFT p50 | TTFT p99 | E2E p99 | output tok/s | router CPU s / 1k req \
-         | router peak RSS MiB |"
-    );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-    for ((engines, workload), cell) in results {
-        for (config, runs) in cell {
-            let ok: usize = runs.iter().map(|r| r.figures.ok).sum();
-            let requests: usize = runs.iter().map(|r| r.figures.requests).sum();
-            let failed = runs.iter().filter(|r| r.failed.is_some()).count();
-            let status = if failed > 0 {
-                format!("{ok} / {requests} ({failed} run(s) failed to start)")
-            } else {
-                format!("{ok} / {requests}")
-            };
-            let _ = writeln!(
-                out,
-                "| {engines} | {workload} | {} | {status} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-                config.label(),
-                pct(mean(runs, |r| r.figures.hit_rate_usage)),
-                pct(mean(runs, |r| r.figures.hit_rate_engines)),
-                pct(mean(runs, |r| r.predicted)),
-                num(mean(runs, |r| r.figures.ttft_p50_ms), 1),
-                num(mean(runs, |r| r.figures.ttft_p99_ms), 1),
-                num(mean(runs, |r| r.figures.e2e_p99_ms), 1),
-                num(mean(runs, |r| Some(r.figures.output_tokens_per_s)), 0),
-                num(mean(runs, |r| r.figures.cpu_s_per_1k), 2),
-                num(mean(runs, |r| r.figures.peak_rss_mib), 0),
-            );
-        }
-    }
-    let failures: Vec<String> = results
-        .iter()
-        .flat_map(|((engines, workload), cell)| {
-            cell.iter().flat_map(move |(config, runs)| {
-                runs.iter().filter_map(move |r| {
-                    let why = r.failed.as_deref().or(r.figures.first_error.as_deref())?;
-                    Some(format!(
-                        "- {engines} engines, {workload}, {}: {}",
-                        config.label(),
-                        first_line(why)
-                    ))
-                })
-            })
-        })
-        .collect();
-    if !failures.is_empty() {
-        let _ = writeln!(out, "\nErrors (first of each run):\n");
-        for f in failures {
-            let _ = writeln!(out, "{f}");
-        }
-    }
-    out
-}
-
-/// `--quick`: every configuration ran and served every request.
-fn check_quick(results: &Results) -> Result<()> {
-    let mut problems = Vec::new();
-    for ((engines, workload), cell) in results {
-        for (config, runs) in cell {
-            for run in runs {
-                if let Some(e) = &run.failed {
-                    problems.push(format!(
-                        "{}: did not run: {}",
-                        config.label(),
-                        first_line(e)
-                    ));
-                } else if run.figures.ok != run.figures.requests || run.figures.requests == 0 {
-                    problems.push(format!(
-                        "{} on {engines} engines, {workload}: served {} of {} requests{}",
-                        config.label(),
-                        run.figures.ok,
-                        run.figures.requests,
-                        run.figures
-                            .first_error
-                            .as_deref()
-                            .map(|e| format!(" (first error: {})", first_line(e)))
-                            .unwrap_or_default()
-                    ));
-                }
-            }
-        }
-    }
-    if !problems.is_empty() {
-        bail!("bench peers --quick:\n  {}", problems.join("\n  "));
-    }
-    Ok(())
 }

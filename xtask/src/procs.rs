@@ -29,7 +29,7 @@ impl Proc {
         let err = out
             .try_clone()
             .with_context(|| format!("cannot reopen {}", log.display()))?;
-        cmd.stdout(out).stderr(err);
+        cmd.stdin(Stdio::null()).stdout(out).stderr(err);
         Self::spawn_with(name, cmd, log)
     }
 
@@ -49,6 +49,31 @@ impl Proc {
     /// Like [`Proc::spawn_with_ready_line`], for a process that prints `n` readiness lines
     /// (one per engine, say): waits up to `bound` for all of them.
     pub(crate) async fn spawn_with_ready_lines(
+        name: &str,
+        cmd: &mut Command,
+        log: &Path,
+        n: usize,
+        bound: Duration,
+    ) -> Result<(Proc, Vec<String>)> {
+        cmd.stdin(Stdio::null());
+        Self::ready_lines(name, cmd, log, n, bound).await
+    }
+
+    /// Like [`Proc::spawn_with_ready_lines`], with the child's standard input a pipe held open
+    /// for as long as the [`Proc`] lives: for a process that stops when its input closes (as
+    /// `tests/python/llamacpp/servers.py` does).
+    pub(crate) async fn spawn_with_ready_lines_holding_stdin(
+        name: &str,
+        cmd: &mut Command,
+        log: &Path,
+        n: usize,
+        bound: Duration,
+    ) -> Result<(Proc, Vec<String>)> {
+        cmd.stdin(Stdio::piped());
+        Self::ready_lines(name, cmd, log, n, bound).await
+    }
+
+    async fn ready_lines(
         name: &str,
         cmd: &mut Command,
         log: &Path,
@@ -94,8 +119,9 @@ impl Proc {
         }
     }
 
+    /// Spawns `cmd` in a process group of its own; its standard input is the caller's choice.
     fn spawn_with(name: &str, cmd: &mut Command, log: &Path) -> Result<Proc> {
-        cmd.stdin(Stdio::null()).process_group(0);
+        cmd.process_group(0);
         let child = cmd
             .spawn()
             .with_context(|| format!("could not start {name}: {cmd:?}"))?;

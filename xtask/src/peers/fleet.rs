@@ -30,9 +30,9 @@ const START_BOUND: Duration = Duration::from_secs(60);
 pub(crate) struct Engine {
     /// `http://127.0.0.1:PORT`.
     pub(crate) url: String,
-    /// Its ZMQ KV event PUB endpoint.
+    /// Its ZMQ KV event PUB endpoint (empty for a llama.cpp server, which publishes none).
     pub(crate) kv_events: String,
-    /// Its ZMQ replay endpoint.
+    /// Its ZMQ replay endpoint (empty for a llama.cpp server).
     pub(crate) kv_events_replay: String,
 }
 

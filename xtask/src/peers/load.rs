@@ -201,7 +201,7 @@ pub(crate) async fn replay(
 
 async fn send(http: &reqwest::Client, url: &str, body: Value, since: Instant) -> Sample {
     match stream(http, url, body, since).await {
-        Ok(sample) => sample,
+        Ok((sample, _)) => sample,
         Err(e) => Sample {
             error: Some(format!("{e:#}")),
             ..Sample::default()
@@ -209,7 +209,14 @@ async fn send(http: &reqwest::Client, url: &str, body: Value, since: Instant) ->
     }
 }
 
-async fn stream(http: &reqwest::Client, url: &str, body: Value, since: Instant) -> Result<Sample> {
+/// Sends one streamed request and reads its answer to the end; its sample, and the scan (the
+/// reply's text, usage and timings) for a caller that wants more.
+pub(crate) async fn stream(
+    http: &reqwest::Client,
+    url: &str,
+    body: Value,
+    since: Instant,
+) -> Result<(Sample, SseScan)> {
     let mut response = http
         .post(url)
         .json(&body)
@@ -238,8 +245,9 @@ async fn stream(http: &reqwest::Client, url: &str, body: Value, since: Instant) 
     }
     let usage = scan
         .usage
+        .as_ref()
         .context("the stream carried no usage (stream_options.include_usage was asked)")?;
-    Ok(Sample {
+    let sample = Sample {
         error: None,
         ttft: Some(ttft.context("the stream carried no choice")?),
         e2e: Some(e2e),
@@ -248,7 +256,8 @@ async fn stream(http: &reqwest::Client, url: &str, body: Value, since: Instant) 
             .as_u64()
             .unwrap_or(0),
         completion_tokens: usage["completion_tokens"].as_u64().unwrap_or(0),
-    })
+    };
+    Ok((sample, scan))
 }
 
 /// The figures of one run.

@@ -33,6 +33,10 @@ pub(crate) enum Config {
     VllmKvAware,
     /// vLLM's router, `--policy cache_aware`.
     VllmCacheAware,
+    /// vLLM's router, `--policy cache_aware`, sent the chats as text completions (the messages
+    /// rendered with the model's template), since it reads no text from chat bodies; `--engine
+    /// llamacpp` only (the simulated fleet is sent text completions anyway).
+    VllmCacheAwareText,
     /// SGLang's Shepherd Model Gateway, `--policy round_robin`: the baseline.
     RoundRobin,
 }
@@ -49,6 +53,21 @@ impl Config {
         Config::RoundRobin,
     ];
 
+    /// The configurations that run against llama.cpp, which publishes no KV events.
+    pub(crate) const LLAMACPP: [Config; 6] = [
+        Config::KvrouteApprox,
+        Config::SmgCacheAware,
+        Config::SmgPrefixHash,
+        Config::VllmCacheAware,
+        Config::VllmCacheAwareText,
+        Config::RoundRobin,
+    ];
+
+    /// Whether it reads the engines' KV events.
+    pub(crate) fn uses_events(self) -> bool {
+        matches!(self, Config::Kvroute | Config::VllmKvAware)
+    }
+
     /// The column header.
     pub(crate) fn label(self) -> &'static str {
         match self {
@@ -58,6 +77,7 @@ impl Config {
             Config::SmgPrefixHash => "SMG prefix_hash",
             Config::VllmKvAware => "vLLM router kv_aware",
             Config::VllmCacheAware => "vLLM router cache_aware",
+            Config::VllmCacheAwareText => "vLLM router cache_aware (text)",
             Config::RoundRobin => "round-robin (SMG)",
         }
     }
@@ -72,15 +92,19 @@ pub(crate) struct Binaries {
     pub(crate) kvroute: PathBuf,
     pub(crate) smg: PathBuf,
     pub(crate) vllm_router: PathBuf,
-    /// The bench's tokenizer file (kvroute reads it; the peers route on text).
+    /// The model's tokenizer file (kvroute reads it; the peers route on text).
     pub(crate) tokenizer: PathBuf,
+    /// The model's chat template, for a fleet that is sent chats.
+    pub(crate) chat_template: Option<PathBuf>,
+    /// The engines' dialect in kvroute's fleet file (`vllm`, `llamacpp`).
+    pub(crate) dialect: &'static str,
 }
 
 /// A running router.
 pub(crate) struct Router {
     pub(crate) proc: Proc,
-    /// Its `/v1/completions` address.
-    pub(crate) completions: String,
+    /// Its address, `http://127.0.0.1:PORT`.
+    pub(crate) base: String,
 }
 
 /// A free loopback port (bound, then released for the child to take).
@@ -103,14 +127,21 @@ pub(crate) async fn start(
     let (mut proc, base) = if config.is_kvroute() {
         // Port 0, read back from serve's start-up line: no race for a port picked in advance.
         let fleet = scratch.join(format!("fleet-{}.toml", std::process::id()));
-        std::fs::write(&fleet, fleet_file(engines, config == Config::Kvroute))
-            .with_context(|| format!("writing {}", fleet.display()))?;
+        std::fs::write(
+            &fleet,
+            fleet_file(engines, config == Config::Kvroute, bin.dialect),
+        )
+        .with_context(|| format!("writing {}", fleet.display()))?;
+        let mut model = format!("{MODEL},tokenizer={}", bin.tokenizer.display());
+        if let Some(template) = &bin.chat_template {
+            let _ = write!(model, ",chat_template={}", template.display());
+        }
         let mut cmd = Command::new(&bin.kvroute);
         cmd.args(["serve", "--listen", "127.0.0.1:0"])
             .arg("--fleet")
             .arg(&fleet)
             .arg("--model")
-            .arg(format!("{MODEL},tokenizer={}", bin.tokenizer.display()))
+            .arg(model)
             .args(["--block-size", &BLOCK_SIZE.to_string()])
             .env("RUST_LOG", "warn");
         if config == Config::KvrouteApprox {
@@ -125,7 +156,10 @@ pub(crate) async fn start(
     } else {
         let port = free_port()?;
         let mut cmd;
-        if matches!(config, Config::VllmKvAware | Config::VllmCacheAware) {
+        if matches!(
+            config,
+            Config::VllmKvAware | Config::VllmCacheAware | Config::VllmCacheAwareText
+        ) {
             cmd = Command::new(&bin.vllm_router);
             cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
                 .arg("--worker-urls")
@@ -165,10 +199,7 @@ pub(crate) async fn start(
         )
     };
     wait_ready(config, &mut proc, &base, engines.len(), http).await?;
-    Ok(Router {
-        proc,
-        completions: format!("{base}/v1/completions"),
-    })
+    Ok(Router { proc, base })
 }
 
 /// `http://ADDR` from kvroute serve's start-up line `kvroute serve: http=ADDR registry=...`.
@@ -178,15 +209,15 @@ pub(crate) fn serve_address(line: &str) -> Option<String> {
         .map(|addr| format!("http://{addr}"))
 }
 
-/// kvroute's static fleet: one `[[workers]]` entry per engine, fronted by `kvroute serve`
-/// itself, with the engine's KV events or without.
-pub(crate) fn fleet_file(engines: &[Engine], events: bool) -> String {
+/// kvroute's static fleet: one `[[workers]]` entry per engine of `dialect`, fronted by
+/// `kvroute serve` itself, with the engine's KV events or without.
+pub(crate) fn fleet_file(engines: &[Engine], events: bool, dialect: &str) -> String {
     let mut text = String::new();
     for (i, e) in engines.iter().enumerate() {
         let _ = writeln!(text, "[[workers]]");
         let _ = writeln!(text, "id = {}", i + 1);
         let _ = writeln!(text, "kv_block_size = {BLOCK_SIZE}");
-        let _ = writeln!(text, "engine = \"vllm\"");
+        let _ = writeln!(text, "engine = \"{dialect}\"");
         let _ = writeln!(text, "engine_url = \"{}\"", e.url);
         if events {
             let _ = writeln!(text, "kv_events = \"{}\"", e.kv_events);

@@ -3,6 +3,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::fleet::{self, Engine};
+use super::llamacpp::{self, CacheRam, Sizing};
 use super::load::{self, Sample, Shape, SseScan};
 use super::routers::{self, Config};
 use super::*;
@@ -212,12 +213,14 @@ fn kvroute_fleet_files_carry_events_only_when_asked() {
         kv_events: "tcp://127.0.0.1:2".to_owned(),
         kv_events_replay: "tcp://127.0.0.1:3".to_owned(),
     }];
-    let with: toml::Value = toml::from_str(&routers::fleet_file(&engines, true)).unwrap();
+    let with: toml::Value = toml::from_str(&routers::fleet_file(&engines, true, "vllm")).unwrap();
     let worker = &with["workers"][0];
     assert_eq!(worker["engine"].as_str(), Some("vllm"));
     assert_eq!(worker["kv_events"].as_str(), Some("tcp://127.0.0.1:2"));
-    let without: toml::Value = toml::from_str(&routers::fleet_file(&engines, false)).unwrap();
+    let without: toml::Value =
+        toml::from_str(&routers::fleet_file(&engines, false, "llamacpp")).unwrap();
     assert!(without["workers"][0].get("kv_events").is_none());
+    assert_eq!(without["workers"][0]["engine"].as_str(), Some("llamacpp"));
 }
 
 #[test]
@@ -236,4 +239,198 @@ fn kvroute_serve_s_start_up_line_gives_its_address() {
         Some("http://127.0.0.1:43210")
     );
     assert_eq!(routers::serve_address("kvroute serve: starting"), None);
+}
+
+#[test]
+fn llamacpp_defaults_are_four_engines_both_prompt_memories_and_the_routers_without_events() {
+    let a = args(&["--engine", "llamacpp"]).expect("valid");
+    assert_eq!(a.engine, EngineKind::Llamacpp);
+    assert_eq!(a.engines, vec![4]);
+    assert_eq!(a.cache_ram, vec![CacheRam::Default, CacheRam::Mib(0)]);
+    assert_eq!(a.routers, Config::LLAMACPP.to_vec());
+    assert!(a.routers.iter().all(|c| !c.uses_events()));
+    assert!(a.workloads.is_empty());
+    assert_eq!(a.rounds, 2);
+    assert_eq!(a.sizing(), Sizing::FULL);
+    let rows: Vec<String> = a.rows().iter().map(Workload::label).collect();
+    assert_eq!(rows, ["chat, cache-ram default", "chat, cache-ram 0"]);
+    assert_eq!(a.rows()[1].tag(), "chat-cache-ram-0");
+    let b = args(&[
+        "--engine",
+        "llamacpp",
+        "--engines",
+        "3",
+        "--cache-ram",
+        "0,512",
+    ])
+    .unwrap();
+    assert_eq!(b.engines, vec![3]);
+    assert_eq!(b.cache_ram, vec![CacheRam::Mib(0), CacheRam::Mib(512)]);
+    // The simulated fleet is unchanged by the new options.
+    let sim = args(&["--engine", "sim"]).expect("valid");
+    assert_eq!(sim, args(&[]).expect("valid"));
+    assert_eq!(sim.rows().len(), 5);
+}
+
+#[test]
+fn quick_on_llamacpp_is_two_engines_one_round_and_few_requests() {
+    let a = args(&["--engine", "llamacpp", "--quick"]).expect("valid");
+    assert_eq!(a.engines, vec![2]);
+    assert_eq!(a.cache_ram, vec![CacheRam::Default]);
+    assert_eq!(a.rounds, 1);
+    assert_eq!(a.routers, Config::LLAMACPP.to_vec());
+    assert_eq!(a.sizing(), Sizing::QUICK);
+    assert!(
+        Sizing::QUICK.requests() <= 30,
+        "{}",
+        Sizing::QUICK.requests()
+    );
+}
+
+#[test]
+fn llamacpp_refuses_the_event_routers_workloads_and_bad_sizes_by_name() {
+    let e = args(&[
+        "--engine",
+        "llamacpp",
+        "--routers",
+        "kvroute,smg-cache-aware",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("`kvroute (events)` reads the engines' KV events, which llama.cpp does not"),
+        "{e}"
+    );
+    assert!(e.contains("kvroute (approx.), SMG cache_aware"), "{e}");
+    let e = args(&["--engine", "llamacpp", "--routers", "vllm-kv-aware"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("vLLM router kv_aware"), "{e}");
+    let e = args(&["--engine", "llamacpp", "--workloads", "rag"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--workloads applies to --engine sim only"),
+        "{e}"
+    );
+    let e = args(&["--cache-ram", "0"]).unwrap_err().to_string();
+    assert!(
+        e.contains("--cache-ram applies to --engine llamacpp only"),
+        "{e}"
+    );
+    let e = args(&["--engine", "llamacpp", "--cache-ram", "lots"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("got `lots`"), "{e}");
+    let e = args(&["--engine", "gpu"]).unwrap_err().to_string();
+    assert!(e.contains("gpu"), "{e}");
+    let e = args(&["--engine", "llamacpp", "--engines", "0"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--engines must list 1 to 64"), "{e}");
+}
+
+#[test]
+fn conversations_are_families_sharing_a_system_prompt_and_the_same_for_a_seed() {
+    let sizing = Sizing::FULL;
+    let c = llamacpp::conversations(7, sizing);
+    assert_eq!(c.len(), sizing.families * sizing.per_family);
+    assert_eq!(c.len() * sizing.turns, sizing.requests());
+    assert_eq!(c, llamacpp::conversations(7, sizing), "deterministic");
+    assert_ne!(
+        c,
+        llamacpp::conversations(8, sizing),
+        "the seed changes the text"
+    );
+    // Families alternate: the first conversation of each, then the second of each.
+    let families: Vec<usize> = c.iter().map(|c| c.family).collect();
+    assert_eq!(
+        families[..sizing.families],
+        (0..sizing.families).collect::<Vec<_>>()
+    );
+    assert_eq!(families[sizing.families], 0);
+    for conv in &c {
+        assert_eq!(conv.turns.len(), sizing.turns);
+        let first = c.iter().find(|o| o.family == conv.family).unwrap();
+        assert_eq!(
+            conv.system, first.system,
+            "a family shares its system prompt"
+        );
+        // Sentences of the known words, a full stop each.
+        assert_eq!(
+            conv.turns[0].matches('.').count(),
+            sizing.turn_sentences,
+            "{}",
+            conv.turns[0]
+        );
+        assert!(
+            conv.turns
+                .iter()
+                .all(|t| t.split(' ').count() == 10 * sizing.turn_sentences)
+        );
+    }
+    assert_ne!(c[0].system, c[1].system, "families differ");
+    assert_ne!(
+        c[0].turns, c[sizing.families].turns,
+        "conversations of a family differ"
+    );
+    // Sized for the servers' context: a system prompt of 300-odd words, and turns.
+    let words = c[0].system.split(' ').count();
+    assert!((250..400).contains(&words), "{words}");
+}
+
+#[test]
+fn llamacpp_server_lines_parse_and_cache_ram_reads_default_or_mib() {
+    let e = llamacpp::parse_line("llamacpp i=1 url=http://127.0.0.1:4100 pid=77").unwrap();
+    assert_eq!(e.url, "http://127.0.0.1:4100");
+    assert!(e.kv_events.is_empty());
+    let err = llamacpp::parse_line("llamacpp i=1 pid=77").unwrap_err();
+    assert!(err.to_string().contains("no `url=`"), "{err}");
+    assert_eq!("default".parse::<CacheRam>(), Ok(CacheRam::Default));
+    assert_eq!("0".parse::<CacheRam>(), Ok(CacheRam::Mib(0)));
+    assert_eq!(CacheRam::Mib(0).to_string(), "0");
+    assert!("-1".parse::<CacheRam>().is_err());
+}
+
+#[test]
+fn the_stream_scan_gathers_the_reply_text_of_chats_and_completions() {
+    let mut chat = SseScan::default();
+    chat.feed(b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":null}}]}\n\n")
+        .unwrap();
+    chat.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"cache \"}}]}\n\n")
+        .unwrap();
+    chat.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"block\"}}],")
+        .unwrap();
+    chat.feed(b"\"timings\":{\"cache_n\":5}}\n\n").unwrap();
+    assert_eq!(chat.content, "cache block");
+    assert_eq!(chat.timings.as_ref().unwrap()["cache_n"], json!(5));
+    let mut text = SseScan::default();
+    text.feed(
+        b"data: {\"choices\":[{\"text\":\"w1 \"}]}\n\ndata: {\"choices\":[{\"text\":\"w2\"}]}\n\n",
+    )
+    .unwrap();
+    assert_eq!(text.content, "w1 w2");
+}
+
+#[test]
+fn text_prompts_render_the_model_s_chatml_template() {
+    let messages = vec![
+        json!({"role": "system", "content": "You are a cache."}),
+        json!({"role": "user", "content": "Hello."}),
+        json!({"role": "assistant", "content": "w1 w2"}),
+        json!({"role": "user", "content": "Again."}),
+    ];
+    assert_eq!(
+        llamacpp::render(&messages),
+        "<|im_start|>system\nYou are a cache.<|im_end|>\n<|im_start|>user\nHello.<|im_end|>\n\
+         <|im_start|>assistant\nw1 w2<|im_end|>\n<|im_start|>user\nAgain.<|im_end|>\n\
+         <|im_start|>assistant\n"
+    );
+    // The text form is for the llama.cpp chats only.
+    let e = args(&["--routers", "vllm-cache-aware-text"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("applies to --engine llamacpp only"), "{e}");
+    assert!(!Config::ALL.contains(&Config::VllmCacheAwareText));
+    assert!(Config::LLAMACPP.contains(&Config::VllmCacheAwareText));
 }
