@@ -170,6 +170,25 @@ impl HfTokenizer {
         Self { inner, chunks }
     }
 
+    /// This tokenizer with the chunk cache on or off: off tokenizes every prompt whole (no
+    /// cache memory, up to 16 MiB, and every prompt's full tokenizing cost); on is the default
+    /// where the tokenizer allows it, and changes nothing where it does not.
+    pub fn with_chunk_cache(mut self, enabled: bool) -> Self {
+        if !enabled {
+            self.chunks = None;
+        } else if self.chunks.is_none() && self.chunkable() {
+            self.chunks = Some(chunked::ChunkCache::new(chunked::CAPACITY_IDS));
+        }
+        self
+    }
+
+    fn chunkable(&self) -> bool {
+        serde_json::to_value(&self.inner)
+            .map_err(|e| e.to_string())
+            .and_then(|config| chunked::ChunkCache::supports(&config))
+            .is_ok()
+    }
+
     /// Whether long prompts are tokenized a chunk at a time with a cache (see [`chunked`]):
     /// false for tokenizers where that could give other ids, and once a check found it did.
     pub fn tokenizes_in_chunks(&self) -> bool {
