@@ -242,8 +242,7 @@ impl ApproxIndex {
     /// after the capacity cut). Below the prediction, the first block not found was too old to
     /// be held: the worker's capacity moves down toward its age (the first shortfall sets it
     /// there; [`Learnt::Lost`] when the engine held none of the prompt and its first block
-    /// was far too young to be evicted; a young block missing behind held ones teaches nothing).
-    /// Above it, a block the
+    /// was far too young to be evicted). Above it, a block the
     /// capacity cut was still held: the capacity moves up past its age. Unknown requests teach
     /// nothing.
     pub fn on_report(&mut self, request: u64, predicted: u32, reported: u32) -> Learnt {
@@ -264,18 +263,14 @@ impl ApproxIndex {
                     learned.capacity = Some(capacity);
                     Learnt::Lowered(capacity)
                 }
-                // A block far younger than the capacity was gone. With none of the prompt
-                // held, the engine lost its cache (a restart). With its first blocks held it
-                // did not: under LRU a prompt's first blocks are its most recently used, and a
-                // young tail missing is a prompt still being computed (chunked prefill of
-                // another request with the same prefix) or an engine briefly short of memory
-                // (preempting); neither says what the engine keeps, so nothing is learnt.
-                Some(c) if target < c * LOST_FRACTION => {
-                    if reported <= REPORT_SLACK_BLOCKS {
-                        Learnt::Lost
-                    } else {
-                        Learnt::Nothing
-                    }
+                // Nothing of a prompt whose first missing block was far younger than the
+                // capacity: the engine lost its cache (a restart). With the prompt's first
+                // blocks held it did not: under LRU a prompt's first blocks are its most
+                // recently used, so an engine short of memory (preempting, or keeping one
+                // prompt a slot as llama.cpp does) loses a prompt's tail first, and the
+                // capacity moves down as for any eviction.
+                Some(c) if target < c * LOST_FRACTION && reported <= REPORT_SLACK_BLOCKS => {
+                    Learnt::Lost
                 }
                 Some(c) if target >= c => Learnt::Nothing,
                 Some(c) => {

@@ -164,11 +164,11 @@ fn a_report_above_the_cut_raises_the_capacity() {
     assert_eq!(approx.on_report(12, 4, 0), Learnt::Lost);
     assert_eq!(approx.capacity(w), Some(10.5));
     // A young block missing while the prompt's first blocks were held: not a restart (LRU
-    // loses a prompt's tail first) but a prefix still being computed or a brief shortage of
-    // memory, which says nothing of the capacity.
+    // loses a prompt's tail first) but an engine short of memory; the capacity moves halfway
+    // down.
     approx.record_request(w, &blocks(&[100, 101, 102, 103]), secs(8), Some(13));
-    assert_eq!(approx.on_report(13, 4, 2), Learnt::Nothing);
-    assert_eq!(approx.capacity(w), Some(10.5));
+    assert_eq!(approx.on_report(13, 4, 2), Learnt::Lowered(5.25));
+    assert_eq!(approx.capacity(w), Some(5.25));
     // Removing the worker forgets what was learnt.
     approx.remove_worker(1);
     assert_eq!(approx.capacity(w), None);
