@@ -120,8 +120,9 @@ impl Tokenizer for MockTokenizer {
 /// A Hugging Face `tokenizer.json`, loaded with the `tokenizers` crate (pure Rust, no Python).
 ///
 /// Long prompts are tokenized a chunk at a time with a cache of the chunks seen before, for
-/// tokenizers where that gives the same ids (see [`chunked`]; checked against whole encodings
-/// as it runs): a prompt that repeats an earlier one's prefix costs its new chunks only.
+/// tokenizers where that gives the same ids (no normalizer, a pre-tokenizer that splits at
+/// spaces, no added token holding or stripping whitespace; checked against whole encodings as
+/// it runs): a prompt that repeats an earlier one's prefix costs its new chunks only.
 pub struct HfTokenizer {
     inner: tokenizers::Tokenizer,
     chunks: Option<chunked::ChunkCache>,
@@ -189,8 +190,8 @@ impl HfTokenizer {
             .is_ok()
     }
 
-    /// Whether long prompts are tokenized a chunk at a time with a cache (see [`chunked`]):
-    /// false for tokenizers where that could give other ids, and once a check found it did.
+    /// Whether long prompts are tokenized a chunk at a time with a cache: false for tokenizers
+    /// where that could give other ids, and once a check found it did.
     pub fn tokenizes_in_chunks(&self) -> bool {
         self.chunks.as_ref().is_some_and(|c| !c.disabled())
     }
