@@ -140,7 +140,28 @@ pub(crate) fn parse_line(line: &str) -> Result<Engine> {
 /// The engines' own prefix-cache hit rate: the sum of `vllm:prefix_cache_hits_total` over the
 /// sum of `vllm:prefix_cache_queries_total` (tokens), over every engine.
 pub(crate) async fn engine_hit_rate(http: &reqwest::Client, engines: &[Engine]) -> Result<f64> {
-    let (mut hits, mut queries) = (0.0, 0.0);
+    let [hits, queries] = sum_counters(
+        http,
+        engines,
+        [
+            "vllm:prefix_cache_hits_total",
+            "vllm:prefix_cache_queries_total",
+        ],
+    )
+    .await?;
+    if queries == 0.0 {
+        bail!("the engines counted no prefix-cache query");
+    }
+    Ok(hits / queries)
+}
+
+/// Each of the counters `names`, summed over every engine's `/metrics`.
+pub(crate) async fn sum_counters<const N: usize>(
+    http: &reqwest::Client,
+    engines: &[Engine],
+    names: [&str; N],
+) -> Result<[f64; N]> {
+    let mut sums = [0.0; N];
     for engine in engines {
         let text = http
             .get(format!("{}/metrics", engine.url))
@@ -151,13 +172,11 @@ pub(crate) async fn engine_hit_rate(http: &reqwest::Client, engines: &[Engine]) 
             .text()
             .await
             .with_context(|| format!("reading {}/metrics", engine.url))?;
-        hits += counter(&text, "vllm:prefix_cache_hits_total")?;
-        queries += counter(&text, "vllm:prefix_cache_queries_total")?;
+        for (sum, name) in sums.iter_mut().zip(names) {
+            *sum += counter(&text, name)?;
+        }
     }
-    if queries == 0.0 {
-        bail!("the engines counted no prefix-cache query");
-    }
-    Ok(hits / queries)
+    Ok(sums)
 }
 
 /// The sum of every sample of counter `name` in a Prometheus text.

@@ -423,20 +423,15 @@ async fn turn_request(
 /// cache (`llamacpp:prompt_tokens_cached_total`) over those and the ones it computed
 /// (`llamacpp:prompt_tokens_total`).
 pub(crate) async fn engine_hit_rate(http: &reqwest::Client, engines: &[Engine]) -> Result<f64> {
-    let (mut cached, mut computed) = (0.0, 0.0);
-    for engine in engines {
-        let text = http
-            .get(format!("{}/metrics", engine.url))
-            .send()
-            .await
-            .and_then(reqwest::Response::error_for_status)
-            .with_context(|| format!("reading {}/metrics", engine.url))?
-            .text()
-            .await
-            .with_context(|| format!("reading {}/metrics", engine.url))?;
-        cached += fleet::counter(&text, "llamacpp:prompt_tokens_cached_total")?;
-        computed += fleet::counter(&text, "llamacpp:prompt_tokens_total")?;
-    }
+    let [cached, computed] = fleet::sum_counters(
+        http,
+        engines,
+        [
+            "llamacpp:prompt_tokens_cached_total",
+            "llamacpp:prompt_tokens_total",
+        ],
+    )
+    .await?;
     if cached + computed == 0.0 {
         bail!("the engines counted no prompt token");
     }
