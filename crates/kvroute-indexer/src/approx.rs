@@ -241,10 +241,9 @@ impl ApproxIndex {
     /// of its prompt's blocks cached where this index predicted `predicted` (its match then,
     /// after the capacity cut). Below the prediction, the first block not found was too old to
     /// be held: the worker's capacity moves down toward its age (the first shortfall sets it
-    /// there; [`Learnt::Lost`] when the engine held none of the prompt and its first block
-    /// was far too young to be evicted). Above it, a block the
-    /// capacity cut was still held: the capacity moves up past its age. Unknown requests teach
-    /// nothing.
+    /// there; [`Learnt::Lost`] when the engine held none of the prompt and its first block was
+    /// far too young to be evicted). Above it, a block the capacity cut was still held: the
+    /// capacity moves up past its age. Unknown requests teach nothing.
     pub fn on_report(&mut self, request: u64, predicted: u32, reported: u32) -> Learnt {
         let Some(pending) = self.pending.remove(&request) else {
             return Learnt::Nothing;

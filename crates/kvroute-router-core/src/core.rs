@@ -592,9 +592,8 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// cache evidently ends. A report of none of a prompt whose blocks were far too young to be
     /// evicted ([`kvroute_indexer::Learnt::Lost`]) means the engine lost what it held (a
     /// restart): every prediction for that worker is dropped but this request's prompt, which
-    /// the engine holds now. Returns how many predicted blocks were
-    /// dropped (0 when nothing was wrong, or the worker publishes events, or the request is
-    /// unknown).
+    /// the engine holds now. Returns how many predicted blocks were dropped (0 when nothing was
+    /// wrong, or the worker publishes events, or the request is unknown).
     pub fn on_cache_report(&mut self, id: RequestId, predicted: u64, reported: u64) -> usize {
         let Some(load) = self.scheduler.request_load(id) else {
             return 0;
