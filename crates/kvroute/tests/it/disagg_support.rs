@@ -6,7 +6,7 @@ use std::path::Path;
 
 use serde_json::{Value, json};
 
-use crate::e2e::{Fleet, Proc, active_requests, gauge};
+use crate::e2e::{Fleet, Proc, Sse, active_requests, gauge};
 use crate::engine_sim::{client, long_prompt, word_level_model};
 
 /// `kvroute serve --disagg enforced` over the fleet `workers` (TOML `[[workers]]` entries for
@@ -67,4 +67,32 @@ pub(crate) async fn assert_no_load(fleet: &Fleet) {
             })
         })
         .await;
+}
+
+/// Streams a long chat (`chat_body(tag, 2000, true)`) through `fleet`, reads its first chunk,
+/// runs `kill` (an engine dies mid-stream) and checks that the stream then ends without `[DONE]`.
+pub(crate) async fn stream_cut_mid_way(fleet: &Fleet, tag: &str, kill: impl FnOnce()) {
+    let response = fleet
+        .http
+        .post(format!("{}/v1/chat/completions", fleet.base))
+        .json(&chat_body(tag, 2000, true))
+        .send()
+        .await
+        .expect("POST");
+    assert_eq!(response.status(), 200);
+    let mut sse = Sse::new(response);
+    let first = sse
+        .next()
+        .await
+        .expect("a first chunk from the decode engine");
+    assert!(first.contains("chat.completion.chunk"), "{first}");
+    kill();
+    let mut last = String::new();
+    while let Some(data) = sse.next().await {
+        last = data;
+    }
+    assert_ne!(
+        last, "[DONE]",
+        "a stream cut by its engine does not end as if complete"
+    );
 }

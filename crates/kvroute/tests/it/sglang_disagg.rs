@@ -6,7 +6,7 @@
 
 use serde_json::json;
 
-use crate::disagg_support::{assert_no_load, chat_body, serve_disaggregated};
+use crate::disagg_support::{assert_no_load, chat_body, serve_disaggregated, stream_cut_mid_way};
 use crate::e2e::{Fleet, Sse};
 use crate::engine_sim::EngineSim;
 use crate::support::scratch;
@@ -87,23 +87,7 @@ async fn a_decode_engine_killed_mid_stream_fails_the_pair_and_leaves_no_load() {
     let decode_args = [&sglang[..], &["decode", "--speedup", "1"]].concat();
     let mut decode = EngineSim::start_with("sglang-kd-d", 1, &decode_args);
     let fleet = fleet_of(&prefill, &decode, "kill-decode").await;
-    let response = fleet
-        .http
-        .post(format!("{}/v1/chat/completions", fleet.base))
-        .json(&chat_body("c", 2000, true))
-        .send()
-        .await
-        .expect("POST");
-    assert_eq!(response.status(), 200);
-    let mut sse = Sse::new(response);
-    let first = sse.next().await.expect("a first chunk");
-    assert!(first.contains("chat.completion.chunk"), "{first}");
-    decode.kill();
-    let mut last = String::new();
-    while let Some(data) = sse.next().await {
-        last = data;
-    }
-    assert_ne!(last, "[DONE]", "a cut stream does not end as if complete");
+    stream_cut_mid_way(&fleet, "c", || decode.kill()).await;
     assert_no_load(&fleet).await;
     // No orphaned prefill half keeps running on the prefill engine.
     assert_eq!(engine_requests(&fleet, &prefill).await, 0.0);

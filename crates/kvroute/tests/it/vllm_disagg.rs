@@ -6,7 +6,7 @@
 
 use serde_json::json;
 
-use crate::disagg_support::{assert_no_load, chat_body, serve_disaggregated};
+use crate::disagg_support::{assert_no_load, chat_body, serve_disaggregated, stream_cut_mid_way};
 use crate::e2e::{Fleet, Sse};
 use crate::engine_sim::{EngineSim, MODEL, vllm_sample};
 use crate::support::scratch;
@@ -121,29 +121,7 @@ async fn a_decode_engine_killed_mid_stream_fails_the_request_and_frees_every_loa
         "kill-decode",
     )
     .await;
-    let response = fleet
-        .http
-        .post(format!("{}/v1/chat/completions", fleet.base))
-        .json(&chat_body("d", 2000, true))
-        .send()
-        .await
-        .expect("POST");
-    assert_eq!(response.status(), 200);
-    let mut sse = Sse::new(response);
-    let first = sse
-        .next()
-        .await
-        .expect("a first chunk from the decode engine");
-    assert!(first.contains("chat.completion.chunk"), "{first}");
-    decode.kill();
-    let mut last = String::new();
-    while let Some(data) = sse.next().await {
-        last = data;
-    }
-    assert_ne!(
-        last, "[DONE]",
-        "a stream cut by its engine does not end as if complete"
-    );
+    stream_cut_mid_way(&fleet, "d", || decode.kill()).await;
     assert_no_load(&fleet).await;
     let metrics = fleet
         .get(&format!("{}/metrics", prefill.field(0, "url")))
@@ -177,30 +155,7 @@ async fn a_killed_prefill_engine_fails_the_next_request_cleanly() {
 async fn engines_killed_mid_stream_fail_the_request_cleanly_and_free_every_load() {
     let mut sim = EngineSim::start_with("vllm-disagg-kill", 2, &["--speedup", "1"]);
     let fleet = disagg_fleet(&sim, "kill").await;
-    let response = fleet
-        .http
-        .post(format!("{}/v1/chat/completions", fleet.base))
-        .json(&chat_body("d", 2000, true))
-        .send()
-        .await
-        .expect("POST");
-    assert_eq!(response.status(), 200);
-    let mut sse = Sse::new(response);
-    let first = sse
-        .next()
-        .await
-        .expect("a first chunk from the decode engine");
-    assert!(first.contains("chat.completion.chunk"), "{first}");
-    // Both engines (one process) die while the decode engine streams.
-    sim.kill();
-    let mut last = String::new();
-    while let Some(data) = sse.next().await {
-        last = data;
-    }
-    assert_ne!(
-        last, "[DONE]",
-        "a stream cut by its engine does not end as if complete"
-    );
+    stream_cut_mid_way(&fleet, "d", || sim.kill()).await;
     assert_no_load(&fleet).await;
 }
 
