@@ -13,6 +13,15 @@
 //! age) is learnt, and matches stop at the first block older than it: the predicted cache follows
 //! what the engine reports. Ages grow along a prompt (a block is used whenever a later one of the
 //! same prefix is), so the cut is a binary search.
+//!
+//! **Two ways engines forget.** An engine with a paged block cache (vLLM, SGLang) evicts least
+//! recently used *blocks*: a block survives a number of new blocks. An engine that keeps a prompt
+//! per slot (llama.cpp without its host-memory prompt cache) forgets whole *requests*: a prefix
+//! survives until another request takes its slot, however short. Each prediction therefore also
+//! carries the worker's request count when it was last used, a second age, and a second capacity
+//! (in requests) is learnt from the same reports. Both models learn from every report; each
+//! worker's matches are cut by the one whose predictions have lately been closer to what its
+//! engine reported (the block model unless the request model is clearly better).
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -49,8 +58,13 @@ impl Default for ApproxConfig {
     }
 }
 
-/// How far one report moves a worker's learnt capacity toward what it showed (0..=1).
+/// How far one report moves a worker's learnt capacity in blocks toward what it showed (0..=1):
+/// an LRU cache's boundary moves with the traffic, so one report is one sample of it.
 const LEARNING_RATE: f64 = 0.5;
+/// The same for the capacity in requests: the prompts an engine keeps (its slots) is a small
+/// whole number that does not drift, so one report sets it. Ages are whole numbers too, and a
+/// capacity moved only part of the way would still count the missing block as held.
+const REQUEST_LEARNING_RATE: f64 = 1.0;
 /// Reports within this many blocks of the prediction teach nothing (engines such as llama.cpp
 /// re-evaluate a prompt's last token, so a fully cached prompt may read one block short).
 const REPORT_SLACK_BLOCKS: u32 = 1;
@@ -59,6 +73,11 @@ const REPORT_SLACK_BLOCKS: u32 = 1;
 const LOST_FRACTION: f64 = 0.25;
 /// At most this many routed requests await their report; beyond it the oldest are forgotten.
 const MAX_PENDING_REPORTS: usize = 1 << 16;
+/// Weight of the latest report in each model's running error (0..=1).
+const ERROR_WEIGHT: f64 = 0.2;
+/// The request model cuts a worker's matches only while its running error is below this share of
+/// the block model's, so that two models about as good do not take turns.
+const SWITCH_RATIO: f64 = 0.8;
 
 /// One predicted block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +86,39 @@ struct Prediction {
     deadline: u64,
     /// The worker's allocation count when the block was last used.
     stamp: u64,
+    /// The worker's request count when the block was last used.
+    request: u64,
+}
+
+/// How a worker's engine forgets, as learnt from its reports.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub enum Retention {
+    /// Least recently used blocks go: a block is held until this many new blocks (of age) have
+    /// been sent there after its last use (paged caches: vLLM, SGLang, TensorRT-LLM).
+    Blocks(f64),
+    /// Whole requests go: a prefix is held until this many requests (of age) have been sent there
+    /// after its last use (an engine that keeps one prompt a slot, such as llama.cpp without its
+    /// prompt cache).
+    Requests(f64),
+}
+
+/// One way of measuring a prediction's age, and what is learnt in it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Model {
+    /// Ages in new blocks allocated since last use.
+    Blocks,
+    /// Ages in requests routed since last use.
+    Requests,
+}
+
+/// What one model has learnt of a worker rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Capacity {
+    /// Predictions of this age or more are gone by now; unknown until a report says.
+    limit: Option<f64>,
+    /// Running mean of how far this model's predictions were from the reports, in blocks.
+    error: f64,
 }
 
 /// What is learnt of one worker rank.
@@ -74,29 +126,92 @@ struct Prediction {
 struct Learned {
     /// New blocks the router has predicted there, ever.
     allocated: u64,
-    /// Blocks of this age or more are evicted by now; unknown until a report says.
-    capacity: Option<f64>,
+    /// Requests the router has recorded there, ever.
+    requests: u64,
+    /// Capacity in blocks of age.
+    blocks: Capacity,
+    /// Capacity in requests of age.
+    by_requests: Capacity,
+}
+
+impl Learned {
+    /// The model whose predictions have lately been closer to the reports.
+    fn model(&self) -> Model {
+        if self.by_requests.limit.is_some()
+            && self.by_requests.error < self.blocks.error * SWITCH_RATIO
+        {
+            Model::Requests
+        } else {
+            Model::Blocks
+        }
+    }
+
+    /// The capacity in force, if one is learnt.
+    fn retention(&self) -> Option<Retention> {
+        match self.model() {
+            Model::Blocks => self.blocks.limit.map(Retention::Blocks),
+            Model::Requests => self.by_requests.limit.map(Retention::Requests),
+        }
+    }
+
+    /// A prediction's age in the model in force, as a float for comparing with its capacity.
+    fn age(&self, model: Model, p: &Prediction) -> f64 {
+        match model {
+            Model::Blocks => self.allocated.saturating_sub(p.stamp) as f64,
+            Model::Requests => self.requests.saturating_sub(p.request) as f64,
+        }
+    }
+}
+
+/// The ages of a run of a prompt's predicted blocks when it was routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Run {
+    /// New blocks allocated on the worker since their last use.
+    blocks: u64,
+    /// Requests recorded on the worker since their last use.
+    requests: u64,
+    /// Blocks in the run.
+    len: u32,
 }
 
 /// The ages a routed request's predicted blocks had when it was routed, awaiting its report.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct PendingReport {
     worker: WorkerWithDpRank,
-    /// Runs of (age, blocks), along the prompt; ages never fall.
-    runs: Vec<(u64, u32)>,
+    /// Runs of equal ages along the prompt; neither age ever falls.
+    runs: Vec<Run>,
 }
 
 impl PendingReport {
-    /// The age block `index` of the prompt had, if it was predicted.
-    fn age_at(&self, index: u32) -> Option<u64> {
+    /// The age, in `model`, block `index` of the prompt had, if it was predicted.
+    fn age_at(&self, model: Model, index: u32) -> Option<u64> {
         let mut start = 0u32;
-        for &(age, len) in &self.runs {
-            if index < start + len {
-                return Some(age);
+        for run in &self.runs {
+            if index < start + run.len {
+                return Some(match model {
+                    Model::Blocks => run.blocks,
+                    Model::Requests => run.requests,
+                });
             }
-            start += len;
+            start += run.len;
         }
         None
+    }
+
+    /// How many of the prompt's blocks `model` predicted held under capacity `limit`.
+    fn predicted(&self, model: Model, limit: Option<f64>) -> u32 {
+        let mut held = 0u32;
+        for run in &self.runs {
+            let age = match model {
+                Model::Blocks => run.blocks,
+                Model::Requests => run.requests,
+            };
+            if limit.is_some_and(|c| age as f64 >= c) {
+                break;
+            }
+            held += run.len;
+        }
+        held
     }
 }
 
@@ -177,8 +292,8 @@ impl ApproxIndex {
         let deadline = nanos(now.saturating_add(self.config.ttl));
         // First the ages the prompt's predicted blocks have now, and how many blocks are new.
         let learned = self.learned.entry(worker).or_default();
-        let allocated = learned.allocated;
-        let mut runs: Vec<(u64, u32)> = Vec::new();
+        let (allocated, requests) = (learned.allocated, learned.requests);
+        let mut runs: Vec<Run> = Vec::new();
         let mut fresh = 0u64;
         let mut prev: Option<SequenceHash> = None;
         let mut held = true;
@@ -186,10 +301,17 @@ impl ApproxIndex {
             let seq = next_seq_hash(prev, block);
             match self.deadlines.get(&(worker, seq.0)) {
                 Some(p) if held => {
-                    let age = allocated.saturating_sub(p.stamp);
+                    let blocks = allocated.saturating_sub(p.stamp);
+                    let requests = requests.saturating_sub(p.request);
                     match runs.last_mut() {
-                        Some((a, n)) if *a == age => *n += 1,
-                        _ => runs.push((age, 1)),
+                        Some(run) if run.blocks == blocks && run.requests == requests => {
+                            run.len += 1;
+                        }
+                        _ => runs.push(Run {
+                            blocks,
+                            requests,
+                            len: 1,
+                        }),
                     }
                 }
                 Some(_) => {}
@@ -201,13 +323,19 @@ impl ApproxIndex {
             prev = Some(seq);
         }
         learned.allocated += fresh;
-        let stamp = learned.allocated;
+        learned.requests += 1;
+        let (stamp, request_stamp) = (learned.allocated, learned.requests);
         let mut prev: Option<SequenceHash> = None;
         for &block in local {
             let seq = next_seq_hash(prev, block);
+            let prediction = Prediction {
+                deadline,
+                stamp,
+                request: request_stamp,
+            };
             let fresh = self
                 .deadlines
-                .insert((worker, seq.0), Prediction { deadline, stamp })
+                .insert((worker, seq.0), prediction)
                 .is_none();
             if fresh {
                 self.store_scratch.parent_hash = prev.map(|p| ExternalSequenceBlockHash(p.0));
@@ -238,60 +366,25 @@ impl ApproxIndex {
     }
 
     /// The engine serving `request` (recorded with [`Self::record_request`]) found `reported`
-    /// of its prompt's blocks cached where this index predicted `predicted` (its match then,
-    /// after the capacity cut). Below the prediction, the first block not found was too old to
-    /// be held: the worker's capacity moves down toward its age (the first shortfall sets it
-    /// there; [`Learnt::Lost`] when the engine held none of the prompt and its first block was
-    /// far too young to be evicted). Above it, a block the capacity cut was still held: the
-    /// capacity moves up past its age. Unknown requests teach nothing.
-    pub fn on_report(&mut self, request: u64, predicted: u32, reported: u32) -> Learnt {
+    /// of its prompt's blocks cached. Each model (blocks, requests) compares it with what it
+    /// predicted from the ages the prompt's blocks had when routed and its capacity now. Below
+    /// its prediction, the first block not found was too old to be held: the capacity moves
+    /// down toward its age (the first shortfall sets it there; [`Learnt::Lost`] when the engine
+    /// held none of the prompt and its first block was far too young to be evicted). Above it,
+    /// a block the capacity cut was still held: the capacity moves up past its age. Returns
+    /// what the model in force before the report learnt (capacities in its unit, see
+    /// [`Self::retention`]). Unknown requests teach nothing.
+    pub fn on_report(&mut self, request: u64, reported: u32) -> Learnt {
         let Some(pending) = self.pending.remove(&request) else {
             return Learnt::Nothing;
         };
         let learned = self.learned.entry(pending.worker).or_default();
-        if reported.saturating_add(REPORT_SLACK_BLOCKS) < predicted {
-            let Some(age) = pending.age_at(reported) else {
-                return Learnt::Nothing;
-            };
-            let target = age as f64;
-            match learned.capacity {
-                // The first miss: the capacity starts there. Had the engine lost its cache (a
-                // restart), the cut at this age drops the older predictions all the same.
-                None => {
-                    let capacity = target.max(1.0);
-                    learned.capacity = Some(capacity);
-                    Learnt::Lowered(capacity)
-                }
-                // Nothing of a prompt whose first missing block was far younger than the
-                // capacity: the engine lost its cache (a restart). With the prompt's first
-                // blocks held it did not: under LRU a prompt's first blocks are its most
-                // recently used, so an engine short of memory (preempting, or keeping one
-                // prompt a slot as llama.cpp does) loses a prompt's tail first, and the
-                // capacity moves down as for any eviction.
-                Some(c) if target < c * LOST_FRACTION && reported <= REPORT_SLACK_BLOCKS => {
-                    Learnt::Lost
-                }
-                Some(c) if target >= c => Learnt::Nothing,
-                Some(c) => {
-                    let capacity = c + LEARNING_RATE * (target - c);
-                    learned.capacity = Some(capacity);
-                    Learnt::Lowered(capacity)
-                }
-            }
-        } else if reported > predicted.saturating_add(REPORT_SLACK_BLOCKS) {
-            let (Some(capacity), Some(age)) = (learned.capacity, pending.age_at(reported - 1))
-            else {
-                return Learnt::Nothing;
-            };
-            let target = age as f64 + 1.0;
-            if target <= capacity {
-                return Learnt::Nothing;
-            }
-            let capacity = capacity + LEARNING_RATE * (target - capacity);
-            learned.capacity = Some(capacity);
-            Learnt::Raised(capacity)
-        } else {
-            Learnt::Nothing
+        let in_force = learned.model();
+        let by_blocks = learn(&mut learned.blocks, &pending, Model::Blocks, reported);
+        let by_requests = learn(&mut learned.by_requests, &pending, Model::Requests, reported);
+        match in_force {
+            Model::Blocks => by_blocks,
+            Model::Requests => by_requests,
         }
     }
 
@@ -301,9 +394,22 @@ impl ApproxIndex {
         self.pending.remove(&request);
     }
 
-    /// The worker rank's learnt capacity, in blocks of age, once a report has taught one.
+    /// The worker rank's learnt capacity, in blocks of age, once a report has taught one
+    /// (whether or not it is the one in force: see [`Self::retention`]).
     pub fn capacity(&self, worker: WorkerWithDpRank) -> Option<f64> {
-        self.learned.get(&worker).and_then(|l| l.capacity)
+        self.learned.get(&worker).and_then(|l| l.blocks.limit)
+    }
+
+    /// The worker rank's learnt capacity, in requests of age, once a report has taught one
+    /// (whether or not it is the one in force: see [`Self::retention`]).
+    pub fn request_capacity(&self, worker: WorkerWithDpRank) -> Option<f64> {
+        self.learned.get(&worker).and_then(|l| l.by_requests.limit)
+    }
+
+    /// The capacity that cuts the worker rank's matches: the model whose predictions have lately
+    /// been closer to its engine's reports, once a report has taught one.
+    pub fn retention(&self, worker: WorkerWithDpRank) -> Option<Retention> {
+        self.learned.get(&worker).and_then(Learned::retention)
     }
 
     /// Drops every prediction whose deadline is at or before `now`.
@@ -356,7 +462,11 @@ impl ApproxIndex {
             let Some(learned) = self.learned.get(&worker) else {
                 continue;
             };
-            let Some(capacity) = learned.capacity else {
+            let model = learned.model();
+            let Some(capacity) = (match model {
+                Model::Blocks => learned.blocks.limit,
+                Model::Requests => learned.by_requests.limit,
+            }) else {
                 continue;
             };
             let n = (score as usize).min(local.len());
@@ -370,7 +480,7 @@ impl ApproxIndex {
             let too_old = |seq: &u64| {
                 self.deadlines
                     .get(&(worker, *seq))
-                    .is_none_or(|p| learned.allocated.saturating_sub(p.stamp) as f64 >= capacity)
+                    .is_none_or(|p| learned.age(model, p) >= capacity)
             };
             let cut = seqs[..n].partition_point(|seq| !too_old(seq)) as u32;
             if cut < score {
@@ -391,13 +501,13 @@ impl ApproxIndex {
     /// The underlying index's accounting plus this mode's own tables.
     pub fn memory(&self) -> MemoryStats {
         let mut stats = self.index.memory();
-        stats.table_bytes += self.deadlines.capacity() * 41
+        stats.table_bytes += self.deadlines.capacity() * 49
             + self.queue.capacity() * 24
-            + self.learned.capacity() * 41
+            + self.learned.capacity() * 81
             + self
                 .pending
                 .values()
-                .map(|p| 48 + p.runs.capacity() * 12)
+                .map(|p| 48 + p.runs.capacity() * 24)
                 .sum::<usize>();
         stats
     }
@@ -424,6 +534,61 @@ impl ApproxIndex {
         if self.queue.capacity() > 4096 && self.queue.len() * 4 < self.queue.capacity() {
             self.queue.shrink_to(self.queue.len() * 2);
         }
+    }
+}
+
+/// What one report teaches `model`, whose capacity is `capacity`: see [`ApproxIndex::on_report`].
+/// Also moves the model's running error toward how far its prediction was from the report.
+fn learn(capacity: &mut Capacity, pending: &PendingReport, model: Model, reported: u32) -> Learnt {
+    let rate = match model {
+        Model::Blocks => LEARNING_RATE,
+        Model::Requests => REQUEST_LEARNING_RATE,
+    };
+    let predicted = pending.predicted(model, capacity.limit);
+    let miss = f64::from(predicted.abs_diff(reported).saturating_sub(REPORT_SLACK_BLOCKS));
+    capacity.error += ERROR_WEIGHT * (miss - capacity.error);
+    if reported.saturating_add(REPORT_SLACK_BLOCKS) < predicted {
+        let Some(age) = pending.age_at(model, reported) else {
+            return Learnt::Nothing;
+        };
+        let target = age as f64;
+        match capacity.limit {
+            // The first miss: the capacity starts there. Had the engine lost its cache (a
+            // restart), the cut at this age drops the older predictions all the same.
+            None => {
+                let limit = target.max(1.0);
+                capacity.limit = Some(limit);
+                Learnt::Lowered(limit)
+            }
+            // Nothing of a prompt whose first missing block was far younger than the
+            // capacity: the engine lost its cache (a restart). With the prompt's first blocks
+            // held it did not: under LRU a prompt's first blocks are its most recently used, so
+            // an engine short of memory (preempting, or keeping one prompt a slot as llama.cpp
+            // does) loses a prompt's tail first, and the capacity moves down as for any
+            // eviction.
+            Some(c) if target < c * LOST_FRACTION && reported <= REPORT_SLACK_BLOCKS => {
+                Learnt::Lost
+            }
+            Some(c) if target >= c => Learnt::Nothing,
+            Some(c) => {
+                let limit = (c + rate * (target - c)).max(1.0);
+                capacity.limit = Some(limit);
+                Learnt::Lowered(limit)
+            }
+        }
+    } else if reported > predicted.saturating_add(REPORT_SLACK_BLOCKS) {
+        let (Some(limit), Some(age)) = (capacity.limit, pending.age_at(model, reported - 1)) else {
+            return Learnt::Nothing;
+        };
+        let target = age as f64 + 1.0;
+        if target <= limit {
+            return Learnt::Nothing;
+        }
+        let limit = limit + rate * (target - limit);
+        capacity.limit = Some(limit);
+        Learnt::Raised(limit)
+    } else {
+        Learnt::Nothing
     }
 }
 

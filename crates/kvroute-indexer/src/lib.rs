@@ -23,7 +23,7 @@ mod scores;
 mod sync;
 mod table;
 
-pub use approx::{ApproxConfig, ApproxIndex, Learnt};
+pub use approx::{ApproxConfig, ApproxIndex, Learnt, Retention};
 pub use concurrent::{ConcurrentIndex, Frozen, IndexWriters, MAX_SHARDS};
 pub use error::{ErrorCounts, IndexError};
 pub use fasthash::{FastBuildHasher, FastHasher, FastMap};

@@ -586,15 +586,15 @@ impl<S: AffinityStore> KvRouterCore<S> {
     }
 
     /// The engine serving request `id` reported `reported` of its prompt's tokens found in its
-    /// cache, where the router predicted `predicted`. For a worker in approximate mode the report
-    /// teaches the prediction: the worker's effective capacity is learnt from it
-    /// ([`kvroute_indexer::ApproxIndex::on_report`]), so later matches stop where the engine's
-    /// cache evidently ends. A report of none of a prompt whose blocks were far too young to be
+    /// cache. For a worker in approximate mode the report teaches the prediction: the worker's
+    /// effective capacity (in blocks or in requests of age, whichever has lately predicted its
+    /// reports better) is learnt from it ([`kvroute_indexer::ApproxIndex::on_report`]), so later
+    /// matches stop where the engine's cache evidently ends. A report of none of a prompt whose blocks were far too young to be
     /// evicted ([`kvroute_indexer::Learnt::Lost`]) means the engine lost what it held (a
     /// restart): every prediction for that worker is dropped but this request's prompt, which
     /// the engine holds now. Returns how many predicted blocks were dropped (0 when nothing was
     /// wrong, or the worker publishes events, or the request is unknown).
-    pub fn on_cache_report(&mut self, id: RequestId, predicted: u64, reported: u64) -> usize {
+    pub fn on_cache_report(&mut self, id: RequestId, reported: u64) -> usize {
         let Some(load) = self.scheduler.request_load(id) else {
             return 0;
         };
@@ -603,9 +603,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
         }
         let block = u64::from(self.config.block_size());
         let blocks = |tokens: u64| u32::try_from(tokens / block).unwrap_or(u32::MAX);
-        let learnt = self
-            .approx
-            .on_report(id.0, blocks(predicted), blocks(reported));
+        let learnt = self.approx.on_report(id.0, blocks(reported));
         // An eviction or a survival is learnt as capacity and the predictions stand; only a
         // lost cache drops them.
         if learnt != Learnt::Lost {

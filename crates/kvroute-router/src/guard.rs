@@ -85,7 +85,7 @@ impl RequestGuard {
             .state
             .lock()
             .core
-            .on_cache_report(self.id, predicted, reported);
+            .on_cache_report(self.id, reported);
         if dropped > 0 {
             self.inner
                 .metrics

@@ -875,13 +875,13 @@ fn an_approximate_worker_whose_engine_reports_far_fewer_cached_tokens_loses_its_
         .route(&RouteRequest::new(RequestId(3), &a), T0, &mut rng())
         .unwrap();
     assert_eq!(routed.overlap_blocks, 8);
-    assert_eq!(core.on_cache_report(RequestId(3), 32, 28), 0);
+    assert_eq!(core.on_cache_report(RequestId(3), 28), 0);
     core.on_finished(RequestId(3));
     // Again, and the engine had none of it: the first shortfall is learnt as the worker's
     // capacity (an eviction and a restart look alike the first time), and nothing is dropped.
     core.route(&RouteRequest::new(RequestId(4), &a), T0, &mut rng())
         .unwrap();
-    assert_eq!(core.on_cache_report(RequestId(4), 32, 0), 0);
+    assert_eq!(core.on_cache_report(RequestId(4), 0), 0);
     let worker = WorkerWithDpRank::from_worker_id(1);
     assert!(core.approx_index().capacity(worker).is_some());
     core.on_finished(RequestId(4));
@@ -895,7 +895,7 @@ fn an_approximate_worker_whose_engine_reports_far_fewer_cached_tokens_loses_its_
     core.route(&RouteRequest::new(RequestId(5), &b), T0, &mut rng())
         .unwrap();
     assert_eq!(
-        core.on_cache_report(RequestId(5), 32, 0),
+        core.on_cache_report(RequestId(5), 0),
         8,
         "a's 8 blocks dropped"
     );
@@ -911,6 +911,6 @@ fn an_approximate_worker_whose_engine_reports_far_fewer_cached_tokens_loses_its_
         "the prompt just served is held now"
     );
     // Workers with events are never touched, and unknown requests are ignored.
-    assert_eq!(core.on_cache_report(RequestId(77), 32, 0), 0);
+    assert_eq!(core.on_cache_report(RequestId(77), 0), 0);
     assert_idle(&core);
 }
