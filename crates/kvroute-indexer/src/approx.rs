@@ -103,6 +103,26 @@ pub enum Retention {
     Requests(f64),
 }
 
+impl Retention {
+    /// The unit of every variant's capacity, as [`Self::unit`] names it.
+    pub const UNITS: [&'static str; 2] = ["blocks", "requests"];
+
+    /// The capacity's unit: `blocks` or `requests` (of age).
+    pub fn unit(&self) -> &'static str {
+        match self {
+            Self::Blocks(_) => "blocks",
+            Self::Requests(_) => "requests",
+        }
+    }
+
+    /// The capacity, in [`Self::unit`].
+    pub fn capacity(&self) -> f64 {
+        match *self {
+            Self::Blocks(c) | Self::Requests(c) => c,
+        }
+    }
+}
+
 /// One way of measuring a prediction's age, and what is learnt in it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Model {
@@ -333,10 +353,7 @@ impl ApproxIndex {
                 stamp,
                 request: request_stamp,
             };
-            let fresh = self
-                .deadlines
-                .insert((worker, seq.0), prediction)
-                .is_none();
+            let fresh = self.deadlines.insert((worker, seq.0), prediction).is_none();
             if fresh {
                 self.store_scratch.parent_hash = prev.map(|p| ExternalSequenceBlockHash(p.0));
                 self.store_scratch.blocks.clear();
@@ -381,7 +398,12 @@ impl ApproxIndex {
         let learned = self.learned.entry(pending.worker).or_default();
         let in_force = learned.model();
         let by_blocks = learn(&mut learned.blocks, &pending, Model::Blocks, reported);
-        let by_requests = learn(&mut learned.by_requests, &pending, Model::Requests, reported);
+        let by_requests = learn(
+            &mut learned.by_requests,
+            &pending,
+            Model::Requests,
+            reported,
+        );
         match in_force {
             Model::Blocks => by_blocks,
             Model::Requests => by_requests,
@@ -545,7 +567,11 @@ fn learn(capacity: &mut Capacity, pending: &PendingReport, model: Model, reporte
         Model::Requests => REQUEST_LEARNING_RATE,
     };
     let predicted = pending.predicted(model, capacity.limit);
-    let miss = f64::from(predicted.abs_diff(reported).saturating_sub(REPORT_SLACK_BLOCKS));
+    let miss = f64::from(
+        predicted
+            .abs_diff(reported)
+            .saturating_sub(REPORT_SLACK_BLOCKS),
+    );
     capacity.error += ERROR_WEIGHT * (miss - capacity.error);
     if reported.saturating_add(REPORT_SLACK_BLOCKS) < predicted {
         let Some(age) = pending.age_at(model, reported) else {
@@ -553,10 +579,21 @@ fn learn(capacity: &mut Capacity, pending: &PendingReport, model: Model, reporte
         };
         let target = age as f64;
         match capacity.limit {
-            // The first miss: the capacity starts there. Had the engine lost its cache (a
-            // restart), the cut at this age drops the older predictions all the same.
+            // The first miss: in blocks the capacity starts there (had the engine lost its
+            // cache, a restart, the cut at this age drops the older predictions all the same).
+            // In requests it starts at the least the report allows, one past the oldest block
+            // held (at least 1: an engine holds the prompt it served last): a surplus raises it
+            // at once, while starting at the missing block's age would count every younger
+            // prompt held until a later miss of each age taught otherwise.
             None => {
-                let limit = target.max(1.0);
+                let limit = match model {
+                    Model::Blocks => target,
+                    Model::Requests => reported
+                        .checked_sub(1)
+                        .and_then(|held| pending.age_at(model, held))
+                        .map_or(1.0, |age| age as f64 + 1.0),
+                }
+                .max(1.0);
                 capacity.limit = Some(limit);
                 Learnt::Lowered(limit)
             }
@@ -566,7 +603,7 @@ fn learn(capacity: &mut Capacity, pending: &PendingReport, model: Model, reporte
             // an engine short of memory (preempting, or keeping one prompt a slot as llama.cpp
             // does) loses a prompt's tail first, and the capacity moves down as for any
             // eviction.
-            Some(c) if target < c * LOST_FRACTION && reported <= REPORT_SLACK_BLOCKS => {
+            Some(c) if target < lost_below(model, c) && reported <= REPORT_SLACK_BLOCKS => {
                 Learnt::Lost
             }
             Some(c) if target >= c => Learnt::Nothing,
@@ -589,6 +626,17 @@ fn learn(capacity: &mut Capacity, pending: &PendingReport, model: Model, reporte
         Learnt::Raised(limit)
     } else {
         Learnt::Nothing
+    }
+}
+
+/// A prompt held by none of its blocks, whose first block was younger than this in `model`
+/// (capacity `c`), was lost, not evicted: in blocks, a quarter of the capacity; in requests, a
+/// prefix the worker's very last request used (an engine that keeps a few prompts loses a
+/// whole one as soon as one other request comes between, which is eviction as usual).
+fn lost_below(model: Model, c: f64) -> f64 {
+    match model {
+        Model::Blocks => c * LOST_FRACTION,
+        Model::Requests => 1.0,
     }
 }
 

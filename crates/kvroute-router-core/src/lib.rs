@@ -67,7 +67,7 @@ pub use request::{PhaseTimings, PreparedRoute, RoutePreparer, RouteRequest, Rout
 
 // The types callers need to drive the core, so they need not depend on every lower crate.
 pub use kvroute_indexer::hash::HashSalt;
-pub use kvroute_indexer::{ApproxConfig, EventGap};
+pub use kvroute_indexer::{ApproxConfig, EventGap, Retention};
 pub use kvroute_scheduler::{
     CandidateCost, LoadError, RequestId, RequestLoad, SchedulerConfig, WorkerLoad, WorkerSpec,
 };

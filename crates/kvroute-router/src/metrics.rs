@@ -33,6 +33,7 @@
 //! | `cache_report_prompt_tokens_total` | counter | `worker` | prompt tokens of those requests |
 //! | `cache_report_predicted_tokens_total` | counter | `worker` | tokens the router predicted cached for them |
 //! | `cache_report_reported_tokens_total` | counter | `worker` | tokens the engines reported cached for them |
+//! | `approx_capacity` | gauge | `worker`, `unit` = blocks, requests | an approximate-mode worker's learnt capacity that cuts its predictions, in the unit of the model in force (blocks of age for paged caches, requests of age for engines that keep a prompt a slot); no sample until its engine's reports have taught one |
 //!
 //! `worker_active_requests` against `worker_reported_requests` shows, per worker rank, how far
 //! the router's prediction is from the engine's own queue (only for workers that report one;
@@ -58,7 +59,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use kvroute_protocols::{WorkerLoadReport, WorkerWithDpRank};
-use kvroute_router_core::PhaseTimings;
+use kvroute_router_core::{PhaseTimings, Retention};
 use kvroute_scheduler::WorkerLoad;
 use std::sync::atomic::AtomicU64;
 
@@ -139,6 +140,7 @@ pub struct RouterMetrics {
     worker_ejections: Family<Labels, Counter>,
     worker_ejected: Family<Labels, Gauge>,
     prediction_resets: Family<Labels, Counter>,
+    approx_capacity: Family<Labels, Gauge<f64, AtomicU64>>,
     auth: Family<Labels, Counter>,
     prefill_placements: Family<Labels, Counter>,
     /// Every worker ever ejected: those let back in read 0 on `worker_ejected`.
@@ -200,6 +202,7 @@ impl RouterMetrics {
             worker_ejections: Family::default(),
             worker_ejected: Family::default(),
             prediction_resets: Family::default(),
+            approx_capacity: Family::default(),
             auth: Family::default(),
             prefill_placements: Family::default(),
             ever_ejected: parking_lot::Mutex::default(),
@@ -372,6 +375,11 @@ impl RouterMetrics {
             "Cached prompt tokens the engines reported",
             self.report_reported.clone(),
         );
+        registry.register(
+            "approx_capacity",
+            "An approximate-mode worker's learnt capacity cutting its predictions, by unit (blocks or requests of age)",
+            self.approx_capacity.clone(),
+        );
     }
 
     /// A request was routed: its prompt, predicted cache hits and routing time.
@@ -452,6 +460,20 @@ impl RouterMetrics {
             .get_or_create(&labels)
             .inc_by(predicted);
         self.report_reported.get_or_create(&labels).inc_by(reported);
+    }
+
+    /// Sets `approx_capacity` for `worker`: the capacity in force, in its unit (the other unit's
+    /// sample goes).
+    pub fn set_approx_capacity(&self, worker: kvroute_protocols::WorkerId, retention: Retention) {
+        let labels = |unit: &str| vec![("worker", worker.to_string()), ("unit", unit.to_owned())];
+        for unit in Retention::UNITS {
+            if unit != retention.unit() {
+                self.approx_capacity.remove(&labels(unit));
+            }
+        }
+        self.approx_capacity
+            .get_or_create(&labels(retention.unit()))
+            .set(retention.capacity());
     }
 
     /// A request ended.

@@ -247,7 +247,9 @@ fn converse(
     let mut miss = 0u64;
     let mut counted = 0usize;
     for n in 0..200usize {
-        state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1);
         let pick = (state >> 33) % 8;
         let prompt = if pick < 6 {
             let c = pick as usize;
@@ -322,11 +324,50 @@ fn the_block_model_stays_in_force_until_the_request_model_is_clearly_better() {
     let w = WorkerWithDpRank::from_worker_id(1);
     let mut approx = ApproxIndex::new(ApproxConfig::default());
     three_conversations(&mut approx, w, 4);
-    // A miss of conversation 0 (8 blocks and 2 requests old) teaches both capacities...
+    // A miss of conversation 0 (8 blocks and 2 requests old) teaches both capacities: in
+    // blocks its age, in requests the least the report allows (nothing was held: 1)...
     approx.record_request(w, &blocks(&[0, 1, 2, 3]), secs(4), Some(10));
     assert_eq!(approx.on_report(10, 0), Learnt::Lowered(8.0));
     assert_eq!(approx.capacity(w), Some(8.0));
-    assert_eq!(approx.request_capacity(w), Some(2.0));
+    assert_eq!(approx.request_capacity(w), Some(1.0));
     // ...and both missed by as much, so blocks stay in force.
     assert_eq!(approx.retention(w), Some(Retention::Blocks(8.0)));
+}
+
+#[test]
+fn in_requests_a_first_miss_starts_at_the_least_the_report_allows_and_only_the_last_prompt_is_lost()
+{
+    let w = WorkerWithDpRank::from_worker_id(1);
+    let mut approx = ApproxIndex::new(ApproxConfig::default());
+    // Two prompts sharing 2 blocks, then 3 others: the shared blocks are 3 requests old, the
+    // first prompt's own tail 4.
+    approx.record(w, &blocks(&[1, 2, 3, 4]), secs(0));
+    approx.record(w, &blocks(&[1, 2, 5, 6]), secs(1));
+    for c in 0..3u64 {
+        approx.record(w, &blocks(&[100 + c]), secs(2));
+    }
+    // The engine held the 2 shared blocks (age 3), not the tail (age 4): at least 4 requests.
+    // (In blocks the capacity starts at the missing block's age, 5 new blocks.)
+    approx.record_request(w, &blocks(&[1, 2, 3, 4]), secs(3), Some(1));
+    approx.on_report(1, 2);
+    assert_eq!(approx.request_capacity(w), Some(4.0));
+    assert_eq!(approx.capacity(w), Some(5.0));
+    // A prompt one request old missing entirely: evicted (the capacity falls to 1), not lost.
+    approx.record(w, &blocks(&[200, 201, 202]), secs(4));
+    approx.record(w, &blocks(&[300]), secs(5));
+    approx.record_request(w, &blocks(&[200, 201, 202]), secs(6), Some(2));
+    approx.on_report(2, 0);
+    assert_eq!(approx.request_capacity(w), Some(1.0));
+    // The prompt the worker served last missing entirely: lost, the capacity stands.
+    approx.record(w, &blocks(&[400, 401, 402]), secs(7));
+    approx.record_request(w, &blocks(&[400, 401, 402]), secs(8), Some(3));
+    approx.on_report(3, 0);
+    assert_eq!(approx.request_capacity(w), Some(1.0));
+    // A surplus raises it at once to one past the oldest block held.
+    approx.record(w, &blocks(&[500, 501]), secs(9));
+    approx.record(w, &blocks(&[600]), secs(10));
+    approx.record(w, &blocks(&[700]), secs(11));
+    approx.record_request(w, &blocks(&[500, 501]), secs(12), Some(4));
+    approx.on_report(4, 2);
+    assert_eq!(approx.request_capacity(w), Some(3.0));
 }

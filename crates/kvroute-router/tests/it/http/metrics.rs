@@ -312,3 +312,24 @@ fn bucket_bounds_print_as_written() {
         );
     }
 }
+
+#[test]
+fn the_learnt_capacity_shows_in_the_unit_of_the_model_in_force() {
+    let metrics = kvroute_router::RouterMetrics::new();
+    assert!(!metrics.encode_text().contains("approx_capacity{"));
+    metrics.set_approx_capacity(3, kvroute_router_core::Retention::Blocks(40.5));
+    let text = metrics.encode_text();
+    assert_openmetrics(&text);
+    assert!(
+        text.contains("kvroute_router_approx_capacity{worker=\"3\",unit=\"blocks\"} 40.5\n"),
+        "{text}"
+    );
+    // The engine turned out to keep a prompt a slot: the blocks sample goes.
+    metrics.set_approx_capacity(3, kvroute_router_core::Retention::Requests(1.0));
+    let text = metrics.encode_text();
+    assert!(
+        text.contains("kvroute_router_approx_capacity{worker=\"3\",unit=\"requests\"} 1.0\n"),
+        "{text}"
+    );
+    assert!(!text.contains("unit=\"blocks\""), "{text}");
+}
