@@ -505,6 +505,7 @@ fn sse_response(
         // drops both, cancelling the request on its worker and freeing its slot.
         let _permit = permit;
         let worker = p.want_worker_id.then(|| stream.workers());
+        let text_chunk = TextChunk::new(&p.meta);
         let opening = p.meta.chunk(
             (p.meta.endpoint == Endpoint::Chat).then_some(""),
             true,
@@ -526,7 +527,7 @@ fn sse_response(
                 Ok(item) => match track.on_item(&item) {
                     Step::Text(t) => {
                         if !t.is_empty() {
-                            yield data(&p.meta.chunk(Some(&t), false, None, None));
+                            yield Ok(Event::default().data(text_chunk.render(&p.meta, &t)));
                         }
                         if track.stopped() && stop_deadline.is_none() {
                             stop_deadline = Some(tokio::time::Instant::now() + grace);
@@ -558,6 +559,51 @@ fn sse_response(
     Sse::new(events)
         .keep_alive(KeepAlive::new().interval(keep_alive))
         .into_response()
+}
+
+/// A streamed text chunk rendered from a template: the JSON of
+/// [`ResponseMeta::chunk`]`(Some(text), false, None, None)` is the same for every text but the
+/// text, so it is rendered once per response around a marker, and each token's chunk is the two
+/// halves around the JSON-escaped text (byte for byte what the full rendering gives: the tests
+/// compare them). Saves building and printing a `Value` tree for every token.
+pub(crate) struct TextChunk {
+    /// The JSON before and after the text's string literal; `None` renders each chunk whole.
+    halves: Option<(String, String)>,
+}
+
+impl TextChunk {
+    /// A text no response carries: a control character around a name.
+    const MARKER: &'static str = "\u{1}kvroute-text\u{1}";
+
+    pub(crate) fn new(meta: &ResponseMeta) -> Self {
+        let whole = meta
+            .chunk(Some(Self::MARKER), false, None, None)
+            .to_string();
+        let marker = Value::from(Self::MARKER).to_string();
+        let halves = match whole.split_once(&marker) {
+            Some((before, after)) if !after.contains(&marker) => {
+                Some((before.to_owned(), after.to_owned()))
+            }
+            _ => None,
+        };
+        Self { halves }
+    }
+
+    /// The chunk's JSON for `text`.
+    pub(crate) fn render(&self, meta: &ResponseMeta, text: &str) -> String {
+        if let Some((before, after)) = &self.halves {
+            let mut out = Vec::with_capacity(before.len() + text.len() + after.len() + 8);
+            out.extend_from_slice(before.as_bytes());
+            if serde_json::to_writer(&mut out, text).is_ok() {
+                out.extend_from_slice(after.as_bytes());
+                // Both halves and the escaped text are UTF-8.
+                if let Ok(out) = String::from_utf8(out) {
+                    return out;
+                }
+            }
+        }
+        meta.chunk(Some(text), false, None, None).to_string()
+    }
 }
 
 /// Which endpoint a response is for.
@@ -698,4 +744,39 @@ pub(crate) fn usage(
         usage["prompt_tokens_details"] = json!({"cached_tokens": cached});
     }
     usage
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_text_chunk_from_the_template_is_the_full_rendering_byte_for_byte() {
+        for endpoint in [Endpoint::Chat, Endpoint::Completion] {
+            let meta = ResponseMeta {
+                id: "chatcmpl-\"q\"\\1".to_owned(),
+                created: 1_700_000_000,
+                model: "a/model \u{e9}".to_owned(),
+                endpoint,
+            };
+            let template = TextChunk::new(&meta);
+            assert!(template.halves.is_some(), "{endpoint:?}");
+            for text in [
+                "",
+                "hello",
+                " world\n",
+                "\"quoted\" \\ back",
+                "tab\tcr\r\u{1}\u{1f}",
+                "\u{e9}\u{4e2d}\u{1f600}",
+                "</script>",
+                TextChunk::MARKER,
+            ] {
+                assert_eq!(
+                    template.render(&meta, text),
+                    meta.chunk(Some(text), false, None, None).to_string(),
+                    "{endpoint:?} {text:?}"
+                );
+            }
+        }
+    }
 }
