@@ -39,8 +39,16 @@ pub(crate) fn home_cache() -> PathBuf {
 }
 
 /// The workspace root (the parent of `xtask/`).
+///
+/// Read from `CARGO_MANIFEST_DIR` as `cargo run` (the `cargo xtask` alias) sets it for this run,
+/// and only without it from the path this binary was compiled at: two checkouts sharing one
+/// `CARGO_TARGET_DIR` (CI's cache, a worktree) share one xtask binary whenever xtask's own
+/// sources are alike, since cargo finds it fresh, and the compiled-in path would then be the
+/// other checkout's: its code would be built, tested and benched instead of this one's.
 pub(crate) fn project_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
+    manifest_dir
         .parent()
         .expect("xtask lives one level below the workspace root")
         .to_path_buf()
