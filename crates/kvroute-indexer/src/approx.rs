@@ -166,15 +166,25 @@ impl Learned {
         }
     }
 
-    /// The capacity in force, if one is learnt.
-    fn retention(&self) -> Option<Retention> {
-        match self.model() {
-            Model::Blocks => self.blocks.limit.map(Retention::Blocks),
-            Model::Requests => self.by_requests.limit.map(Retention::Requests),
+    /// What `model` has learnt.
+    fn capacity(&self, model: Model) -> &Capacity {
+        match model {
+            Model::Blocks => &self.blocks,
+            Model::Requests => &self.by_requests,
         }
     }
 
-    /// A prediction's age in the model in force, as a float for comparing with its capacity.
+    /// The capacity in force, if one is learnt.
+    fn retention(&self) -> Option<Retention> {
+        let model = self.model();
+        let limit = self.capacity(model).limit?;
+        Some(match model {
+            Model::Blocks => Retention::Blocks(limit),
+            Model::Requests => Retention::Requests(limit),
+        })
+    }
+
+    /// A prediction's age in `model`, as a float for comparing with its capacity.
     fn age(&self, model: Model, p: &Prediction) -> f64 {
         match model {
             Model::Blocks => self.allocated.saturating_sub(p.stamp) as f64,
@@ -194,6 +204,16 @@ struct Run {
     len: u32,
 }
 
+impl Run {
+    /// The run's age in `model`.
+    fn age(&self, model: Model) -> u64 {
+        match model {
+            Model::Blocks => self.blocks,
+            Model::Requests => self.requests,
+        }
+    }
+}
+
 /// The ages a routed request's predicted blocks had when it was routed, awaiting its report.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct PendingReport {
@@ -208,10 +228,7 @@ impl PendingReport {
         let mut start = 0u32;
         for run in &self.runs {
             if index < start + run.len {
-                return Some(match model {
-                    Model::Blocks => run.blocks,
-                    Model::Requests => run.requests,
-                });
+                return Some(run.age(model));
             }
             start += run.len;
         }
@@ -222,11 +239,7 @@ impl PendingReport {
     fn predicted(&self, model: Model, limit: Option<f64>) -> u32 {
         let mut held = 0u32;
         for run in &self.runs {
-            let age = match model {
-                Model::Blocks => run.blocks,
-                Model::Requests => run.requests,
-            };
-            if limit.is_some_and(|c| age as f64 >= c) {
+            if limit.is_some_and(|c| run.age(model) as f64 >= c) {
                 break;
             }
             held += run.len;
@@ -485,10 +498,7 @@ impl ApproxIndex {
                 continue;
             };
             let model = learned.model();
-            let Some(capacity) = (match model {
-                Model::Blocks => learned.blocks.limit,
-                Model::Requests => learned.by_requests.limit,
-            }) else {
+            let Some(capacity) = learned.capacity(model).limit else {
                 continue;
             };
             let n = (score as usize).min(local.len());
