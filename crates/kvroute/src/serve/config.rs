@@ -128,7 +128,8 @@ pub(crate) struct RouterOptions {
     /// Selection temperature, 0 picks the cheapest worker (default 0).
     #[arg(long, allow_negative_numbers = true)]
     pub(crate) temperature: Option<f64>,
-    /// Weight of cached blocks against prefill work in the cost (default 1).
+    /// Weight of cached blocks against prefill work in the cost of policy kv (default 1; the
+    /// kv-locality and kv-adaptive policies score with fixed weights and refuse it).
     #[arg(long, allow_negative_numbers = true)]
     pub(crate) overlap_credit: Option<f64>,
     /// Credit per cached block found on a worker's host (CPU) tier, continuing its device

@@ -563,6 +563,27 @@ fn a_negative_number_flag_is_a_value_refused_by_range_not_an_unknown_flag() {
 }
 
 #[test]
+fn an_overlap_credit_is_refused_by_the_policies_with_fixed_weights() {
+    // The default policy (kv-locality) and kv-adaptive would ignore it.
+    check(
+        "",
+        &["--overlap-credit", "3"],
+        Err("no overlap credit with policy kv-locality"),
+    );
+    check(
+        "[router]\npolicy = \"kv-adaptive\"\noverlap_credit = 3.0\n",
+        &[],
+        Err("no overlap credit with policy kv-adaptive"),
+    );
+    // Policy kv scores with the configured weights: there it applies.
+    let options = ServeOptions::from_toml("[router]\npolicy = \"kv\"\noverlap_credit = 3.0\n")
+        .expect("toml")
+        .validate()
+        .expect("valid");
+    assert_eq!(options.router.core.scheduler.cost.overlap_credit, 3.0);
+}
+
+#[test]
 fn conditional_thresholds_apply_to_conditional_disaggregation_only() {
     let validate = |file: &str| {
         ServeOptions::from_toml(file)

@@ -334,6 +334,20 @@ fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(
                 c,
             ));
         }
+        // The presets score with fixed weights (`Policy::cost_weights`): a credit given with
+        // one of them would be silently ignored.
+        let policy = router.core.policy;
+        if policy.cost_weights().is_some() {
+            return Err(invalid(
+                "router.overlap_credit",
+                "overlap-credit",
+                &format!(
+                    "no overlap credit with policy {policy}, whose weights are fixed (it applies \
+                     to policy kv: set policy = \"kv\" to tune the cost's weights)"
+                ),
+                c,
+            ));
+        }
         router.core.scheduler.cost.overlap_credit = c;
     }
     let weights = &mut router.core.scheduler.cache_hit_weights;
