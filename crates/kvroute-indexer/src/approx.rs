@@ -104,9 +104,6 @@ pub enum Retention {
 }
 
 impl Retention {
-    /// The unit of every variant's capacity, as [`Self::unit`] names it.
-    pub const UNITS: [&'static str; 2] = ["blocks", "requests"];
-
     /// The capacity's unit: `blocks` or `requests` (of age).
     pub fn unit(&self) -> &'static str {
         match self {

@@ -80,16 +80,12 @@ impl RequestGuard {
         self.inner
             .metrics
             .on_cache_report(self.worker, isl_tokens, predicted, reported);
-        let (dropped, retention) = {
-            let mut state = self.inner.state.lock();
-            let dropped = state.core.on_cache_report(self.id, reported);
-            (dropped, state.core.approx_index().retention(self.worker))
-        };
-        if let Some(retention) = retention {
-            self.inner
-                .metrics
-                .set_approx_capacity(self.worker.worker_id, retention);
-        }
+        let dropped = self
+            .inner
+            .state
+            .lock()
+            .core
+            .on_cache_report(self.id, reported);
         if dropped > 0 {
             self.inner
                 .metrics

@@ -33,7 +33,7 @@
 //! | `cache_report_prompt_tokens_total` | counter | `worker` | prompt tokens of those requests |
 //! | `cache_report_predicted_tokens_total` | counter | `worker` | tokens the router predicted cached for them |
 //! | `cache_report_reported_tokens_total` | counter | `worker` | tokens the engines reported cached for them |
-//! | `approx_capacity` | gauge | `worker`, `unit` = blocks, requests | an approximate-mode worker's learnt capacity that cuts its predictions, in the unit of the model in force (blocks of age for paged caches, requests of age for engines that keep a prompt a slot); no sample until its engine's reports have taught one |
+//! | `approx_capacity` | gauge | `worker`, `dp_rank`, `unit` = blocks, requests | an approximate-mode worker's learnt capacity that cuts its predictions, in the unit of the model in force (blocks of age for paged caches, requests of age for engines that keep a prompt a slot); no sample until its engine's reports have taught one |
 //!
 //! `worker_active_requests` against `worker_reported_requests` shows, per worker rank, how far
 //! the router's prediction is from the engine's own queue (only for workers that report one;
@@ -462,18 +462,23 @@ impl RouterMetrics {
         self.report_reported.get_or_create(&labels).inc_by(reported);
     }
 
-    /// Sets `approx_capacity` for `worker`: the capacity in force, in its unit (the other unit's
-    /// sample goes).
-    pub fn set_approx_capacity(&self, worker: kvroute_protocols::WorkerId, retention: Retention) {
-        let labels = |unit: &str| vec![("worker", worker.to_string()), ("unit", unit.to_owned())];
-        for unit in Retention::UNITS {
-            if unit != retention.unit() {
-                self.approx_capacity.remove(&labels(unit));
-            }
+    /// Replaces `approx_capacity` with these capacities in force (workers not listed, and a
+    /// worker's other unit, have no sample).
+    pub fn set_approx_capacities(
+        &self,
+        capacities: impl IntoIterator<Item = (WorkerWithDpRank, Retention)>,
+    ) {
+        self.approx_capacity.clear();
+        for (w, retention) in capacities {
+            let labels = vec![
+                ("worker", w.worker_id.to_string()),
+                ("dp_rank", w.dp_rank.to_string()),
+                ("unit", retention.unit().to_owned()),
+            ];
+            self.approx_capacity
+                .get_or_create(&labels)
+                .set(retention.capacity());
         }
-        self.approx_capacity
-            .get_or_create(&labels(retention.unit()))
-            .set(retention.capacity());
     }
 
     /// A request ended.

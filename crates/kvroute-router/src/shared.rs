@@ -125,7 +125,7 @@ impl Inner {
     }
 
     pub(crate) fn refresh_worker_gauges(&self) {
-        let (loads, reports, reconciled, stats): (Vec<_>, Vec<_>, _, _) = {
+        let (loads, reports, capacities, reconciled, stats): (Vec<_>, Vec<_>, Vec<_>, _, _) = {
             let state = self.state.lock();
             let core = &state.core;
             (
@@ -135,6 +135,9 @@ impl Inner {
                 core.workers()
                     .filter_map(|w| core.reported_load(w).map(|r| (w, *r)))
                     .collect(),
+                core.workers()
+                    .filter_map(|w| core.approx_index().retention(w).map(|r| (w, r)))
+                    .collect(),
                 core.scheduler().metrics().snapshot().requests_reconciled,
                 core.stats(),
             )
@@ -142,6 +145,7 @@ impl Inner {
         self.metrics
             .set_load_reports(stats.load_reports_applied, stats.load_reports_unregistered);
         self.metrics.set_worker_loads(loads);
+        self.metrics.set_approx_capacities(capacities);
         self.metrics
             .set_worker_reports(reports.iter().map(|(w, r)| (*w, r)));
         self.metrics.set_requests_reconciled(reconciled);

@@ -315,21 +315,32 @@ fn bucket_bounds_print_as_written() {
 
 #[test]
 fn the_learnt_capacity_shows_in_the_unit_of_the_model_in_force() {
+    use kvroute_protocols::WorkerWithDpRank;
+    use kvroute_router_core::Retention;
     let metrics = kvroute_router::RouterMetrics::new();
     assert!(!metrics.encode_text().contains("approx_capacity{"));
-    metrics.set_approx_capacity(3, kvroute_router_core::Retention::Blocks(40.5));
+    let (a, b) = (WorkerWithDpRank::new(3, 0), WorkerWithDpRank::new(4, 1));
+    metrics.set_approx_capacities([(a, Retention::Blocks(40.5)), (b, Retention::Requests(2.0))]);
     let text = metrics.encode_text();
     assert_openmetrics(&text);
-    assert!(
-        text.contains("kvroute_router_approx_capacity{worker=\"3\",unit=\"blocks\"} 40.5\n"),
-        "{text}"
-    );
-    // The engine turned out to keep a prompt a slot: the blocks sample goes.
-    metrics.set_approx_capacity(3, kvroute_router_core::Retention::Requests(1.0));
+    for expected in [
+        "kvroute_router_approx_capacity{worker=\"3\",dp_rank=\"0\",unit=\"blocks\"} 40.5\n",
+        "kvroute_router_approx_capacity{worker=\"4\",dp_rank=\"1\",unit=\"requests\"} 2.0\n",
+    ] {
+        assert!(text.contains(expected), "missing {expected:?} in\n{text}");
+    }
+    // Worker 3 turned out to keep a prompt a slot, and worker 4 left: one sample remains.
+    metrics.set_approx_capacities([(a, Retention::Requests(1.0))]);
     let text = metrics.encode_text();
     assert!(
-        text.contains("kvroute_router_approx_capacity{worker=\"3\",unit=\"requests\"} 1.0\n"),
+        text.contains(
+            "kvroute_router_approx_capacity{worker=\"3\",dp_rank=\"0\",unit=\"requests\"} 1.0\n"
+        ),
         "{text}"
     );
-    assert!(!text.contains("unit=\"blocks\""), "{text}");
+    assert_eq!(
+        text.matches("kvroute_router_approx_capacity{").count(),
+        1,
+        "{text}"
+    );
 }
