@@ -589,11 +589,12 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// cache. For a worker in approximate mode the report teaches the prediction: the worker's
     /// effective capacity (in blocks or in requests of age, whichever has lately predicted its
     /// reports better) is learnt from it ([`kvroute_indexer::ApproxIndex::on_report`]), so later
-    /// matches stop where the engine's cache evidently ends. A report of none of a prompt whose blocks were far too young to be
-    /// evicted ([`kvroute_indexer::Learnt::Lost`]) means the engine lost what it held (a
-    /// restart): every prediction for that worker is dropped but this request's prompt, which
-    /// the engine holds now. Returns how many predicted blocks were dropped (0 when nothing was
-    /// wrong, or the worker publishes events, or the request is unknown).
+    /// matches stop where the engine's cache evidently ends. A report of none of a prompt whose
+    /// blocks were far too young to be evicted ([`kvroute_indexer::Learnt::Lost`]) means the
+    /// engine lost what it held (a restart): every prediction for that worker is dropped but
+    /// this request's prompt, which the engine holds now. Returns how many predicted blocks
+    /// were dropped (0 when nothing was wrong, or the worker publishes events, or the request
+    /// is unknown).
     pub fn on_cache_report(&mut self, id: RequestId, reported: u64) -> usize {
         let Some(load) = self.scheduler.request_load(id) else {
             return 0;
