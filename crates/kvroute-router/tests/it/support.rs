@@ -60,6 +60,18 @@ pub(crate) const TEXT_ONLY_WORDS: [&str; 3] = ["alpha ", "beta ", "gamma"];
 pub(crate) const SLOW_TOKEN_INTERVAL: Duration = Duration::from_millis(20);
 
 impl Behaviour {
+    /// Every behaviour a magic word in the prompt selects (all but the default).
+    pub(crate) const STEERED: [Behaviour; 8] = [
+        Behaviour::Error,
+        Behaviour::Stall,
+        Behaviour::Slow,
+        Behaviour::RefuseTooLong,
+        Behaviour::Unreachable,
+        Behaviour::FirstByteTimeout,
+        Behaviour::TextOnly,
+        Behaviour::TextThenLost,
+    ];
+
     /// The word that selects this behaviour when it appears in a prompt tokenized by the mock
     /// tokenizer (so HTTP tests can steer the fake engine through the prompt text).
     pub(crate) fn magic_word(self) -> &'static str {
@@ -85,16 +97,7 @@ impl Behaviour {
         {
             return b;
         }
-        [
-            Behaviour::Error,
-            Behaviour::Stall,
-            Behaviour::Slow,
-            Behaviour::RefuseTooLong,
-            Behaviour::Unreachable,
-            Behaviour::FirstByteTimeout,
-            Behaviour::TextOnly,
-            Behaviour::TextThenLost,
-        ]
+        Behaviour::STEERED
         .into_iter()
         .find(|b| {
             let id = MockTokenizer::word_id(b.magic_word());

@@ -378,9 +378,8 @@ fn input() -> impl Strategy<Value = Input> {
 }
 
 /// The token ids that steer the fake engine (stall, fail, slow down): not the subject here.
-fn magic_ids() -> [u32; 3] {
-    [Behaviour::Error, Behaviour::Stall, Behaviour::Slow]
-        .map(|b| MockTokenizer::word_id(b.magic_word()))
+fn magic_ids() -> [u32; 8] {
+    Behaviour::STEERED.map(|b| MockTokenizer::word_id(b.magic_word()))
 }
 
 /// Whether `body` may carry a magic token: a word of any string, of the text parts of any array
@@ -394,7 +393,7 @@ fn steers_engine(body: &[u8]) -> bool {
         s.split_whitespace()
             .any(|w| magic.contains(&MockTokenizer::word_id(w)))
     };
-    fn walk(v: &Value, hit: &dyn Fn(&str) -> bool, magic: &[u32; 3]) -> bool {
+    fn walk(v: &Value, hit: &dyn Fn(&str) -> bool, magic: &[u32; 8]) -> bool {
         match v {
             Value::String(s) => hit(s),
             Value::Number(n) => n
