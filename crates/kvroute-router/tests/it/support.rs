@@ -98,12 +98,12 @@ impl Behaviour {
             return b;
         }
         Behaviour::STEERED
-        .into_iter()
-        .find(|b| {
-            let id = MockTokenizer::word_id(b.magic_word());
-            request.token_ids.contains(&id)
-        })
-        .unwrap_or_default()
+            .into_iter()
+            .find(|b| {
+                let id = MockTokenizer::word_id(b.magic_word());
+                request.token_ids.contains(&id)
+            })
+            .unwrap_or_default()
     }
 }
 
