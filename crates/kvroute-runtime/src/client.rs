@@ -566,7 +566,7 @@ async fn read_loop(
     }
 }
 
-fn remote_error(e: WireError, addr: &str) -> RequestError {
+pub(crate) fn remote_error(e: WireError, addr: &str) -> RequestError {
     let message = e.message;
     match e.code {
         WireErrorCode::EngineUnavailable => RequestError::WorkerUnavailable {

@@ -76,6 +76,7 @@ mod kv_bridge;
 mod kv_publisher;
 mod llm;
 mod load_reporter;
+mod local;
 mod push_router;
 mod server;
 mod vllm_publisher;
@@ -112,6 +113,7 @@ pub use load_reporter::{
     DEFAULT_REPORT_HEARTBEAT, LOAD_REPORT_SUBJECT, LOAD_REPORTS_METADATA, LoadReporter,
     encode_load_report,
 };
+pub use local::{LocalEngines, LocalRegistration};
 pub use push_router::{
     DEFAULT_WORKER_FIRST_RESPONSE_TIMEOUT, PushRouter, PushRouterConfig, RouteError, RouteMode,
     RoutedStream,

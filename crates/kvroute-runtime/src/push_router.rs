@@ -26,6 +26,7 @@ use tokio::time::Instant;
 use crate::client::{Client, ClientConfig, ClientStream, EncodedRequest};
 use crate::discovery::{InstanceSet, WorkerRole};
 use crate::error::RequestError;
+use crate::local::{LocalEngines, LocalStream};
 
 /// How the push router picks a worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +54,10 @@ pub struct PushRouterConfig {
     pub backoff_max: Duration,
     /// The seed of the random choices (for reproducible tests).
     pub seed: u64,
+    /// Engines this process serves itself: a worker listed at one of their addresses gets its
+    /// streamed requests directly, without the connection (see [`LocalEngines`]). Empty by
+    /// default.
+    pub local: LocalEngines,
 }
 
 /// How long a router waits for a worker's first response item by default: a backstop above
@@ -72,6 +77,7 @@ impl Default for PushRouterConfig {
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),
             seed: 0x6b76_726f_7574_6521,
+            local: LocalEngines::default(),
         }
     }
 }
@@ -144,8 +150,8 @@ struct Health {
 
 impl<Req, Resp> PushRouter<Req, Resp>
 where
-    Req: Serialize,
-    Resp: DeserializeOwned,
+    Req: Serialize + 'static,
+    Resp: DeserializeOwned + 'static,
 {
     /// A router over the instances of `instances` (from [`crate::Discovery::watch`]).
     pub fn new(instances: watch::Receiver<InstanceSet>, config: PushRouterConfig) -> Self {
@@ -189,19 +195,37 @@ where
         request: &Req,
         mode: RouteMode,
     ) -> Result<RoutedStream<Resp>, RouteError> {
-        let encoded = EncodedRequest::new(
-            request_id,
-            request,
-            self.inner.config.client.max_frame_bytes,
-        )
-        .map_err(|source| RouteError::Request {
-            worker_id: 0,
-            source,
-        })?;
+        // Encoded on the first send over a connection; an engine of this process takes the
+        // request as it is.
+        let mut encoded: Option<EncodedRequest> = None;
         let mut tried: Vec<WorkerId> = Vec::new();
         loop {
             let (id, slot) = self.pick(mode, &tried)?;
-            match self.send(&slot, &encoded).await {
+            let sent = match self.inner.config.local.get::<Req, Resp>(&slot.address) {
+                Some(start) => {
+                    let local = LocalStream::start(&*start, id, &slot.address, request_id, request);
+                    let timeout = self.inner.config.client.first_response_timeout;
+                    Ok(ClientStream::local(local, timeout))
+                }
+                None => {
+                    let encoded = match &mut encoded {
+                        Some(encoded) => encoded,
+                        None => encoded.insert(
+                            EncodedRequest::new(
+                                request_id,
+                                request,
+                                self.inner.config.client.max_frame_bytes,
+                            )
+                            .map_err(|source| RouteError::Request {
+                                worker_id: id,
+                                source,
+                            })?,
+                        ),
+                    };
+                    self.send(&slot, encoded).await
+                }
+            };
+            match sent {
                 Ok(stream) => {
                     slot.health.lock().failures = 0;
                     slot.in_flight.fetch_add(1, Ordering::Relaxed);

@@ -704,7 +704,7 @@ impl Drop for KillOnDrop {
     }
 }
 
-fn engine_error(e: EngineError) -> WireError {
+pub(crate) fn engine_error(e: EngineError) -> WireError {
     let code = match e {
         EngineError::Unsupported { .. } => WireErrorCode::Unsupported,
         EngineError::Unavailable { .. } => WireErrorCode::EngineUnavailable,

@@ -364,9 +364,15 @@ impl Workers {
                     config.router.core.block_size(),
                     &config.models,
                 )?;
-                let fleet =
-                    fleet::Fleet::start(workers, security.secret.cloned(), security.tls.cloned())
-                        .await?;
+                // The routers of this process reach these engines directly (their push
+                // config's registry), not over the loopback servers listed for them.
+                let fleet = fleet::Fleet::start(
+                    workers,
+                    security.secret.cloned(),
+                    security.tls.cloned(),
+                    &config.router.push.local,
+                )
+                .await?;
                 Workers {
                     instances: fleet.discovery.watch(),
                     registry: None,

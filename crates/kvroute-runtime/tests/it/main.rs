@@ -12,6 +12,7 @@ mod frames;
 mod kv;
 mod kv_publishers;
 mod load_reports;
+mod local;
 mod remote;
 mod router;
 mod streams;

@@ -13,8 +13,8 @@ use anyhow::{Context as _, bail};
 use kvroute_engines::EngineKind;
 use kvroute_protocols::WorkerId;
 use kvroute_runtime::{
-    DEFAULT_REPORT_HEARTBEAT, ENDPOINT_METADATA, InstanceInfo, StaticDiscovery, WorkerRole,
-    WorkerServer, WorkerServerConfig,
+    DEFAULT_REPORT_HEARTBEAT, ENDPOINT_METADATA, InstanceInfo, LocalEngines, LocalRegistration,
+    StaticDiscovery, WorkerRole, WorkerServer, WorkerServerConfig,
 };
 use serde::Deserialize;
 
@@ -228,18 +228,25 @@ pub(crate) struct Fleet {
     pub(crate) discovery: StaticDiscovery,
     /// Kept alive for the life of the service.
     engines: Vec<(WorkerServer, Arc<Adapter>)>,
+    /// The adapters' places in the routers' [`LocalEngines`]: the routers of this process call
+    /// them directly instead of over their loopback servers, which keep serving everything else
+    /// (session control, KV event feeds and ranges, load reports).
+    _local: Vec<LocalRegistration>,
 }
 
 impl Fleet {
     /// Starts an adapter and a loopback request-plane server for every engine entry (waiting for
-    /// each engine to be healthy), then lists the whole fleet.
+    /// each engine to be healthy), registers each adapter in `local` under its server's address,
+    /// then lists the whole fleet.
     pub(crate) async fn start(
         workers: Vec<FleetWorker>,
         secret: Option<kvroute_runtime::FleetSecret>,
         tls: Option<kvroute_runtime::FleetTls>,
+        local: &LocalEngines,
     ) -> anyhow::Result<Self> {
         let mut instances = Vec::new();
         let mut engines = Vec::new();
+        let mut registrations = Vec::new();
         for worker in workers {
             match check(worker)? {
                 Entry::Process(info) => instances.push(info),
@@ -267,6 +274,8 @@ impl Fleet {
                             format!("serving engine worker {} on loopback", info.id)
                         })?;
                     info.address = server.local_addr().to_string();
+                    registrations
+                        .push(local.register(info.address.clone(), adapter.engine.clone()));
                     for (key, value) in adapter.metadata() {
                         info.metadata.entry(key).or_insert(value);
                     }
@@ -283,7 +292,11 @@ impl Fleet {
             }
         }
         let discovery = StaticDiscovery::from_instances(instances).context("invalid fleet")?;
-        Ok(Self { discovery, engines })
+        Ok(Self {
+            discovery,
+            engines,
+            _local: registrations,
+        })
     }
 
     /// Fails once an engine's KV event feed proves unusable (see [`Adapter::failed`]).
