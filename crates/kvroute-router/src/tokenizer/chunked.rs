@@ -18,9 +18,11 @@
 //! (one may prepend to the text or join across the cut), no pre-tokenizer or an unknown one,
 //! Metaspace without splitting, and added tokens that hold whitespace or strip it around
 //! themselves. As a guard against a tokenizer that still tokenizes across such a space, the
-//! first [`VERIFY_FIRST`] chunked encodings and one in [`VERIFY_EVERY`] after them are checked
-//! against the whole text's; a difference turns chunking off for good (with a warning) and
-//! returns the whole text's ids.
+//! first chunked encodings and one in [`VERIFY_EVERY`] after them are checked against the whole
+//! text's; a difference turns chunking off for good (with a warning) and returns the whole text's
+//! ids. The first checks stop after [`VERIFY_FIRST`] encodings or once they covered
+//! [`VERIFY_CUTS`] cuts, whichever comes first: a cut is where chunking could go wrong, so a few
+//! long prompts prove as much as many short ones, and checking long prompts whole is what costs.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,8 +38,11 @@ pub(crate) const CHUNK_BYTES: usize = 1024;
 const MIN_CHUNKED_BYTES: usize = 2 * CHUNK_BYTES;
 /// Token ids the cache holds at most (4 bytes each: 16 MiB).
 pub(crate) const CAPACITY_IDS: u64 = 4 << 20;
-/// Chunked encodings checked against the whole text's before trusting the tokenizer.
+/// Chunked encodings checked against the whole text's before trusting the tokenizer, at most.
 pub(crate) const VERIFY_FIRST: u64 = 32;
+/// Cuts the first checks cover before trusting the tokenizer (fewer encodings than
+/// [`VERIFY_FIRST`] when prompts are long).
+pub(crate) const VERIFY_CUTS: u64 = 128;
 /// After the first ones, one chunked encoding in this many is checked.
 pub(crate) const VERIFY_EVERY: u64 = 512;
 
@@ -55,6 +60,8 @@ impl Weighter<u128, Arc<[u32]>> for IdsWeighter {
 pub(crate) struct ChunkCache {
     chunks: Cache<u128, Arc<[u32]>, IdsWeighter>,
     encodings: AtomicU64,
+    /// Cuts covered by the checks so far.
+    verified_cuts: AtomicU64,
     disabled: AtomicBool,
 }
 
@@ -74,6 +81,7 @@ impl ChunkCache {
         Self {
             chunks: Cache::with_weighter(estimated_chunks, capacity_ids, IdsWeighter),
             encodings: AtomicU64::new(0),
+            verified_cuts: AtomicU64::new(0),
             disabled: AtomicBool::new(false),
         }
     }
@@ -127,7 +135,9 @@ impl ChunkCache {
         }
         let mut ids = Vec::new();
         let mut start = 0;
+        let mut cuts = 0u64;
         for end in safe_cuts(text).chain(std::iter::once(text.len())) {
+            cuts += u64::from(start > 0);
             let chunk = &text[start..end];
             start = end;
             let key = xxh3_128(chunk.as_bytes());
@@ -140,7 +150,9 @@ impl ChunkCache {
             self.chunks.insert(key, fresh.into());
         }
         let n = self.encodings.fetch_add(1, Ordering::Relaxed);
-        if n < VERIFY_FIRST || n.is_multiple_of(VERIFY_EVERY) {
+        let first = n < VERIFY_FIRST && self.verified_cuts.load(Ordering::Relaxed) < VERIFY_CUTS;
+        if first || n.is_multiple_of(VERIFY_EVERY) {
+            self.verified_cuts.fetch_add(cuts, Ordering::Relaxed);
             let whole = encode(text)?;
             if whole != ids {
                 let at = whole.iter().zip(&ids).take_while(|(a, b)| a == b).count();

@@ -166,8 +166,46 @@ fn checks_run_first_and_then_now_and_then() {
         assert_eq!(cache.encode(&text, per_word).unwrap().len(), 1000);
     }
     assert!(!cache.disabled());
-    // The first VERIFY_FIRST, then every VERIFY_EVERY-th (0 and 512 are among the first).
+    // Each text has 4 cuts, so the first VERIFY_FIRST cover VERIFY_CUTS between them; then
+    // every VERIFY_EVERY-th (512 and 1024).
+    assert_eq!(4 * VERIFY_FIRST, VERIFY_CUTS);
     assert_eq!(wholes.get(), VERIFY_FIRST + 2);
+}
+
+#[test]
+fn long_prompts_end_the_first_checks_sooner() {
+    let cache = ChunkCache::new(1 << 20);
+    // About 100 cuts a text: two texts cover VERIFY_CUTS.
+    let text = "word ".repeat(20_000);
+    let wholes = Cell::new(0u64);
+    let per_word = |s: &str| {
+        if s.len() == text.len() {
+            wholes.set(wholes.get() + 1);
+        }
+        Ok(s.split_whitespace().map(|w| w.len() as u32).collect())
+    };
+    for _ in 0..VERIFY_EVERY + 1 {
+        assert_eq!(cache.encode(&text, per_word).unwrap().len(), 20_000);
+    }
+    assert!(!cache.disabled());
+    // The first two, then the VERIFY_EVERY-th.
+    assert_eq!(wholes.get(), 3);
+}
+
+#[test]
+fn a_difference_in_a_long_prompt_is_still_caught_first() {
+    // A tokenizer that joins across the first cut: the very first check sees it.
+    let cache = ChunkCache::new(1 << 20);
+    let text = "word ".repeat(20_000);
+    let glued = |s: &str| -> Result<Vec<u32>, String> {
+        if s.len() == text.len() {
+            Ok(vec![0])
+        } else {
+            Ok(vec![s.len() as u32])
+        }
+    };
+    assert_eq!(cache.encode(&text, glued).unwrap(), vec![0]);
+    assert!(cache.disabled());
 }
 
 #[test]
