@@ -21,6 +21,8 @@
 //! in [`EngineEventBatch::errors`] and the batch's other events are kept, so one unknown or
 //! malformed event does not cost the router the rest of the batch.
 
+use std::fmt::{self, Display};
+
 use rmpv::Value;
 
 use crate::DpRank;
@@ -192,6 +194,21 @@ pub fn decode_event_batch(payload: &[u8]) -> Result<EngineEventBatch, ProtocolEr
     batch_from_value(&value)
 }
 
+/// Where a field sits, for error messages: formatted only when one is made (decoding formats
+/// nothing on success).
+#[derive(Clone, Copy)]
+struct At {
+    index: usize,
+    event: &'static str,
+    field: &'static str,
+}
+
+impl Display for At {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "events[{}] {}.{}", self.index, self.event, self.field)
+    }
+}
+
 fn err(message: String) -> ProtocolError {
     ProtocolError::KvEvent(message)
 }
@@ -228,7 +245,7 @@ fn batch_from_value(value: &Value) -> Result<EngineEventBatch, ProtocolError> {
     };
     let dp_rank = match items.get(2) {
         None | Some(Value::Nil) => None,
-        Some(v) => Some(uint::<DpRank>(v, "batch dp_rank")?),
+        Some(v) => Some(uint::<DpRank>(v, &"batch dp_rank")?),
     };
     let mut events = Vec::with_capacity(raw_events.len());
     let mut errors = Vec::new();
@@ -352,7 +369,7 @@ fn event_from_value(index: usize, value: &Value) -> Result<EngineKvEvent, Protoc
     match tag {
         "BlockStored" => block_stored(index, &f).map(EngineKvEvent::BlockStored),
         "BlockRemoved" => {
-            let ctx = |field: &str| format!("events[{index}] BlockRemoved.{field}");
+            let ctx = |field| At { index, event: "BlockRemoved", field };
             Ok(EngineKvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: hashes(
                     required(f.block_hashes, &ctx("block_hashes"))?,
@@ -371,7 +388,7 @@ fn event_from_value(index: usize, value: &Value) -> Result<EngineKvEvent, Protoc
 }
 
 fn block_stored(index: usize, f: &Fields<'_>) -> Result<BlockStored, ProtocolError> {
-    let ctx = |field: &str| format!("events[{index}] BlockStored.{field}");
+    let ctx = |field| At { index, event: "BlockStored", field };
     let block_size: u32 = uint(
         required(f.block_size, &ctx("block_size"))?,
         &ctx("block_size"),
@@ -429,7 +446,7 @@ fn block_stored(index: usize, f: &Fields<'_>) -> Result<BlockStored, ProtocolErr
 fn extra_keys(
     v: &Value,
     lora_name: Option<&str>,
-    what: &str,
+    what: &dyn Display,
 ) -> Result<Vec<BlockExtraKeys>, ProtocolError> {
     let Value::Array(entries) = v else {
         return Err(err(format!("{what} must be an array, got {}", kind(v))));
@@ -494,7 +511,7 @@ fn optional(v: Option<&Value>) -> Option<&Value> {
     v.filter(|v| !v.is_nil())
 }
 
-fn required<'a>(v: Option<&'a Value>, what: &str) -> Result<&'a Value, ProtocolError> {
+fn required<'a>(v: Option<&'a Value>, what: &dyn Display) -> Result<&'a Value, ProtocolError> {
     optional(v).ok_or_else(|| err(format!("{what} is missing")))
 }
 
@@ -512,7 +529,7 @@ fn kind(v: &Value) -> &'static str {
     }
 }
 
-fn uint<T: TryFrom<u64>>(v: &Value, what: &str) -> Result<T, ProtocolError> {
+fn uint<T: TryFrom<u64>>(v: &Value, what: &dyn Display) -> Result<T, ProtocolError> {
     let Value::Integer(i) = v else {
         return Err(err(format!(
             "{what} must be an unsigned integer, got {}",
@@ -526,21 +543,21 @@ fn uint<T: TryFrom<u64>>(v: &Value, what: &str) -> Result<T, ProtocolError> {
     })
 }
 
-fn opt_uint<T: TryFrom<u64>>(v: Option<&Value>, what: &str) -> Result<Option<T>, ProtocolError> {
+fn opt_uint<T: TryFrom<u64>>(v: Option<&Value>, what: &dyn Display) -> Result<Option<T>, ProtocolError> {
     optional(v).map(|v| uint(v, what)).transpose()
 }
 
-fn opt_string(v: Option<&Value>, what: &str) -> Result<Option<String>, ProtocolError> {
+fn opt_string(v: Option<&Value>, what: &dyn Display) -> Result<Option<String>, ProtocolError> {
     optional(v).map(|v| string(v, what)).transpose()
 }
 
-fn string(v: &Value, what: &str) -> Result<String, ProtocolError> {
+fn string(v: &Value, what: &dyn Display) -> Result<String, ProtocolError> {
     v.as_str()
         .map(str::to_owned)
         .ok_or_else(|| err(format!("{what} must be a UTF-8 string, got {}", kind(v))))
 }
 
-fn hash(v: &Value, what: &str) -> Result<ExternalSequenceBlockHash, ProtocolError> {
+fn hash(v: &Value, what: &dyn Display) -> Result<ExternalSequenceBlockHash, ProtocolError> {
     let h = match v {
         Value::Integer(i) => match (i.as_u64(), i.as_i64()) {
             (Some(u), _) => u,
@@ -567,21 +584,21 @@ fn fold_hash_bytes(bytes: &[u8]) -> u64 {
     u64::from_be_bytes(buf)
 }
 
-fn hashes(v: &Value, what: &str) -> Result<Vec<ExternalSequenceBlockHash>, ProtocolError> {
+fn hashes(v: &Value, what: &dyn Display) -> Result<Vec<ExternalSequenceBlockHash>, ProtocolError> {
     let Value::Array(items) = v else {
         return Err(err(format!("{what} must be an array, got {}", kind(v))));
     };
     items
         .iter()
         .enumerate()
-        .map(|(i, h)| hash(h, &format!("{what}[{i}]")))
+        .map(|(i, h)| hash(h, &format_args!("{what}[{i}]")))
         .collect()
 }
 
 /// Token ids: a flat array of integers, or (SGLang with EAGLE speculative decoding) an array of
 /// `[token, next_token]` bigrams, one per token, read as their first tokens: SGLang sends one
 /// bigram per token of the page (`(raw[j], raw[j + 1])`), so the pages' tokens are the firsts.
-fn tokens(v: &Value, what: &str) -> Result<Vec<u32>, ProtocolError> {
+fn tokens(v: &Value, what: &dyn Display) -> Result<Vec<u32>, ProtocolError> {
     let Value::Array(items) = v else {
         return Err(err(format!("{what} must be an array, got {}", kind(v))));
     };
@@ -590,7 +607,7 @@ fn tokens(v: &Value, what: &str) -> Result<Vec<u32>, ProtocolError> {
         .iter()
         .enumerate()
         .map(|(i, item)| {
-            let at = format!("{what}[{i}]");
+            let at = format_args!("{what}[{i}]");
             match item {
                 Value::Array(pair) if bigrams && pair.len() == 2 => {
                     uint::<u32>(&pair[1], &at)?;
