@@ -100,7 +100,8 @@ pub(crate) enum Parsed {
 pub(crate) struct Step {
     /// New output token ids.
     pub(crate) token_ids: Vec<u32>,
-    /// New text, only from engines that return no ids.
+    /// New text: from engines that return no ids, and beside the ids from engines that
+    /// detokenize them themselves (vLLM), whose text the router then relays as it is.
     pub(crate) text: Option<String>,
     /// Log probability of each new token, when requested.
     pub(crate) log_probs: Option<Vec<f64>>,

@@ -87,9 +87,7 @@ fn decode(c: &mut Criterion) {
         assert_eq!(batch.events.len(), 2, "{name}: both events decode");
         assert!(batch.errors.is_empty(), "{name}: {:?}", batch.errors);
         group.throughput(Throughput::Elements(BLOCKS * BLOCK));
-        group.bench_function(name, |b| {
-            b.iter(|| decode_event_batch(black_box(&payload)))
-        });
+        group.bench_function(name, |b| b.iter(|| decode_event_batch(black_box(&payload))));
     }
     group.finish();
 }

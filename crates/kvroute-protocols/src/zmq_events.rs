@@ -369,7 +369,11 @@ fn event_from_value(index: usize, value: &Value) -> Result<EngineKvEvent, Protoc
     match tag {
         "BlockStored" => block_stored(index, &f).map(EngineKvEvent::BlockStored),
         "BlockRemoved" => {
-            let ctx = |field| At { index, event: "BlockRemoved", field };
+            let ctx = |field| At {
+                index,
+                event: "BlockRemoved",
+                field,
+            };
             Ok(EngineKvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: hashes(
                     required(f.block_hashes, &ctx("block_hashes"))?,
@@ -388,7 +392,11 @@ fn event_from_value(index: usize, value: &Value) -> Result<EngineKvEvent, Protoc
 }
 
 fn block_stored(index: usize, f: &Fields<'_>) -> Result<BlockStored, ProtocolError> {
-    let ctx = |field| At { index, event: "BlockStored", field };
+    let ctx = |field| At {
+        index,
+        event: "BlockStored",
+        field,
+    };
     let block_size: u32 = uint(
         required(f.block_size, &ctx("block_size"))?,
         &ctx("block_size"),
@@ -543,7 +551,10 @@ fn uint<T: TryFrom<u64>>(v: &Value, what: &dyn Display) -> Result<T, ProtocolErr
     })
 }
 
-fn opt_uint<T: TryFrom<u64>>(v: Option<&Value>, what: &dyn Display) -> Result<Option<T>, ProtocolError> {
+fn opt_uint<T: TryFrom<u64>>(
+    v: Option<&Value>,
+    what: &dyn Display,
+) -> Result<Option<T>, ProtocolError> {
     optional(v).map(|v| uint(v, what)).transpose()
 }
 

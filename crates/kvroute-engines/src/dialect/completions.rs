@@ -39,6 +39,12 @@ impl Flavor {
         self != Flavor::Openai
     }
 
+    /// Whether a chunk's `text` is the detokenized `token_ids` (vLLM); TensorRT-LLM's is empty
+    /// with `detokenize: false`.
+    fn returns_text_with_ids(self) -> bool {
+        self == Flavor::Vllm
+    }
+
     /// Whether `stop_reason` is meaningful (null for the end-of-sequence token).
     fn has_stop_reason(self) -> bool {
         self != Flavor::Openai
@@ -206,7 +212,15 @@ impl Parser {
             step.disaggregated_params = Some(params);
         }
         match choice.token_ids {
-            Some(ids) => step.token_ids = ids,
+            Some(ids) => {
+                // vLLM detokenizes as it generates (in the prompt's context, holding back a
+                // partial character): its text goes along with the ids, so that the router
+                // relays it instead of detokenizing the ids again. TensorRT-LLM's is empty.
+                if self.flavor.returns_text_with_ids() {
+                    step.text = choice.text.filter(|t| !t.is_empty() || !ids.is_empty());
+                }
+                step.token_ids = ids;
+            }
             None => step.text = choice.text.filter(|t| !t.is_empty()),
         }
         if let Some(logprobs) = choice.logprobs {

@@ -390,12 +390,24 @@ fn completions_chunks() {
         &r,
         &[
             r#"{"choices":[{"index":0,"text":" Hi","token_ids":[11],"prompt_token_ids":[1,2,3],"finish_reason":null,"stop_reason":null}]}"#,
+            // A token that ends inside a character: vLLM holds its text back.
+            r#"{"choices":[{"index":0,"text":"","token_ids":[240],"finish_reason":null}]}"#,
             r#"{"choices":[{"index":0,"text":"","token_ids":[],"finish_reason":null}]}"#,
             r#"{"choices":[],"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":2}}}"#,
             "[DONE]",
         ],
         &[
-            ids(&[11]),
+            // vLLM's own text goes along with the ids (the router relays it).
+            Parsed::Step(Step {
+                token_ids: vec![11],
+                text: Some(" Hi".to_owned()),
+                ..Step::default()
+            }),
+            Parsed::Step(Step {
+                token_ids: vec![240],
+                text: Some(String::new()),
+                ..Step::default()
+            }),
             Parsed::Nothing,
             Parsed::Step(Step {
                 usage: Some(usage(3, 1, Some(2))),
@@ -403,6 +415,13 @@ fn completions_chunks() {
             }),
             Parsed::Done,
         ],
+    );
+    // TensorRT-LLM with `detokenize: false` streams empty text beside the ids: ids only.
+    check_parse(
+        EngineKind::Trtllm,
+        &r,
+        &[r#"{"choices":[{"index":0,"text":"","token_ids":[11],"finish_reason":null}]}"#],
+        &[ids(&[11])],
     );
     // Text only, with log probabilities.
     check_parse(

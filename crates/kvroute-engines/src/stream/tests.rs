@@ -85,7 +85,12 @@ fn the_finish_waits_for_its_usage() {
         EngineKind::Vllm,
         VLLM_BODY,
         "none",
-        &["ids 10", "ids 11finish length usage 3+2 cached 2", "end"],
+        // vLLM's text goes along with its ids.
+        &[
+            "ids 10text a",
+            "ids 11text bfinish length usage 3+2 cached 2",
+            "end",
+        ],
     );
 }
 
