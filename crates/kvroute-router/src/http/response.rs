@@ -336,6 +336,8 @@ impl Tracker {
         if stopped {
             return String::new();
         }
+        // An engine's own text wins (text-only engines, and vLLM, which detokenizes in the
+        // prompt's context beside its ids); ids alone are detokenized here.
         let text = match &data.text {
             Some(text) => {
                 if data.token_ids.is_empty() {
