@@ -379,6 +379,18 @@ impl IncrementalDetokenizer {
             Ok(String::new())
         }
     }
+
+    /// Records `ids` whose text the engine rendered itself (vLLM), without decoding them: they
+    /// are the context for ids that may come later without text (a request moved to an engine
+    /// that returns ids alone), so that those decode as they would have in place.
+    pub fn skip(&mut self, ids: &[u32]) {
+        if ids.is_empty() {
+            return;
+        }
+        self.ids.extend_from_slice(ids);
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.ids.len();
+    }
 }
 
 #[cfg(test)]

@@ -342,6 +342,8 @@ impl Tracker {
             Some(text) => {
                 if data.token_ids.is_empty() {
                     self.untokenized.push_str(text);
+                } else {
+                    self.detok.skip(&data.token_ids);
                 }
                 text.clone()
             }

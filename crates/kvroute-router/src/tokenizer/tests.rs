@@ -45,6 +45,29 @@ fn incremental_detokenizer_concatenates_to_the_full_decode() {
 }
 
 #[test]
+fn ids_the_engine_rendered_are_context_for_ids_decoded_after_them() {
+    let ids = MockTokenizer.encode("one two three four").unwrap();
+    let (rendered, rest) = ids.split_at(2);
+    let continue_after = |detok: &mut IncrementalDetokenizer| -> String {
+        rest.chunks(1)
+            .map(|chunk| detok.push(&MockTokenizer, chunk).unwrap())
+            .collect()
+    };
+    let whole = MockTokenizer.decode(&ids).unwrap();
+    let before = MockTokenizer.decode(rendered).unwrap();
+    // The engine rendered the first two itself; the rest comes as ids alone and continues the
+    // text exactly, the space between the two included.
+    let mut detok = IncrementalDetokenizer::new();
+    detok.skip(rendered);
+    let after = continue_after(&mut detok);
+    assert_eq!(format!("{before}{after}"), whole);
+    assert!(after.starts_with(' '), "{after:?}");
+    // Without that context the continuation would lose the space.
+    let alone = continue_after(&mut IncrementalDetokenizer::new());
+    assert_eq!(alone, after.trim_start());
+}
+
+#[test]
 fn mock_chat_template_tags_roles_and_opens_the_assistant_turn() {
     let messages = [
         TemplateMessage {
