@@ -150,17 +150,26 @@ fn a_tokenizer_that_differs_in_chunks_turns_chunking_off_and_is_answered_whole()
     assert_eq!(calls.get(), before + 1, "tokenized whole, once");
 }
 
+/// An encoder giving each word its length as its id, counting in `wholes` the encodings of
+/// whole `len`-byte texts (the checks; chunks are shorter).
+fn counting_wholes(
+    len: usize,
+    wholes: &Cell<u64>,
+) -> impl Fn(&str) -> Result<Vec<u32>, String> + Copy + '_ {
+    move |s: &str| {
+        if s.len() == len {
+            wholes.set(wholes.get() + 1);
+        }
+        Ok(s.split_whitespace().map(|w| w.len() as u32).collect())
+    }
+}
+
 #[test]
 fn checks_run_first_and_then_now_and_then() {
     let cache = ChunkCache::new(1 << 16);
     let text = "word ".repeat(1000);
     let wholes = Cell::new(0u64);
-    let per_word = |s: &str| {
-        if s.len() == text.len() {
-            wholes.set(wholes.get() + 1);
-        }
-        Ok(s.split_whitespace().map(|w| w.len() as u32).collect())
-    };
+    let per_word = counting_wholes(text.len(), &wholes);
     let n = VERIFY_FIRST + 2 * VERIFY_EVERY;
     for _ in 0..n {
         assert_eq!(cache.encode(&text, per_word).unwrap().len(), 1000);
@@ -178,12 +187,7 @@ fn long_prompts_end_the_first_checks_sooner() {
     // About 100 cuts a text: two texts cover VERIFY_CUTS.
     let text = "word ".repeat(20_000);
     let wholes = Cell::new(0u64);
-    let per_word = |s: &str| {
-        if s.len() == text.len() {
-            wholes.set(wholes.get() + 1);
-        }
-        Ok(s.split_whitespace().map(|w| w.len() as u32).collect())
-    };
+    let per_word = counting_wholes(text.len(), &wholes);
     for _ in 0..VERIFY_EVERY + 1 {
         assert_eq!(cache.encode(&text, per_word).unwrap().len(), 20_000);
     }
