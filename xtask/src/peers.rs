@@ -621,7 +621,8 @@ async fn try_run(
     figures.cpu_s_per_1k = Some((cpu_after - cpu_before) / samples.len() as f64 * 1000.0);
     figures.peak_rss_mib = Some(hwm_kib as f64 / 1024.0);
     let predicted = if matches!(config, Config::Kvroute | Config::KvrouteApprox) {
-        kvroute_predicted(http, &router.base).await.ok()
+        let metrics = setup.logs.join(format!("{tag}-metrics.txt"));
+        kvroute_predicted(http, &router.base, &metrics).await.ok()
     } else {
         None
     };
@@ -634,13 +635,16 @@ async fn try_run(
 
 /// kvroute's predicted hit rate over the requests whose engines reported cached tokens: the sum
 /// of its `cache_report_predicted_tokens_total` over its `cache_report_prompt_tokens_total`.
-async fn kvroute_predicted(http: &reqwest::Client, base: &str) -> Result<f64> {
+/// The whole `/metrics` text is kept in `keep` (beside the run's logs), for a look at the
+/// router's own histograms (routing overhead by phase, time to first token) afterwards.
+async fn kvroute_predicted(http: &reqwest::Client, base: &str, keep: &Path) -> Result<f64> {
     let text = http
         .get(format!("{base}/metrics"))
         .send()
         .await?
         .text()
         .await?;
+    std::fs::write(keep, &text).with_context(|| format!("writing {}", keep.display()))?;
     let predicted = fleet::counter(&text, "kvroute_router_cache_report_predicted_tokens_total")?;
     let prompt = fleet::counter(&text, "kvroute_router_cache_report_prompt_tokens_total")?;
     if prompt == 0.0 {

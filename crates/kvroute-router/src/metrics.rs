@@ -21,7 +21,7 @@
 //! | `predicted_kv_hit_rate` | histogram | | per request, predicted cached / prompt tokens |
 //! | `time_to_first_token_seconds` | histogram | | send to first token |
 //! | `inter_token_latency_seconds` | histogram | | between tokens, per token |
-//! | `routing_overhead_seconds` | histogram | `phase` = hashing, find_matches, scheduling | time in each routing phase |
+//! | `routing_overhead_seconds` | histogram | `phase` = tokenizing, hashing, find_matches, scheduling | time in each routing phase (`tokenizing`: the HTTP frontend's chat template and tokenizer, for prompts sent as text) |
 //! | `worker_active_blocks` | gauge | `worker`, `dp_rank` | active decode blocks (cost model view) |
 //! | `worker_prefill_tokens` | gauge | `worker`, `dp_rank` | prompt tokens not yet prefilled |
 //! | `worker_active_requests` | gauge | `worker`, `dp_rank` | requests in flight (the predicted count) |
@@ -400,6 +400,13 @@ impl RouterMetrics {
                 .get_or_create(&vec![("phase", phase.to_owned())])
                 .observe(d.as_secs_f64());
         }
+    }
+
+    /// A request's prompt was tokenized (with the chat template, for a chat request) in `d`.
+    pub fn on_tokenized(&self, d: Duration) {
+        self.overhead
+            .get_or_create(&vec![("phase", "tokenizing".to_owned())])
+            .observe(d.as_secs_f64());
     }
 
     /// A query-only request was answered.

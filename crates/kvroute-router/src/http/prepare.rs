@@ -60,7 +60,7 @@ pub(super) fn chat_parsed(
     let nvext = nvext_with_headers(state, params.nvext.take(), headers)?;
     let tokens = match nvext.as_ref().and_then(|e| e.token_data.clone()) {
         Some(tokens) => tokens,
-        None => chat_tokens(&model, &req)?,
+        None => tokenized(state, || chat_tokens(&model, &req))?,
     };
     params.max_tokens = req.max_completion_tokens.or(params.max_tokens);
     let p = prepare(
@@ -100,7 +100,7 @@ pub(super) fn completion_parsed(
     let nvext = nvext_with_headers(state, params.nvext.take(), headers)?;
     let tokens = match nvext.as_ref().and_then(|e| e.token_data.clone()) {
         Some(tokens) => tokens,
-        None => prompt_tokens(&model, req.prompt)?,
+        None => prompt_tokens(state, &model, req.prompt)?,
     };
     let p = prepare(
         state,
@@ -112,6 +112,18 @@ pub(super) fn completion_parsed(
         received,
     )?;
     Ok(with_pin_params(p, headers))
+}
+
+/// Runs `tokenize` (the chat template and the tokenizer, or the tokenizer alone), counting its
+/// time in the `tokenizing` phase of `routing_overhead_seconds`.
+fn tokenized(
+    state: &AppState,
+    tokenize: impl FnOnce() -> Result<Vec<u32>, ApiError>,
+) -> Result<Vec<u32>, ApiError> {
+    let start = Instant::now();
+    let tokens = tokenize();
+    state.router().metrics().on_tokenized(start.elapsed());
+    tokens
 }
 
 /// `p`, naming its pins as the request set them (a header, else the nvext field).
@@ -302,7 +314,7 @@ fn chat_tokens(model: &Model, req: &ChatCompletionRequest) -> Result<Vec<u32>, A
         .map_err(|e| ApiError::from_tokenizer(&e))
 }
 
-fn prompt_tokens(model: &Model, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
+fn prompt_tokens(state: &AppState, model: &Model, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
     let one = |n: usize| {
         if n == 1 {
             Ok(())
@@ -325,10 +337,12 @@ fn prompt_tokens(model: &Model, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
             texts.swap_remove(0)
         }
     };
-    model
-        .tokenizer
-        .encode(&text)
-        .map_err(|e| ApiError::invalid(e.to_string(), Some("prompt".to_owned())))
+    tokenized(state, || {
+        model
+            .tokenizer
+            .encode(&text)
+            .map_err(|e| ApiError::invalid(e.to_string(), Some("prompt".to_owned())))
+    })
 }
 
 fn prepare(

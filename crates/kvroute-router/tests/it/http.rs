@@ -605,7 +605,25 @@ fn models_health_live_and_metrics_endpoints() {
             metrics.contains("kvroute_router_requests_total 1"),
             "{metrics}"
         );
+        assert!(
+            metrics
+                .contains("kvroute_router_routing_overhead_seconds_count{phase=\"tokenizing\"} 1"),
+            "the chat's template and tokenizer are timed: {metrics}"
+        );
         assert!(metrics.contains("# EOF"));
+        // A prompt of token ids is not tokenized, so it adds no `tokenizing` sample.
+        let ids = json!({"model": "mock", "prompt": [1, 2, 3], "max_tokens": 2});
+        assert_eq!(server.json("/v1/completions", &ids).await.0, 200);
+        let (_, metrics) = server.get("/metrics").await;
+        assert!(
+            metrics.contains("kvroute_router_requests_total 2"),
+            "{metrics}"
+        );
+        assert!(
+            metrics
+                .contains("kvroute_router_routing_overhead_seconds_count{phase=\"tokenizing\"} 1"),
+            "{metrics}"
+        );
     });
 }
 
