@@ -15,6 +15,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
 };
+use kvroute_protocols::PreprocessedRequest;
 use kvroute_router::PickedRequest;
 use kvroute_router::http::{AdmissionPermit, ApiError};
 
@@ -59,6 +60,10 @@ struct Live {
     _permit: Option<AdmissionPermit>,
     /// The endpoint picked first.
     endpoint: String,
+    /// The routed request, kept until the response's headers when Envoy was given fallback
+    /// endpoints: if Envoy reports another endpoint served it, the request's load is recorded
+    /// again on that endpoint's worker ([`Exchange::on_served`]).
+    request: Option<PreprocessedRequest>,
     /// The response's status, once its headers passed.
     status: Option<u16>,
     /// Whether Envoy answered itself (no upstream response: the engine was not reached).
@@ -257,10 +262,12 @@ impl Exchange {
         destination: &Destination,
         picked: Option<PickedRequest>,
         permit: Option<AdmissionPermit>,
+        request: Option<PreprocessedRequest>,
     ) {
         self.live = Some(Live {
             picked,
             _permit: permit,
+            request,
             endpoint: destination
                 .value
                 .split(',')

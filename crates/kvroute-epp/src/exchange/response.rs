@@ -6,6 +6,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     CommonResponse, HeaderMutation, HeadersResponse, HttpBody, HttpHeaders, ProcessingResponse,
 };
+use kvroute_router::Pick;
 use kvroute_router::health::HealthFailure;
 
 use super::route::WORKER_HEADER;
@@ -31,6 +32,9 @@ impl Exchange {
         let Some(live) = self.live.as_mut() else {
             return vec![headers_continue(Side::Response)];
         };
+        // Envoy reports the endpoint that served with the response's headers at the latest
+        // (`on_served` ran before this): no fallback can follow.
+        live.request = None;
         live.status = status;
         live.local_reply = !http.contains_key(UPSTREAM_TIME_HEADER);
         live.follower = Some(Follower::new(content_type.as_deref()));
@@ -106,7 +110,10 @@ impl Exchange {
 
     /// Envoy says the response came from `served` (after a fallback down the list, another
     /// endpoint than the one picked first): the first one could not be reached, and the
-    /// request's load belongs to the one that served it.
+    /// request's load belongs to the one that served it. The first pick fails (its worker is
+    /// marked unreachable) and the request is recorded again on the serving endpoint's worker,
+    /// pinned there, so that its load, its predicted cache and the engine's cached-token report
+    /// land where it runs. The session command, if any, is not run again.
     pub(super) async fn on_served(&mut self, served: Vec<String>) {
         let Some(live) = self.live.as_mut() else {
             return;
@@ -124,6 +131,22 @@ impl Exchange {
         }
         live.endpoint = served.clone();
         tracing::info!(endpoint = %served, ?worker, "request served by a fallback endpoint");
+        let (Some(worker), Some(mut request)) = (worker, live.request.take()) else {
+            return;
+        };
+        let hints = request.routing_mut();
+        hints.backend_instance_id = Some(worker);
+        hints.dp_rank = None;
+        hints.session_control = None;
+        match self.picker.state().router().pick(&request).await {
+            Ok(Pick::Picked(picked)) => live.picked = Some(picked),
+            Ok(Pick::Query(_)) => {}
+            Err(e) => tracing::warn!(
+                worker,
+                error = %e,
+                "could not record a request on the fallback endpoint that served it"
+            ),
+        }
     }
 
     /// The response ended (its last body piece, its trailers, or headers with no body): the

@@ -84,7 +84,7 @@ impl Exchange {
         let worker = pinned.unwrap_or_else(|| allowed[self.picker.next_turn() % allowed.len()]);
         let destination = self.destination(&table, &[worker], 0);
         self.picker.metrics().on_handled(Handled::Passthrough);
-        self.start(&destination, None, None);
+        self.start(&destination, None, None, None);
         Ok(destination)
     }
 
@@ -158,7 +158,10 @@ impl Exchange {
         }
         let destination = self.destination(&table, &ranked, picked.worker().dp_rank);
         self.picker.metrics().on_handled(Handled::Routed);
-        self.start(&destination, Some(picked), Some(permit));
+        // With one endpoint Envoy cannot fall back; with more, the request is kept to record
+        // its load on the endpoint that served it, should that be another.
+        let keep = (ranked.len() > 1).then_some(front.request);
+        self.start(&destination, Some(picked), Some(permit), keep);
         Ok(destination)
     }
 

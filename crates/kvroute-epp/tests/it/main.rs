@@ -443,3 +443,90 @@ fn the_health_service_reports_liveness_and_readiness() {
         );
     });
 }
+
+/// The worker behind `endpoint_of(id)`.
+fn worker_of(endpoint: &str) -> u64 {
+    endpoint
+        .strip_prefix("10.0.0.")
+        .and_then(|rest| rest.split(':').next())
+        .and_then(|id| id.parse().ok())
+        .unwrap_or_else(|| panic!("not a test endpoint: {endpoint}"))
+}
+
+/// Requests in flight on each worker, by id.
+fn active_by_worker(h: &Harness) -> Vec<(u64, u64)> {
+    h.router.with_core(|core| {
+        let mut loads: Vec<_> = core
+            .workers()
+            .map(|w| (w.worker_id, core.worker_load(w).unwrap().active_requests))
+            .collect();
+        loads.sort_unstable();
+        loads
+    })
+}
+
+#[test]
+fn a_request_envoy_served_from_a_fallback_endpoint_is_loaded_on_that_endpoint() {
+    run(async {
+        let epp = EppConfig {
+            fallback_endpoints: 3,
+            ..EppConfig::default()
+        };
+        let h = Harness::start_with(3, HttpConfig::default(), epp).await;
+        let mut s = h.stream().await;
+        s.post_chat(None).await;
+        let body = chat("served by the second", true);
+        s.request_body(&body, true).await;
+        let (header, _) = destination(&s.next().await.unwrap()).unwrap();
+        let list: Vec<&str> = header.split(',').collect();
+        let (first, second) = (worker_of(list[0]), worker_of(list[1]));
+        assert_eq!(streamed(&s.next().await.unwrap()).unwrap(), (body, true));
+        let on = |w: u64| {
+            active_by_worker(&h)
+                .into_iter()
+                .find(|(id, _)| *id == w)
+                .map_or(0, |(_, n)| n)
+        };
+        assert_eq!((on(first), on(second)), (1, 0), "picked: {header}");
+        // Envoy could not reach the first endpoint and says the second served.
+        let served = list_metadata(
+            kvroute_epp::DESTINATION_NAMESPACE,
+            kvroute_epp::SERVED_ENDPOINT_KEY,
+            &[list[1]],
+        );
+        s.response_headers(200, "text/event-stream", true, Some(served))
+            .await;
+        let answer = s.next().await.unwrap();
+        let Some(Response::ResponseHeaders(headers)) = answer.response else {
+            panic!("expected the response headers' answer: {answer:?}");
+        };
+        let set = &headers
+            .response
+            .unwrap()
+            .header_mutation
+            .unwrap()
+            .set_headers;
+        let told = set
+            .iter()
+            .filter_map(|h| h.header.as_ref())
+            .find(|h| h.key == "x-kvroute-worker-instance-id")
+            .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned());
+        assert_eq!(
+            told,
+            Some(second.to_string()),
+            "the client is told the worker that served it"
+        );
+        assert_eq!(
+            (on(first), on(second)),
+            (0, 1),
+            "the load moved to the endpoint that served: {:?}",
+            active_by_worker(&h)
+        );
+        let events = sse(3, 0);
+        s.response_body(&events, true).await;
+        assert_eq!(streamed(&s.next().await.unwrap()).unwrap(), (events, true));
+        h.until_idle().await;
+        let metrics = h.picker.metrics_text();
+        assert!(metrics.contains("served_elsewhere_total 1"), "{metrics}");
+    });
+}
