@@ -286,7 +286,7 @@ fn us(d: Duration) -> f64 {
 fn routing_span(state: &AppState) -> Vec<(String, f64)> {
     let text = state.router().metrics_text();
     let mut out = Vec::new();
-    for phase in ["hashing", "find_matches", "scheduling"] {
+    for phase in ["tokenizing", "hashing", "find_matches", "scheduling"] {
         let value = |suffix: &str| {
             text.lines()
                 .find(|l| {
