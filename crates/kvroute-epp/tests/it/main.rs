@@ -355,14 +355,19 @@ fn when_every_slot_is_taken_the_gateway_sheds_with_429() {
     });
 }
 
+/// Three workers, each destination naming all three endpoints, best first.
+async fn three_with_fallbacks() -> Harness {
+    let epp = EppConfig {
+        fallback_endpoints: 3,
+        ..EppConfig::default()
+    };
+    Harness::start_with(3, HttpConfig::default(), epp).await
+}
+
 #[test]
 fn fallback_endpoints_name_the_next_best_after_the_pick() {
     run(async {
-        let epp = EppConfig {
-            fallback_endpoints: 3,
-            ..EppConfig::default()
-        };
-        let h = Harness::start_with(3, HttpConfig::default(), epp).await;
+        let h = three_with_fallbacks().await;
         let mut s = h.stream().await;
         s.post_chat(None).await;
         s.request_body(&chat("fallbacks", false), true).await;
@@ -468,11 +473,7 @@ fn active_by_worker(h: &Harness) -> Vec<(u64, u64)> {
 #[test]
 fn a_request_envoy_served_from_a_fallback_endpoint_is_loaded_on_that_endpoint() {
     run(async {
-        let epp = EppConfig {
-            fallback_endpoints: 3,
-            ..EppConfig::default()
-        };
-        let h = Harness::start_with(3, HttpConfig::default(), epp).await;
+        let h = three_with_fallbacks().await;
         let mut s = h.stream().await;
         s.post_chat(None).await;
         let body = chat("served by the second", true);
