@@ -329,6 +329,8 @@ pub(crate) struct Run {
     figures: Figures,
     /// kvroute's predicted hit rate over the requests the engines reported on.
     predicted: Option<f64>,
+    /// kvroute's time tokenizing prompts (wall seconds on its workers) per 1,000 requests.
+    tokenizing_s_per_1k: Option<f64>,
     /// Why the router could not be run at all.
     failed: Option<String>,
 }
@@ -539,6 +541,7 @@ async fn one_run(
         Err(e) => Run {
             figures: Figures::default(),
             predicted: None,
+            tokenizing_s_per_1k: None,
             failed: Some(format!("{e:#}")),
         },
     }
@@ -620,24 +623,27 @@ async fn try_run(
     };
     figures.cpu_s_per_1k = Some((cpu_after - cpu_before) / samples.len() as f64 * 1000.0);
     figures.peak_rss_mib = Some(hwm_kib as f64 / 1024.0);
-    let predicted = if matches!(config, Config::Kvroute | Config::KvrouteApprox) {
-        let metrics = setup.logs.join(format!("{tag}-metrics.txt"));
-        kvroute_predicted(http, &router.base, &metrics).await.ok()
-    } else {
-        None
-    };
+    let (mut predicted, mut tokenizing_s_per_1k) = (None, None);
+    if matches!(config, Config::Kvroute | Config::KvrouteApprox) {
+        let keep = setup.logs.join(format!("{tag}-metrics.txt"));
+        if let Ok(text) = kvroute_metrics(http, &router.base, &keep).await {
+            predicted = kvroute_predicted(&text).ok();
+            tokenizing_s_per_1k =
+                kvroute_tokenizing_seconds(&text).map(|s| s / samples.len().max(1) as f64 * 1000.0);
+        }
+    }
     Ok(Run {
         figures,
         predicted,
+        tokenizing_s_per_1k,
         failed: None,
     })
 }
 
-/// kvroute's predicted hit rate over the requests whose engines reported cached tokens: the sum
-/// of its `cache_report_predicted_tokens_total` over its `cache_report_prompt_tokens_total`.
-/// The whole `/metrics` text is kept in `keep` (beside the run's logs), for a look at the
-/// router's own histograms (routing overhead by phase, time to first token) afterwards.
-async fn kvroute_predicted(http: &reqwest::Client, base: &str, keep: &Path) -> Result<f64> {
+/// kvroute's `/metrics` text at the end of a run, also kept in `keep` (beside the run's logs)
+/// for a look at the router's own histograms (routing overhead by phase, time to first token)
+/// afterwards.
+async fn kvroute_metrics(http: &reqwest::Client, base: &str, keep: &Path) -> Result<String> {
     let text = http
         .get(format!("{base}/metrics"))
         .send()
@@ -645,8 +651,25 @@ async fn kvroute_predicted(http: &reqwest::Client, base: &str, keep: &Path) -> R
         .text()
         .await?;
     std::fs::write(keep, &text).with_context(|| format!("writing {}", keep.display()))?;
-    let predicted = fleet::counter(&text, "kvroute_router_cache_report_predicted_tokens_total")?;
-    let prompt = fleet::counter(&text, "kvroute_router_cache_report_prompt_tokens_total")?;
+    Ok(text)
+}
+
+/// The seconds kvroute spent tokenizing, from its metrics `text`: the sum of its
+/// `routing_overhead_seconds` histogram's `tokenizing` phase.
+fn kvroute_tokenizing_seconds(text: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| l.starts_with("kvroute_router_routing_overhead_seconds_sum{"))
+        .find(|l| l.contains("phase=\"tokenizing\""))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// kvroute's predicted hit rate over the requests whose engines reported cached tokens, from its
+/// metrics `text`: the sum of its `cache_report_predicted_tokens_total` over its
+/// `cache_report_prompt_tokens_total`.
+fn kvroute_predicted(text: &str) -> Result<f64> {
+    let predicted = fleet::counter(text, "kvroute_router_cache_report_predicted_tokens_total")?;
+    let prompt = fleet::counter(text, "kvroute_router_cache_report_prompt_tokens_total")?;
     if prompt == 0.0 {
         bail!("no cache report counted");
     }

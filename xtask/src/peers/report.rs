@@ -27,6 +27,9 @@ pub(super) fn run_summary(run: &Run) -> String {
     if let Some(p) = run.predicted {
         let _ = write!(out, ", predicted {}", pct(Some(p)));
     }
+    if let Some(t) = run.tokenizing_s_per_1k {
+        let _ = write!(out, ", tokenizing {t:.2} s/1k");
+    }
     if let Some(e) = &f.first_error {
         let _ = write!(out, "; first error: {}", first_line(e));
     }
@@ -152,9 +155,12 @@ pub(super) fn report(args: &Args, results: &Results) -> String {
         out,
         "| engines | workload | router | ok / requests | hit (usage) | hit (engine counters) | \
          kvroute predicted | TTFT p50 | TTFT p99 | E2E p99 | output tok/s | router CPU s / 1k req \
-         | router peak RSS MiB |"
+         | kvroute tokenizing s / 1k req | router peak RSS MiB |"
     );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(
+        out,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
     for ((engines, workload), cell) in results {
         for (config, runs) in cell {
             let ok: usize = runs.iter().map(|r| r.figures.ok).sum();
@@ -167,7 +173,7 @@ pub(super) fn report(args: &Args, results: &Results) -> String {
             };
             let _ = writeln!(
                 out,
-                "| {engines} | {workload} | {} | {status} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {engines} | {workload} | {} | {status} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 config.label(),
                 pct(mean(runs, |r| r.figures.hit_rate_usage)),
                 pct(mean(runs, |r| r.figures.hit_rate_engines)),
@@ -177,6 +183,7 @@ pub(super) fn report(args: &Args, results: &Results) -> String {
                 num(mean(runs, |r| r.figures.e2e_p99_ms), 1),
                 num(mean(runs, |r| Some(r.figures.output_tokens_per_s)), 0),
                 num(mean(runs, |r| r.figures.cpu_s_per_1k), 2),
+                num(mean(runs, |r| r.tokenizing_s_per_1k), 2),
                 num(mean(runs, |r| r.figures.peak_rss_mib), 0),
             );
         }

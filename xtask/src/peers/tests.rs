@@ -434,3 +434,21 @@ fn text_prompts_render_the_model_s_chatml_template() {
     assert!(!Config::ALL.contains(&Config::VllmCacheAwareText));
     assert!(Config::LLAMACPP.contains(&Config::VllmCacheAwareText));
 }
+
+#[test]
+fn kvroute_figures_are_read_from_its_metrics() {
+    let text = "\
+kvroute_router_routing_overhead_seconds_sum{phase=\"hashing\"} 0.5
+kvroute_router_routing_overhead_seconds_count{phase=\"tokenizing\"} 338
+kvroute_router_routing_overhead_seconds_sum{phase=\"tokenizing\"} 0.3275
+kvroute_router_cache_report_predicted_tokens_total{worker=\"1\"} 30
+kvroute_router_cache_report_predicted_tokens_total{worker=\"2\"} 45
+kvroute_router_cache_report_prompt_tokens_total{worker=\"1\"} 50
+kvroute_router_cache_report_prompt_tokens_total{worker=\"2\"} 50
+";
+    assert_eq!(kvroute_tokenizing_seconds(text), Some(0.3275));
+    assert_eq!(kvroute_predicted(text).unwrap(), 0.75);
+    let untimed = "kvroute_router_routing_overhead_seconds_sum{phase=\"hashing\"} 0.5\n";
+    assert_eq!(kvroute_tokenizing_seconds(untimed), None);
+    assert!(kvroute_predicted(untimed).is_err());
+}
