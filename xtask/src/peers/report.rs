@@ -262,6 +262,13 @@ pub(super) fn check_quick(results: &Results) -> Result<()> {
                             .map(|e| format!(" (first error: {})", first_line(e)))
                             .unwrap_or_default()
                     ));
+                } else if config.is_kvroute() && run.tokenizing_s_per_1k.is_none() {
+                    // Every prompt the bench sends is text, so kvroute tokenized each one.
+                    problems.push(format!(
+                        "{} on {engines} engines, {workload}: its metrics showed no tokenizing \
+                         time",
+                        config.label()
+                    ));
                 }
             }
         }

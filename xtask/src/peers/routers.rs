@@ -82,7 +82,8 @@ impl Config {
         }
     }
 
-    fn is_kvroute(self) -> bool {
+    /// `kvroute serve`, with the engines' events or without.
+    pub(crate) fn is_kvroute(self) -> bool {
         matches!(self, Config::Kvroute | Config::KvrouteApprox)
     }
 }

@@ -452,3 +452,32 @@ kvroute_router_cache_report_prompt_tokens_total{worker=\"2\"} 50
     assert_eq!(kvroute_tokenizing_seconds(untimed), None);
     assert!(kvroute_predicted(untimed).is_err());
 }
+
+#[test]
+fn the_quick_check_wants_every_request_served_and_kvroute_tokenizing_timed() {
+    let served = Figures {
+        requests: 10,
+        ok: 10,
+        ..Figures::default()
+    };
+    let run = |tokenizing: Option<f64>| Run {
+        figures: served.clone(),
+        predicted: None,
+        tokenizing_s_per_1k: tokenizing,
+        failed: None,
+    };
+    let results = |config: Config, r: Run| -> Results {
+        BTreeMap::from([(
+            (4, "multi-turn".to_owned()),
+            BTreeMap::from([(config, vec![r])]),
+        )])
+    };
+    assert!(check_quick(&results(Config::Kvroute, run(Some(0.4)))).is_ok());
+    assert!(check_quick(&results(Config::SmgCacheAware, run(None))).is_ok());
+    let e = check_quick(&results(Config::KvrouteApprox, run(None))).unwrap_err();
+    assert!(e.to_string().contains("no tokenizing time"), "{e}");
+    let mut short = run(Some(0.4));
+    short.figures.ok = 9;
+    let e = check_quick(&results(Config::Kvroute, short)).unwrap_err();
+    assert!(e.to_string().contains("served 9 of 10 requests"), "{e}");
+}
