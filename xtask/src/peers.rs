@@ -624,7 +624,7 @@ async fn try_run(
     figures.cpu_s_per_1k = Some((cpu_after - cpu_before) / samples.len() as f64 * 1000.0);
     figures.peak_rss_mib = Some(hwm_kib as f64 / 1024.0);
     let (mut predicted, mut tokenizing_s_per_1k) = (None, None);
-    if matches!(config, Config::Kvroute | Config::KvrouteApprox) {
+    if config.is_kvroute() {
         let keep = setup.logs.join(format!("{tag}-metrics.txt"));
         if let Ok(text) = kvroute_metrics(http, &router.base, &keep).await {
             predicted = kvroute_predicted(&text).ok();
