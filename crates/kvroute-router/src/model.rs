@@ -10,7 +10,7 @@ use crate::tokenizer::{
 };
 
 /// How to build one served model (the `[[models]]` entries of a config file).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelConfig {
     /// The name clients put in `model`.
     pub name: String,
@@ -24,6 +24,16 @@ pub struct ModelConfig {
     /// tokenized as the base model, routed under the adapter's hash salt (an adapter's blocks
     /// are its own) and sent with `model` set to the adapter's name.
     pub lora_adapters: Vec<String>,
+    /// Whether the tokenizer encodes with `fastokens` where it can (see
+    /// [`HfTokenizer::with_fastokens`]); true unless turned off.
+    pub fastokens: bool,
+}
+
+impl Default for ModelConfig {
+    /// The mock model with no name; `fastokens` on.
+    fn default() -> Self {
+        Self::mock("")
+    }
 }
 
 impl ModelConfig {
@@ -34,6 +44,7 @@ impl ModelConfig {
             tokenizer: None,
             chat_template: None,
             lora_adapters: Vec::new(),
+            fastokens: true,
         }
     }
 }
@@ -96,7 +107,13 @@ impl Model {
             }
             return Ok(model);
         };
-        let tokenizer = HfTokenizer::from_file(path)?;
+        let tokenizer = HfTokenizer::from_file(path)?.with_fastokens(config.fastokens);
+        tracing::info!(
+            model = %config.name,
+            fastokens = tokenizer.encodes_with_fastokens(),
+            chunked = tokenizer.tokenizes_in_chunks(),
+            "loaded the tokenizer"
+        );
         let template = match &config.chat_template {
             Some(t) => ChatTemplate::from_file(t)?,
             None => ChatTemplate::mock(),

@@ -17,6 +17,9 @@
 //! asked for.
 
 pub(crate) mod chunked;
+mod fast;
+#[cfg(test)]
+mod fixtures;
 
 use std::path::{Path, PathBuf};
 
@@ -119,12 +122,20 @@ impl Tokenizer for MockTokenizer {
 
 /// A Hugging Face `tokenizer.json`, loaded with the `tokenizers` crate (pure Rust, no Python).
 ///
+/// Texts are encoded with `fastokens` where it implements the tokenizer (BPE models: byte-level
+/// ones such as Llama 3's and Qwen's, SentencePiece-style ones with byte fallback), checked
+/// against the `tokenizers` crate on the first encodings and one in 256 after; other tokenizers,
+/// and one whose check found a difference, are encoded with the `tokenizers` crate.
+///
 /// Long prompts are tokenized a chunk at a time with a cache of the chunks seen before, for
 /// tokenizers where that gives the same ids (no normalizer, a pre-tokenizer that splits at
 /// spaces, no added token holding or stripping whitespace; checked against whole encodings as
 /// it runs): a prompt that repeats an earlier one's prefix costs its new chunks only.
 pub struct HfTokenizer {
     inner: tokenizers::Tokenizer,
+    /// `fastokens`, where it loads this tokenizer (kept when turned off, to turn it on again).
+    fast: Option<fast::FastEncoder>,
+    fast_enabled: bool,
     chunks: Option<chunked::ChunkCache>,
 }
 
@@ -132,6 +143,8 @@ impl std::fmt::Debug for HfTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HfTokenizer")
             .field("vocab_size", &self.inner.get_vocab_size(true))
+            .field("fastokens", &self.encodes_with_fastokens())
+            .field("chunked", &self.tokenizes_in_chunks())
             .finish()
     }
 }
@@ -139,25 +152,41 @@ impl std::fmt::Debug for HfTokenizer {
 impl HfTokenizer {
     /// Loads a `tokenizer.json` file.
     pub fn from_file(path: &Path) -> Result<Self, TokenizerError> {
-        tokenizers::Tokenizer::from_file(path)
-            .map(Self::new)
-            .map_err(|e| TokenizerError::Load {
-                path: path.to_owned(),
-                message: e.to_string(),
-            })
+        let bytes = std::fs::read(path).map_err(|e| TokenizerError::Load {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
+        Self::parse(&bytes, path)
     }
 
     /// Parses a `tokenizer.json` document.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, TokenizerError> {
-        tokenizers::Tokenizer::from_bytes(bytes)
-            .map(Self::new)
-            .map_err(|e| TokenizerError::Load {
-                path: PathBuf::from("<bytes>"),
-                message: e.to_string(),
-            })
+        Self::parse(bytes, Path::new("<bytes>"))
     }
 
-    fn new(inner: tokenizers::Tokenizer) -> Self {
+    fn parse(bytes: &[u8], path: &Path) -> Result<Self, TokenizerError> {
+        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| TokenizerError::Load {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
+        // The `tokenizers` crate parsed it, so it is JSON.
+        let fast = serde_json::from_slice(bytes)
+            .map_err(|e| e.to_string())
+            .and_then(fast::FastEncoder::load);
+        let fast = match fast {
+            Ok(fast) => {
+                tracing::debug!(path = %path.display(), "prompts are encoded with fastokens");
+                Some(fast)
+            }
+            Err(why) => {
+                tracing::debug!(
+                    path = %path.display(),
+                    "prompts are encoded with the tokenizers crate: fastokens cannot load this \
+                     tokenizer: {why}"
+                );
+                None
+            }
+        };
         let chunks = serde_json::to_value(&inner)
             .map_err(|e| e.to_string())
             .and_then(|config| chunked::ChunkCache::supports(&config));
@@ -168,7 +197,12 @@ impl HfTokenizer {
                 None
             }
         };
-        Self { inner, chunks }
+        Ok(Self {
+            inner,
+            fast,
+            fast_enabled: true,
+            chunks,
+        })
     }
 
     /// This tokenizer with the chunk cache on or off: off tokenizes every prompt whole (no
@@ -180,6 +214,14 @@ impl HfTokenizer {
         } else if self.chunks.is_none() && self.chunkable() {
             self.chunks = Some(chunked::ChunkCache::new(chunked::CAPACITY_IDS));
         }
+        self
+    }
+
+    /// This tokenizer with `fastokens` on or off: off encodes every text with the `tokenizers`
+    /// crate; on is the default where `fastokens` loads the tokenizer, and changes nothing
+    /// where it does not.
+    pub fn with_fastokens(mut self, enabled: bool) -> Self {
+        self.fast_enabled = enabled;
         self
     }
 
@@ -196,8 +238,23 @@ impl HfTokenizer {
         self.chunks.as_ref().is_some_and(|c| !c.disabled())
     }
 
+    /// Whether texts are encoded with `fastokens`: false for tokenizers it does not implement,
+    /// when turned off ([`HfTokenizer::with_fastokens`]) and once a check found its ids differ
+    /// from the `tokenizers` crate's.
+    pub fn encodes_with_fastokens(&self) -> bool {
+        self.fast_enabled && self.fast.as_ref().is_some_and(|f| !f.disabled())
+    }
+
     /// `text`'s ids, tokenized whole.
     fn encode_whole(&self, text: &str) -> Result<Vec<u32>, String> {
+        match &self.fast {
+            Some(fast) if self.fast_enabled => fast.encode(text, |t| self.encode_reference(t)),
+            _ => self.encode_reference(text),
+        }
+    }
+
+    /// `text`'s ids from the `tokenizers` crate.
+    fn encode_reference(&self, text: &str) -> Result<Vec<u32>, String> {
         // `encode_fast` skips the offsets nobody here reads; the ids are the same.
         self.inner
             .encode_fast(text, false)

@@ -21,6 +21,7 @@ pub(super) const NO_IO: &[&str] = &[
     "zeromq",
     "zmq",
     "tokenizers",
+    "fastokens",
     "minijinja",
 ];
 

@@ -1,4 +1,5 @@
 use super::*;
+use crate::tokenizer::fixtures::WORD_LEVEL;
 
 fn check_mock_encode(text: &str, expect_len: usize) {
     let ids = MockTokenizer.encode(text).unwrap();
@@ -114,14 +115,6 @@ fn hf_style_template_sees_bos_and_can_raise() {
         Err(TokenizerError::Template(_))
     ));
 }
-
-const WORD_LEVEL: &str = r#"{
-  "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-  "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
-  "decoder": null,
-  "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2, "!": 3},
-            "unk_token": "[UNK]"}
-}"#;
 
 #[test]
 fn hf_tokenizer_loads_tokenizer_json_with_the_pure_rust_regex() {

@@ -34,12 +34,13 @@ pub(crate) struct ServeOptions {
     #[command(flatten)]
     pub(crate) nats: NatsOptions,
     /// Served models (`[[models]]`); a flag
-    /// `--model NAME[,tokenizer=PATH][,chat_template=PATH][,lora=ADAPTER...]` adds one (each
-    /// `lora=` names a LoRA adapter served over it), and without any the built-in mock model
-    /// `mock` is served.
+    /// `--model NAME[,tokenizer=PATH][,chat_template=PATH][,lora=ADAPTER...][,fastokens=BOOL]`
+    /// adds one (each `lora=` names a LoRA adapter served over it; `fastokens=false` encodes
+    /// with the `tokenizers` crate only), and without any the built-in mock model `mock` is
+    /// served.
     #[arg(
         long = "model",
-        value_name = "NAME[,tokenizer=PATH][,chat_template=PATH][,lora=ADAPTER...]"
+        value_name = "NAME[,tokenizer=PATH][,chat_template=PATH][,lora=ADAPTER...][,fastokens=BOOL]"
     )]
     pub(crate) models: Vec<ModelOptions>,
     /// `kvroute epp`'s own options (`[epp]`; flags of `epp` only, ignored by `serve`).
@@ -242,6 +243,10 @@ pub(crate) struct ModelOptions {
     /// LoRA adapters served over this model, by the names clients put in `model`.
     #[serde(default)]
     pub(crate) lora_adapters: Vec<String>,
+    /// Whether prompts are encoded with `fastokens` where it implements the tokenizer (checked
+    /// against the `tokenizers` crate as it runs); omitted: true.
+    #[serde(default)]
+    pub(crate) fastokens: Option<bool>,
 }
 
 impl FromStr for ModelOptions {
@@ -252,7 +257,7 @@ impl FromStr for ModelOptions {
         let name = parts.next().unwrap_or_default().trim();
         if name.is_empty() {
             return Err(format!(
-                "expected NAME[,tokenizer=PATH][,chat_template=PATH][,lora=ADAPTER...], got {s:?}"
+                "expected NAME[,tokenizer=PATH][,chat_template=PATH][,lora=ADAPTER...][,fastokens=BOOL], got {s:?}"
             ));
         }
         let mut model = ModelOptions {
@@ -264,9 +269,14 @@ impl FromStr for ModelOptions {
                 Some(("tokenizer", path)) => model.tokenizer = Some(path.into()),
                 Some(("chat_template", path)) => model.chat_template = Some(path.into()),
                 Some(("lora", adapter)) => model.lora_adapters.push(adapter.to_owned()),
+                Some(("fastokens", on)) => {
+                    model.fastokens = Some(on.parse().map_err(|_| {
+                        format!("expected fastokens=true or fastokens=false, got {part:?}")
+                    })?);
+                }
                 _ => {
                     return Err(format!(
-                        "expected tokenizer=PATH, chat_template=PATH or lora=ADAPTER after the model name, got {part:?}"
+                        "expected tokenizer=PATH, chat_template=PATH, lora=ADAPTER or fastokens=BOOL after the model name, got {part:?}"
                     ));
                 }
             }

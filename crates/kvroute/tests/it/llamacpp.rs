@@ -223,7 +223,16 @@ async fn the_router_tokenizer_and_template_agree_with_llamacpp() {
         .build()
         .expect("client");
 
+    // The router's default encoder (fastokens) and the tokenizers crate's, each against
+    // llama.cpp's own tokenizer.
     let tokenizer = HfTokenizer::from_file(&model_dir.join("tokenizer.json")).expect("tokenizer");
+    assert!(
+        tokenizer.encodes_with_fastokens(),
+        "fastokens should load the model's BPE tokenizer"
+    );
+    let reference = HfTokenizer::from_file(&model_dir.join("tokenizer.json"))
+        .expect("tokenizer")
+        .with_fastokens(false);
     let mut mismatches = Vec::new();
     let texts = texts();
     for text in &texts {
@@ -233,6 +242,12 @@ async fn the_router_tokenizer_and_template_agree_with_llamacpp() {
                 .clone(),
         )
         .expect("token ids");
+        let reference_ids = reference.encode(text).expect("encode");
+        if reference_ids != theirs {
+            mismatches.push(format!(
+                "{text:?}: tokenizers crate {reference_ids:?}, llama.cpp {theirs:?}"
+            ));
+        }
         if ours != theirs {
             mismatches.push(format!("{text:?}: router {ours:?}, llama.cpp {theirs:?}"));
             continue;
@@ -262,6 +277,10 @@ async fn the_router_tokenizer_and_template_agree_with_llamacpp() {
         mismatches.len(),
         texts.len(),
         mismatches.join("\n")
+    );
+    assert!(
+        tokenizer.encodes_with_fastokens(),
+        "fastokens was turned off: its ids differed from the tokenizers crate's"
     );
 
     // The chat template, in both of the forms kvroute reads.

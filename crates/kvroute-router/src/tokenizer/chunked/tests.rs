@@ -1,83 +1,10 @@
 use std::cell::Cell;
 
 use proptest::prelude::*;
-use tokenizers::models::bpe::BPE;
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::{PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use super::*;
-use crate::tokenizer::{HfTokenizer, Tokenizer};
-
-/// Llama 3's pre-tokenizer pattern: a space joins the word after it, digits go in threes.
-const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
-/// A byte-level BPE tokenizer pre-tokenized as Llama 3's, with merges that join a space to the
-/// word after it (so a token spanning a bad cut would show).
-fn byte_level_bpe() -> HfTokenizer {
-    let mut vocab: Vec<String> = ByteLevel::alphabet()
-        .into_iter()
-        .map(String::from)
-        .collect();
-    vocab.sort();
-    let merges: Vec<(String, String)> = [
-        ("Ġ", "t"),
-        ("h", "e"),
-        ("Ġt", "he"),
-        ("Ġ", "a"),
-        ("Ġa", "n"),
-        ("Ġan", "d"),
-        ("i", "n"),
-        ("Ġ", "in"),
-        ("Ċ", "Ċ"),
-        ("Ġ", "Ġ"),
-        ("1", "2"),
-    ]
-    .iter()
-    .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
-    .collect();
-    for (a, b) in &merges {
-        vocab.push(format!("{a}{b}"));
-    }
-    let vocab: tokenizers::models::bpe::Vocab = vocab
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| (t, i as u32))
-        .collect();
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .build()
-        .expect("a valid BPE");
-    let mut t = tokenizers::Tokenizer::new(bpe);
-    let split = Split::new(
-        SplitPattern::Regex(LLAMA3_PATTERN.to_owned()),
-        SplitDelimiterBehavior::Isolated,
-        false,
-    )
-    .expect("a valid pattern");
-    t.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(Sequence::new(vec![
-        split.into(),
-        ByteLevel::new(false, true, false).into(),
-    ]))));
-    let json = t.to_string(false).expect("serializable");
-    HfTokenizer::from_bytes(json.as_bytes()).expect("loads")
-}
-
-/// Text of words, digits, punctuation, newlines, runs of spaces and non-ASCII characters.
-fn text(pieces: &[(u8, u16)]) -> String {
-    const WORDS: [&str; 8] = ["the", "and", "in", "token", "Word", "été", "日本", "x"];
-    const GAPS: [&str; 8] = [" ", " ", " ", "  ", "\n", "\n\n ", ", ", "\u{3000}"];
-    let mut out = String::new();
-    for &(kind, n) in pieces {
-        out.push_str(WORDS[usize::from(kind % 8)]);
-        if kind % 5 == 0 {
-            out.push_str(&n.to_string());
-        }
-        out.push_str(GAPS[usize::from(n % 8)]);
-    }
-    out
-}
+use crate::tokenizer::Tokenizer;
+use crate::tokenizer::fixtures::{byte_level_bpe, text};
 
 #[test]
 fn a_byte_level_tokenizer_is_chunked() {

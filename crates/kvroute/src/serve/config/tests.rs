@@ -268,7 +268,7 @@ fn bad_values_name_the_key_the_flag_and_what_was_expected() {
     check(
         "",
         &["--model", "a,vocab=x"],
-        Err("expected tokenizer=PATH, chat_template=PATH or lora=ADAPTER"),
+        Err("expected tokenizer=PATH, chat_template=PATH, lora=ADAPTER or fastokens=BOOL"),
     );
     check("", &["--queue-timeout", "soon"], Err("expected a duration"));
 }
@@ -460,6 +460,53 @@ fn a_static_fleet_of_engines_can_be_written_inline() {
             "http 127.0.0.1:8000 in_flight 4096 queue 5s drain 30s; block 16 policy kv-locality migrations 3; registry 127.0.0.1:7100 ttl 5s; models [\"llama\"]",
         ),
     );
+}
+
+#[test]
+fn fastokens_is_on_unless_a_model_turns_it_off() {
+    let models = |file: &str, flags: &[&str]| -> Result<Vec<bool>, String> {
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            options: ServeOptions,
+        }
+        let file = ServeOptions::from_toml(file).map_err(|e| e.to_string())?;
+        let flags = Cli::try_parse_from(std::iter::once("serve").chain(flags.iter().copied()))
+            .map_err(|e| e.to_string())?
+            .options;
+        let config = file
+            .overridden_by(flags)
+            .validate()
+            .map_err(|e| e.to_string())?;
+        Ok(config.models.iter().map(|m| m.fastokens).collect())
+    };
+    assert_eq!(models("", &[]), Ok(vec![true]), "the mock model");
+    assert_eq!(
+        models(
+            "[[models]]\nname = \"a\"\n[[models]]\nname = \"b\"\nfastokens = false\n",
+            &[]
+        ),
+        Ok(vec![true, false])
+    );
+    assert_eq!(
+        models(
+            "",
+            &[
+                "--model",
+                "a,fastokens=false",
+                "--model",
+                "b,fastokens=true"
+            ]
+        ),
+        Ok(vec![false, true])
+    );
+    let err = models("", &["--model", "a,fastokens=no"]).unwrap_err();
+    assert!(
+        err.contains("expected fastokens=true or fastokens=false, got \"fastokens=no\""),
+        "{err}"
+    );
+    let err = models("[[models]]\nname = \"a\"\nfastokens = \"yes\"\n", &[]).unwrap_err();
+    assert!(err.contains("fastokens"), "{err}");
 }
 
 #[test]

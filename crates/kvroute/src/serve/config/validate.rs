@@ -557,6 +557,7 @@ fn validate_models(models: Vec<ModelOptions>) -> Result<Vec<ModelConfig>, Invali
             tokenizer: m.tokenizer,
             chat_template: m.chat_template,
             lora_adapters: m.lora_adapters,
+            fastokens: m.fastokens.unwrap_or(true),
         })
         .collect())
 }
