@@ -564,14 +564,16 @@ async fn try_run(
     let engine_log = setup.logs.join(format!("{tag}-engines.log"));
     let mut fleet = match (workload, &setup.mocker, &setup.llama) {
         (Workload::Trace(_), Some(mocker), _) => {
-            fleet::start(
+            let fleet = fleet::start(
                 &setup.binaries.kvroute,
                 engines,
                 &setup.binaries.tokenizer,
                 mocker,
                 &engine_log,
             )
-            .await?
+            .await?;
+            fleet::check_tokenizer(http, &fleet.engines[0]).await?;
+            fleet
         }
         (Workload::Chat(cache_ram), _, Some(llama)) => {
             let servers = llamacpp::Servers {

@@ -1,5 +1,6 @@
 //! The simulated fleet of one run: `kvroute engine-sim --dialect vllm --kv-events` with N
-//! engines, the bench's word-level tokenizer and a mocker config sized to the bench's token scale;
+//! engines, the bench's tokenizer (a byte-level BPE, one token a word) and a mocker config sized
+//! to the bench's token scale;
 //! the engines' own prefix-cache counters; and what a process group costs in CPU and memory.
 
 use std::fmt::Write as _;
@@ -17,8 +18,10 @@ use crate::procs::Proc;
 pub(crate) const MODEL: &str = "sim";
 /// Tokens per KV block, on the engines and every router that needs it.
 pub(crate) const BLOCK_SIZE: u32 = 16;
-/// Words of the bench's vocabulary.
+/// Words of the bench's vocabulary (at most 26^3: [`word`] spells three letters).
 pub(crate) const VOCABULARY: u32 = 2000;
+/// Llama 3's pre-tokenizer pattern: a space joins the word after it.
+const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// The simulated engine's KV capacity at token scale 1, in blocks (kvroute-mocker's `h100-8b`
 /// sizing: 25,000 blocks of 16 tokens).
 const FULL_SCALE_BLOCKS: f64 = 25_000.0;
@@ -42,14 +45,41 @@ pub(crate) struct Fleet {
     pub(crate) proc: Proc,
 }
 
-/// Writes the bench's tokenizer (word-level: `w0` .. `w{VOCABULARY-1}`, one token a word) to
-/// `dir/tokenizer.json`; returns its path.
+/// Writes the bench's tokenizer to `dir/tokenizer.json`; returns its path.
+///
+/// A byte-level BPE pre-tokenized as Llama 3's, as real models' tokenizers are, whose every
+/// bench word is one token: id `i + 1` is the word with the space before it (`Ġwaaa`, as
+/// the word appears after another), id `VOCABULARY + i + 1` the word alone (as a prompt
+/// starts), 0 is `<unk>`, and the merges that build each word, letter by letter, come after
+/// (ids no engine emits: the mocker samples its output from ids `0..=VOCABULARY`).
 pub(crate) fn write_tokenizer(dir: &Path) -> Result<PathBuf> {
-    let mut vocab = serde_json::Map::new();
-    vocab.insert("<unk>".to_owned(), json!(0));
-    for i in 0..VOCABULARY {
-        vocab.insert(word(i), json!(i + 1));
+    let words: Vec<String> = (0..VOCABULARY).map(word).collect();
+    let mut vocab: Vec<String> = vec!["<unk>".to_owned()];
+    vocab.extend(words.iter().map(|w| format!("\u{120}{w}")));
+    vocab.extend(words.iter().cloned());
+    vocab.extend(byte_level_alphabet().into_iter().map(String::from));
+    // `Ġ` + `w` first, so that a spaced word never starts merging at its `w`.
+    let mut merges = vec![("\u{120}".to_owned(), "w".to_owned())];
+    for w in &words {
+        for prefix in [format!("\u{120}{}", &w[..1]), w[..1].to_owned()] {
+            let mut left = prefix;
+            for c in w[1..].chars() {
+                merges.push((left.clone(), c.to_string()));
+                left.push(c);
+            }
+        }
     }
+    let mut seen = std::collections::HashSet::new();
+    merges.retain(|m| seen.insert(m.clone()));
+    for (a, b) in &merges {
+        vocab.push(format!("{a}{b}"));
+    }
+    let mut ids = serde_json::Map::new();
+    for token in vocab {
+        let id = ids.len();
+        ids.entry(token).or_insert_with(|| json!(id));
+    }
+    let merges: Vec<String> = merges.iter().map(|(a, b)| format!("{a} {b}")).collect();
     let tokenizer = json!({
         "version": "1.0",
         "truncation": null,
@@ -59,15 +89,68 @@ pub(crate) fn write_tokenizer(dir: &Path) -> Result<PathBuf> {
             "rstrip": false, "normalized": false, "special": true
         }],
         "normalizer": null,
-        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated",
+             "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+             "use_regex": false}
+        ]},
         "post_processor": null,
-        "decoder": null,
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
+                    "use_regex": true},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+            "byte_fallback": false, "ignore_merges": false, "vocab": ids, "merges": merges
+        }
     });
     let path = dir.join("tokenizer.json");
     std::fs::write(&path, tokenizer.to_string())
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(path)
+}
+
+/// GPT-2's byte-level alphabet: the character that stands for each byte (printable ones for
+/// themselves, the others shifted past 255, a space as `Ġ`).
+fn byte_level_alphabet() -> Vec<char> {
+    let mut shifted = 0u32;
+    (0u32..256)
+        .map(|b| {
+            let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+            if printable {
+                char::from_u32(b)
+            } else {
+                shifted += 1;
+                char::from_u32(255 + shifted)
+            }
+            .unwrap_or(char::REPLACEMENT_CHARACTER)
+        })
+        .collect()
+}
+
+/// Asks an engine to tokenize two words and checks the bench's tokenizer made each one token
+/// with the ids [`write_tokenizer`] gave them (every router's and engine's tokens rest on it).
+pub(crate) async fn check_tokenizer(http: &reqwest::Client, engine: &Engine) -> Result<()> {
+    let (a, b) = (7, VOCABULARY - 1);
+    let prompt = format!("{} {}", word(a), word(b));
+    let reply: serde_json::Value = http
+        .post(format!("{}/tokenize", engine.url))
+        .json(&json!({"model": MODEL, "prompt": prompt}))
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .with_context(|| format!("tokenizing {prompt:?} on {}", engine.url))?
+        .json()
+        .await
+        .context("reading /tokenize's reply")?;
+    let expected = json!([VOCABULARY + a + 1, b + 1]);
+    if reply["tokens"] != expected {
+        bail!(
+            "the bench's tokenizer gave {prompt:?} the ids {}, expected {expected}",
+            reply["tokens"]
+        );
+    }
+    Ok(())
 }
 
 /// Writes the engines' mocker config (`h100-8b` timing; capacity scaled with the prompts, so
@@ -77,7 +160,7 @@ pub(crate) fn write_mocker_config(dir: &Path, token_scale: f64, speedup: f64) ->
     let mut text = String::new();
     let _ = writeln!(text, "block_size = {BLOCK_SIZE}");
     let _ = writeln!(text, "num_blocks = {blocks}");
-    // Ids 1..=VOCABULARY are words; 0 is `<unk>`.
+    // Ids 1..=VOCABULARY are words after a space; 0 is `<unk>`.
     let _ = writeln!(text, "vocab_size = {}", VOCABULARY + 1);
     let _ = writeln!(text, "speedup = {speedup:?}");
     let path = dir.join("mocker.toml");

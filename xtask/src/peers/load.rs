@@ -69,9 +69,12 @@ pub(crate) fn word_index(hash_id: u64, position: u64, vocabulary: u32) -> u32 {
     (z % u64::from(vocabulary)) as u32
 }
 
-/// The word for vocabulary index `i` (what the bench's tokenizer file lists).
+/// The word for vocabulary index `i` (what the bench's tokenizer file lists): `w` and three
+/// letters, `i` in base 26 (`waaa`, `waab`, ...), letters only so that a byte-level
+/// pre-tokenizer keeps each word, with the space before it, in one piece.
 pub(crate) fn word(i: u32) -> String {
-    format!("w{i}")
+    let letter = |k: u32| char::from(b'a' + (i / 26u32.pow(k) % 26) as u8);
+    ['w', letter(2), letter(1), letter(0)].iter().collect()
 }
 
 /// Reads a trace (JSON lines with `timestamp` in ms, `input_length`, `output_length`,

@@ -189,17 +189,41 @@ vllm:prefix_cache_hits_created{engine=\"0\"} 99
 }
 
 #[test]
-fn the_tokenizer_is_word_level_over_the_vocabulary() {
+fn the_tokenizer_is_a_byte_level_bpe_with_a_token_for_every_word() {
     let dir = TempDir::new("kvroute-peers-test-tokenizer").unwrap();
     let path = fleet::write_tokenizer(&dir.0).unwrap();
     let tokenizer: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    assert_eq!(tokenizer["model"]["type"], "WordLevel");
-    assert_eq!(tokenizer["model"]["vocab"]["w0"], json!(1));
+    assert_eq!(tokenizer["model"]["type"], "BPE");
+    let vocab = tokenizer["model"]["vocab"].as_object().unwrap();
+    let n = fleet::VOCABULARY;
+    assert_eq!(vocab["<unk>"], json!(0));
+    assert_eq!(vocab["\u{120}waaa"], json!(1));
+    assert_eq!(vocab[&format!("\u{120}{}", load::word(n - 1))], json!(n));
+    assert_eq!(vocab["waaa"], json!(n + 1));
     assert_eq!(
-        tokenizer["model"]["vocab"].as_object().unwrap().len(),
-        fleet::VOCABULARY as usize + 1
+        vocab["\u{120}"],
+        json!(2 * n + 1 + 32),
+        "the byte-level alphabet follows"
     );
+    // Every word is built by merges, letter by letter, after a space and alone.
+    let merges: Vec<&str> = tokenizer["model"]["merges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m.as_str().unwrap())
+        .collect();
+    assert_eq!(merges[0], "\u{120} w");
+    for w in [load::word(0), load::word(n - 1)] {
+        for m in [
+            format!("\u{120}{} {}", &w[..3], &w[3..]),
+            format!("{} {}", &w[..3], &w[3..]),
+        ] {
+            assert!(merges.contains(&m.as_str()), "{m}");
+        }
+    }
+    // The last merge of each word gives the word itself, listed already.
+    assert_eq!(vocab.len(), 1 + 256 + merges.len());
     let mocker = fleet::write_mocker_config(&dir.0, 0.125, 40.0).unwrap();
     let text = std::fs::read_to_string(mocker).unwrap();
     assert!(text.contains("num_blocks = 3125"), "{text}");
