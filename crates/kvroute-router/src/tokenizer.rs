@@ -133,9 +133,8 @@ impl Tokenizer for MockTokenizer {
 /// it runs): a prompt that repeats an earlier one's prefix costs its new chunks only.
 pub struct HfTokenizer {
     inner: tokenizers::Tokenizer,
-    /// `fastokens`, where it loads this tokenizer (kept when turned off, to turn it on again).
+    /// `fastokens`, where it loads this tokenizer and is not turned off.
     fast: Option<fast::FastEncoder>,
-    fast_enabled: bool,
     chunks: Option<chunked::ChunkCache>,
 }
 
@@ -200,7 +199,6 @@ impl HfTokenizer {
         Ok(Self {
             inner,
             fast,
-            fast_enabled: true,
             chunks,
         })
     }
@@ -217,11 +215,14 @@ impl HfTokenizer {
         self
     }
 
-    /// This tokenizer with `fastokens` on or off: off encodes every text with the `tokenizers`
-    /// crate; on is the default where `fastokens` loads the tokenizer, and changes nothing
-    /// where it does not.
+    /// This tokenizer with `fastokens` kept or dropped: dropped encodes every text with the
+    /// `tokenizers` crate and gives back `fastokens`' tables (about 20 MiB with its caches);
+    /// kept is the default where `fastokens` loads the tokenizer, and changes nothing where it
+    /// does not (nor once it was dropped).
     pub fn with_fastokens(mut self, enabled: bool) -> Self {
-        self.fast_enabled = enabled;
+        if !enabled {
+            self.fast = None;
+        }
         self
     }
 
@@ -242,14 +243,14 @@ impl HfTokenizer {
     /// when turned off ([`HfTokenizer::with_fastokens`]) and once a check found its ids differ
     /// from the `tokenizers` crate's.
     pub fn encodes_with_fastokens(&self) -> bool {
-        self.fast_enabled && self.fast.as_ref().is_some_and(|f| !f.disabled())
+        self.fast.as_ref().is_some_and(|f| !f.disabled())
     }
 
     /// `text`'s ids, tokenized whole.
     fn encode_whole(&self, text: &str) -> Result<Vec<u32>, String> {
         match &self.fast {
-            Some(fast) if self.fast_enabled => fast.encode(text, |t| self.encode_reference(t)),
-            _ => self.encode_reference(text),
+            Some(fast) => fast.encode(text, |t| self.encode_reference(t)),
+            None => self.encode_reference(text),
         }
     }
 
