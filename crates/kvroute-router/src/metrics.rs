@@ -22,6 +22,7 @@
 //! | `time_to_first_token_seconds` | histogram | | send to first token |
 //! | `inter_token_latency_seconds` | histogram | | between tokens, per token |
 //! | `routing_overhead_seconds` | histogram | `phase` = tokenizing, hashing, find_matches, scheduling | time in each routing phase (`tokenizing`: the HTTP frontend's chat template and tokenizer, for prompts sent as text) |
+//! | `tokenizer_encoder` | gauge | `model`, `encoder` = fastokens, tokenizers, builtin | 1 for the encoder that tokenizes the served model's prompts (read at each scrape of the HTTP frontend's `/metrics`), 0 for one it fell back from (`fastokens`, once its ids differed from the `tokenizers` crate's) |
 //! | `worker_active_blocks` | gauge | `worker`, `dp_rank` | active decode blocks (cost model view) |
 //! | `worker_prefill_tokens` | gauge | `worker`, `dp_rank` | prompt tokens not yet prefilled |
 //! | `worker_active_requests` | gauge | `worker`, `dp_rank` | requests in flight (the predicted count) |
@@ -65,6 +66,8 @@ use std::sync::atomic::AtomicU64;
 
 /// The prefix of every metric name.
 pub const METRIC_PREFIX: &str = "kvroute_router";
+/// The encoders `tokenizer_encoder` names (see [`crate::tokenizer::Tokenizer::encoder`]).
+pub const TOKENIZER_ENCODERS: [&str; 3] = ["fastokens", "tokenizers", "builtin"];
 
 /// The label telling, when serving disaggregated, which phase's router a sample is from.
 pub const ROUTER_LABEL: &str = "router";
@@ -143,6 +146,7 @@ pub struct RouterMetrics {
     approx_capacity: Family<Labels, Gauge<f64, AtomicU64>>,
     auth: Family<Labels, Counter>,
     prefill_placements: Family<Labels, Counter>,
+    tokenizer_encoder: Family<Labels, Gauge>,
     /// Every worker ever ejected: those let back in read 0 on `worker_ejected`.
     ever_ejected: parking_lot::Mutex<std::collections::BTreeSet<kvroute_protocols::WorkerId>>,
 }
@@ -205,6 +209,7 @@ impl RouterMetrics {
             approx_capacity: Family::default(),
             auth: Family::default(),
             prefill_placements: Family::default(),
+            tokenizer_encoder: Family::default(),
             ever_ejected: parking_lot::Mutex::default(),
             registry: Registry::default(),
         };
@@ -312,6 +317,11 @@ impl RouterMetrics {
             "Time spent routing, by phase",
             self.overhead.clone(),
         );
+        registry.register(
+            "tokenizer_encoder",
+            "1 for the encoder that tokenizes a served model's prompts (fastokens, tokenizers, builtin), 0 for one it fell back from",
+            self.tokenizer_encoder.clone(),
+        );
     }
 
     /// Per-worker load, as tracked and as reported, and the load reports.
@@ -407,6 +417,21 @@ impl RouterMetrics {
         self.overhead
             .get_or_create(&vec![("phase", "tokenizing".to_owned())])
             .observe(d.as_secs_f64());
+    }
+
+    /// The served model `model`'s prompts are encoded by `encoder` (one of
+    /// [`TOKENIZER_ENCODERS`]): its `tokenizer_encoder` sample reads 1, and any other encoder's
+    /// sample the model had reads 0.
+    pub fn set_tokenizer_encoder(&self, model: &str, encoder: &str) {
+        let labels = |e: &str| vec![("model", model.to_owned()), ("encoder", e.to_owned())];
+        for other in TOKENIZER_ENCODERS.iter().filter(|e| **e != encoder) {
+            if let Some(gauge) = self.tokenizer_encoder.get(&labels(other)) {
+                gauge.set(0);
+            }
+        }
+        self.tokenizer_encoder
+            .get_or_create(&labels(encoder))
+            .set(1);
     }
 
     /// A query-only request was answered.
@@ -636,3 +661,6 @@ impl RouterMetrics {
         out
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -66,6 +66,13 @@ pub trait Tokenizer: Send + Sync + 'static {
 
     /// The text of `ids` (special tokens skipped).
     fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError>;
+
+    /// What encodes texts now, as `/metrics` names it (`tokenizer_encoder`): `"builtin"` (the
+    /// default) for a tokenizer that is its own code, `"fastokens"` or `"tokenizers"` for a
+    /// `tokenizer.json`.
+    fn encoder(&self) -> &'static str {
+        "builtin"
+    }
 }
 
 /// The built-in tokenizer of the mock model; see the module documentation for its rules.
@@ -282,6 +289,14 @@ impl Tokenizer for HfTokenizer {
         self.inner
             .decode(ids, true)
             .map_err(|e| TokenizerError::Decode(e.to_string()))
+    }
+
+    fn encoder(&self) -> &'static str {
+        if self.encodes_with_fastokens() {
+            "fastokens"
+        } else {
+            "tokenizers"
+        }
     }
 }
 

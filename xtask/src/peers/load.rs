@@ -2,10 +2,11 @@
 //! into text completions and replayed open-loop in real time, and the figures of one run.
 //!
 //! A trace line's `hash_ids` stand for 512-token prompt blocks whose ids name the whole prefix up
-//! to them; each becomes `block_words` words of the bench's word-level vocabulary, drawn from the
-//! id and the position, so two prompts share exactly the leading words their blocks share and
-//! every router (text-based or token-based) sees the same prefix structure. One word is one token
-//! (the bench's tokenizer is word-level), so prompt tokens are known exactly.
+//! to them; each becomes `block_words` words of the bench's vocabulary, drawn from the id and the
+//! position, so two prompts share exactly the leading words their blocks share and every router
+//! (text-based or token-based) sees the same prefix structure. One word is one token (the bench's
+//! byte-level BPE has a token for every word, spaced and alone), so prompt tokens are known
+//! exactly.
 //!
 //! Each request is sent at its trace time divided by the speed-up, streamed with
 //! `stream_options.include_usage`, and measured from its scheduled send time (a stalled router

@@ -127,6 +127,15 @@ pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -
         .iter()
         .filter_map(|v| v.to_str().ok())
         .any(|v| v.contains("application/openmetrics-text"));
+    for name in state.models().names() {
+        if let Some(model) = state.models().get(name) {
+            let encoder = model.tokenizer.encoder();
+            state
+                .router()
+                .metrics()
+                .set_tokenizer_encoder(name, encoder);
+        }
+    }
     let mut text = metrics_openmetrics(&state);
     let extra = state.extra_metrics_text();
     if !extra.is_empty() {

@@ -610,6 +610,11 @@ fn models_health_live_and_metrics_endpoints() {
                 .contains("kvroute_router_routing_overhead_seconds_count{phase=\"tokenizing\"} 1"),
             "the chat's template and tokenizer are timed: {metrics}"
         );
+        assert!(
+            metrics
+                .contains("kvroute_router_tokenizer_encoder{model=\"mock\",encoder=\"builtin\"} 1"),
+            "the mock model's encoder is named: {metrics}"
+        );
         assert!(metrics.contains("# EOF"));
         // A prompt of token ids is not tokenized, so it adds no `tokenizing` sample.
         let ids = json!({"model": "mock", "prompt": [1, 2, 3], "max_tokens": 2});

@@ -31,6 +31,8 @@ fn bpe_tokenizers_are_encoded_with_fastokens_and_others_are_not() {
         "fastokens has no word-level model"
     );
     assert_eq!(word_level.encode("hello world!").unwrap(), vec![1, 2, 3]);
+    assert_eq!(word_level.encoder(), "tokenizers");
+    assert_eq!(byte_level_bpe().encoder(), "fastokens");
     assert!(
         !byte_level_bpe()
             .with_fastokens(false)
@@ -117,6 +119,7 @@ fn a_differing_check_turns_fastokens_off_for_the_tokenizer() {
     let ids = fast.encode("the token", |_| Ok(vec![1])).unwrap();
     assert_eq!(ids, vec![1]);
     assert!(!t.encodes_with_fastokens());
+    assert_eq!(t.encoder(), "tokenizers", "what /metrics shows");
     // Now encoded by the tokenizers crate.
     let reference = byte_level_bpe().with_fastokens(false);
     assert_eq!(
