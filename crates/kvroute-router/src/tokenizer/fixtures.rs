@@ -29,30 +29,22 @@ pub(crate) fn byte_level_bpe() -> HfTokenizer {
         .map(String::from)
         .collect();
     vocab.sort();
-    let merges: Vec<(String, String)> = [
-        ("Ġ", "t"),
-        ("h", "e"),
-        ("Ġt", "he"),
-        ("Ġ", "a"),
-        ("Ġa", "n"),
-        ("Ġan", "d"),
-        ("i", "n"),
-        ("Ġ", "in"),
-        ("Ċ", "Ċ"),
-        ("Ġ", "Ġ"),
-        ("1", "2"),
-    ]
-    .iter()
-    .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
-    .collect();
-    for (a, b) in &merges {
-        vocab.push(format!("{a}{b}"));
-    }
-    let vocab: tokenizers::models::bpe::Vocab = vocab
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| (t, i as u32))
-        .collect();
+    let (vocab, merges) = with_merges(
+        vocab,
+        &[
+            ("Ġ", "t"),
+            ("h", "e"),
+            ("Ġt", "he"),
+            ("Ġ", "a"),
+            ("Ġa", "n"),
+            ("Ġan", "d"),
+            ("i", "n"),
+            ("Ġ", "in"),
+            ("Ċ", "Ċ"),
+            ("Ġ", "Ġ"),
+            ("1", "2"),
+        ],
+    );
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .build()
@@ -102,34 +94,26 @@ pub(crate) fn sentencepiece_bpe() -> HfTokenizer {
             .chars()
             .map(String::from),
     );
-    let merges: Vec<(String, String)> = [
-        ("\u{2581}", "t"),
-        ("h", "e"),
-        ("\u{2581}t", "he"),
-        ("\u{2581}", "a"),
-        ("\u{2581}a", "n"),
-        ("\u{2581}an", "d"),
-        ("i", "n"),
-        ("\u{2581}", "in"),
-        ("o", "k"),
-        ("t", "ok"),
-        ("e", "n"),
-        ("tok", "en"),
-        ("\u{2581}", "token"),
-        ("\u{2581}", "\u{2581}"),
-        ("1", "2"),
-    ]
-    .iter()
-    .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
-    .collect();
-    for (a, b) in &merges {
-        vocab.push(format!("{a}{b}"));
-    }
-    let vocab: tokenizers::models::bpe::Vocab = vocab
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| (t, i as u32))
-        .collect();
+    let (vocab, merges) = with_merges(
+        vocab,
+        &[
+            ("\u{2581}", "t"),
+            ("h", "e"),
+            ("\u{2581}t", "he"),
+            ("\u{2581}", "a"),
+            ("\u{2581}a", "n"),
+            ("\u{2581}an", "d"),
+            ("i", "n"),
+            ("\u{2581}", "in"),
+            ("o", "k"),
+            ("t", "ok"),
+            ("e", "n"),
+            ("tok", "en"),
+            ("\u{2581}", "token"),
+            ("\u{2581}", "\u{2581}"),
+            ("1", "2"),
+        ],
+    );
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .unk_token("<unk>".to_owned())
@@ -146,4 +130,25 @@ pub(crate) fn sentencepiece_bpe() -> HfTokenizer {
         .expect("special tokens");
     let json = t.to_string(false).expect("serializable");
     HfTokenizer::from_bytes(json.as_bytes()).expect("loads")
+}
+
+/// `vocab` and `merges` as a BPE model takes them: each merge's product appended to the
+/// vocabulary, ids in order.
+fn with_merges(
+    mut vocab: Vec<String>,
+    merges: &[(&str, &str)],
+) -> (tokenizers::models::bpe::Vocab, Vec<(String, String)>) {
+    let merges: Vec<(String, String)> = merges
+        .iter()
+        .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
+        .collect();
+    for (a, b) in &merges {
+        vocab.push(format!("{a}{b}"));
+    }
+    let vocab = vocab
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| (t, i as u32))
+        .collect();
+    (vocab, merges)
 }
