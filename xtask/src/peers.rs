@@ -331,6 +331,8 @@ pub(crate) struct Run {
     predicted: Option<f64>,
     /// kvroute's time tokenizing prompts (wall seconds on its workers) per 1,000 requests.
     tokenizing_s_per_1k: Option<f64>,
+    /// What encoded kvroute's prompts (`fastokens`, `tokenizers`), from its metrics.
+    encoder: Option<String>,
     /// Why the router could not be run at all.
     failed: Option<String>,
 }
@@ -542,6 +544,7 @@ async fn one_run(
             figures: Figures::default(),
             predicted: None,
             tokenizing_s_per_1k: None,
+            encoder: None,
             failed: Some(format!("{e:#}")),
         },
     }
@@ -625,19 +628,21 @@ async fn try_run(
     };
     figures.cpu_s_per_1k = Some((cpu_after - cpu_before) / samples.len() as f64 * 1000.0);
     figures.peak_rss_mib = Some(hwm_kib as f64 / 1024.0);
-    let (mut predicted, mut tokenizing_s_per_1k) = (None, None);
+    let (mut predicted, mut tokenizing_s_per_1k, mut encoder) = (None, None, None);
     if config.is_kvroute() {
         let keep = setup.logs.join(format!("{tag}-metrics.txt"));
         if let Ok(text) = kvroute_metrics(http, &router.base, &keep).await {
             predicted = kvroute_predicted(&text).ok();
             tokenizing_s_per_1k =
                 kvroute_tokenizing_seconds(&text).map(|s| s / samples.len().max(1) as f64 * 1000.0);
+            encoder = kvroute_encoder(&text);
         }
     }
     Ok(Run {
         figures,
         predicted,
         tokenizing_s_per_1k,
+        encoder,
         failed: None,
     })
 }
@@ -664,6 +669,17 @@ fn kvroute_tokenizing_seconds(text: &str) -> Option<f64> {
         .find(|l| l.contains("phase=\"tokenizing\""))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
+}
+
+/// The encoder that tokenized kvroute's prompts, from its metrics `text`: the `encoder` label of
+/// the `tokenizer_encoder` sample reading 1.
+fn kvroute_encoder(text: &str) -> Option<String> {
+    text.lines()
+        .filter(|l| l.starts_with("kvroute_router_tokenizer_encoder{") && l.ends_with("} 1"))
+        .find_map(|l| {
+            let (_, rest) = l.split_once("encoder=\"")?;
+            rest.split_once('"').map(|(encoder, _)| encoder.to_owned())
+        })
 }
 
 /// kvroute's predicted hit rate over the requests whose engines reported cached tokens, from its

@@ -29,6 +29,9 @@ pub(super) fn run_summary(run: &Run) -> String {
     }
     if let Some(t) = run.tokenizing_s_per_1k {
         let _ = write!(out, ", tokenizing {t:.2} s/1k");
+        if let Some(encoder) = &run.encoder {
+            let _ = write!(out, " ({encoder})");
+        }
     }
     if let Some(e) = &f.first_error {
         let _ = write!(out, "; first error: {}", first_line(e));
@@ -268,6 +271,16 @@ pub(super) fn check_quick(results: &Results) -> Result<()> {
                         "{} on {engines} engines, {workload}: its metrics showed no tokenizing \
                          time",
                         config.label()
+                    ));
+                } else if config.is_kvroute() && run.encoder.as_deref() != Some("fastokens") {
+                    // Both of the bench's tokenizers are BPEs that fastokens encodes.
+                    problems.push(format!(
+                        "{} on {engines} engines, {workload}: its prompts were encoded by {}, \
+                         expected fastokens",
+                        config.label(),
+                        run.encoder
+                            .as_deref()
+                            .unwrap_or("an encoder its metrics do not name")
                     ));
                 }
             }

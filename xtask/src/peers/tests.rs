@@ -469,16 +469,20 @@ kvroute_router_cache_report_predicted_tokens_total{worker=\"1\"} 30
 kvroute_router_cache_report_predicted_tokens_total{worker=\"2\"} 45
 kvroute_router_cache_report_prompt_tokens_total{worker=\"1\"} 50
 kvroute_router_cache_report_prompt_tokens_total{worker=\"2\"} 50
+kvroute_router_tokenizer_encoder{model=\"sim\",encoder=\"fastokens\"} 0
+kvroute_router_tokenizer_encoder{model=\"sim\",encoder=\"tokenizers\"} 1
 ";
     assert_eq!(kvroute_tokenizing_seconds(text), Some(0.3275));
+    assert_eq!(kvroute_encoder(text).as_deref(), Some("tokenizers"));
     assert_eq!(kvroute_predicted(text).unwrap(), 0.75);
     let untimed = "kvroute_router_routing_overhead_seconds_sum{phase=\"hashing\"} 0.5\n";
     assert_eq!(kvroute_tokenizing_seconds(untimed), None);
+    assert_eq!(kvroute_encoder(untimed), None);
     assert!(kvroute_predicted(untimed).is_err());
 }
 
 #[test]
-fn the_quick_check_wants_every_request_served_and_kvroute_tokenizing_timed() {
+fn the_quick_check_wants_every_request_served_and_kvroute_tokenizing_timed_with_fastokens() {
     let served = Figures {
         requests: 10,
         ok: 10,
@@ -488,6 +492,7 @@ fn the_quick_check_wants_every_request_served_and_kvroute_tokenizing_timed() {
         figures: served.clone(),
         predicted: None,
         tokenizing_s_per_1k: tokenizing,
+        encoder: tokenizing.map(|_| "fastokens".to_owned()),
         failed: None,
     };
     let results = |config: Config, r: Run| -> Results {
@@ -504,4 +509,12 @@ fn the_quick_check_wants_every_request_served_and_kvroute_tokenizing_timed() {
     short.figures.ok = 9;
     let e = check_quick(&results(Config::Kvroute, short)).unwrap_err();
     assert!(e.to_string().contains("served 9 of 10 requests"), "{e}");
+    let mut slow = run(Some(0.4));
+    slow.encoder = Some("tokenizers".to_owned());
+    let e = check_quick(&results(Config::Kvroute, slow)).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("encoded by tokenizers, expected fastokens"),
+        "{e}"
+    );
 }
