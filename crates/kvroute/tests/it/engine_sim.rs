@@ -334,12 +334,56 @@ async fn fleet_over(sim: &EngineSim, test: &str) -> Fleet {
             Proc::start(&args, &dir.join(format!("worker-{id}.log")))
         })
         .collect();
-    let fleet = Fleet {
+    listed(Fleet {
         base: format!("http://{}", serve.field("http")),
         serve,
         workers,
         http: client(),
-    };
+    })
+    .await
+}
+
+/// `kvroute serve` fronting both engines itself, from a static fleet file: its own engine
+/// adapters read the ZMQ events and publish them onto its event plane directly.
+async fn static_fleet_over(sim: &EngineSim, test: &str) -> Fleet {
+    let dir = scratch(&format!("engine-sim-{test}"));
+    let model = word_level_model(&dir);
+    let mut file = String::new();
+    for i in 0..2 {
+        file.push_str(&format!(
+            "[[workers]]\nid = {}\nkv_block_size = 16\nengine = \"vllm\"\nengine_url = \"{}\"\n\
+             kv_events = \"{}\"\nkv_events_replay = \"{}\"\nserved_model_name = \"{MODEL}\"\n\n",
+            i + 1,
+            sim.field(i, "url"),
+            sim.field(i, "kv_events"),
+            sim.field(i, "kv_events_replay"),
+        ));
+    }
+    let fleet_file = dir.join("fleet.toml");
+    std::fs::write(&fleet_file, file).expect("fleet file");
+    let serve = Proc::start(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--fleet",
+            fleet_file.to_str().expect("utf-8 path"),
+            "--model",
+            &model,
+        ],
+        &dir.join("serve.log"),
+    );
+    listed(Fleet {
+        base: format!("http://{}", serve.field("http")),
+        serve,
+        workers: Vec::new(),
+        http: client(),
+    })
+    .await
+}
+
+/// `fleet`, once its router lists both workers.
+async fn listed(fleet: Fleet) -> Fleet {
     fleet
         .eventually("the router to list both workers", |m| {
             (1..=2).all(|w| active_requests(m, w).is_some())
@@ -361,6 +405,20 @@ fn counter(metrics: &str, name: &str) -> f64 {
 async fn sidecars_over_engine_sim_route_a_repeated_prompt_to_the_engine_with_its_events() {
     let sim = EngineSim::start("fleet", 2);
     let fleet = fleet_over(&sim, "fleet").await;
+    a_repeated_prompt_goes_to_the_engine_with_its_events(&fleet).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_static_fleet_over_engine_sim_routes_a_repeated_prompt_to_the_engine_with_its_events() {
+    let sim = EngineSim::start("static-fleet", 2);
+    let fleet = static_fleet_over(&sim, "static-fleet").await;
+    a_repeated_prompt_goes_to_the_engine_with_its_events(&fleet).await;
+}
+
+/// Four long prompts, each sent until the router predicts it cached (its engine's KV events
+/// reached the router's index), then on the worker that served it first, which reports cached
+/// tokens; every load back to zero after.
+async fn a_repeated_prompt_goes_to_the_engine_with_its_events(fleet: &Fleet) {
     let nvext = json!({"extra_fields": ["worker_id"]});
     let body = |tag: &str| {
         let messages = json!([{"role": "user", "content": long_prompt(tag)}]);
