@@ -42,11 +42,6 @@ pub struct KvEventBridgeConfig {
     pub backoff_initial: Duration,
     /// The longest wait between reconnects.
     pub backoff_max: Duration,
-    /// Workers whose KV events already reach the plane from this process (their
-    /// [`KvEventPublisher`](crate::KvEventPublisher) forwards to it: `kvroute serve`'s own
-    /// engine adapters). The bridge does not subscribe to their KV events, which would
-    /// deliver each one twice; it still follows their load reports.
-    pub in_process: std::collections::BTreeSet<WorkerId>,
 }
 
 impl Default for KvEventBridgeConfig {
@@ -58,7 +53,6 @@ impl Default for KvEventBridgeConfig {
             },
             backoff_initial: Duration::from_millis(50),
             backoff_max: Duration::from_secs(2),
-            in_process: std::collections::BTreeSet::new(),
         }
     }
 }
@@ -116,11 +110,10 @@ async fn follow(
                     feeds.remove(&id);
                 }
                 DiscoveryEvent::Added(info) => {
-                    let publishes = !config.in_process.contains(&info.id)
-                        && info
-                            .metadata
-                            .get(KV_EVENTS_METADATA)
-                            .is_none_or(|v| v != "false");
+                    let publishes = info
+                        .metadata
+                        .get(KV_EVENTS_METADATA)
+                        .is_none_or(|v| v != "false");
                     let reports = info
                         .metadata
                         .get(LOAD_REPORTS_METADATA)

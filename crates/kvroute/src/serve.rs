@@ -5,8 +5,7 @@
 //! register in a KV bucket and publish their KV events to JetStream, so several routers share
 //! one fleet; see [`crate::cli::nats`]). Without NATS their KV events arrive over the request
 //! plane: a [`KvEventBridge`] subscribes to each listed worker and feeds the router's in-process
-//! event plane, so no broker is needed (the engines a static fleet has this process front
-//! publish onto that plane directly). Unless `[router] disagg = "off"`, the KV router of the
+//! event plane, so no broker is needed. Unless `[router] disagg = "off"`, the KV router of the
 //! decode phase serves decode and aggregated workers and another serves prefill workers; while a
 //! prefill worker is registered, requests are served disaggregated. On SIGINT or SIGTERM the
 //! frontend stops accepting, lets in-flight requests finish (up to the drain timeout), then exits.
@@ -161,14 +160,9 @@ pub(crate) async fn start(config: &mut ServeConfig) -> anyhow::Result<Started> {
     let (plane, bridge): (Arc<dyn EventPlane>, _) = match &workers.nats {
         Some(shared) => (Arc::new(shared.plane.clone()), None),
         None => {
-            let plane: Arc<dyn EventPlane> = Arc::new(InProcessEventPlane::default());
-            // This process's own engine adapters publish onto the plane directly; the bridge
-            // follows the workers in other processes.
-            let mut bridge_config = bridge_config.clone();
-            if let Some(fleet) = &workers.static_fleet {
-                bridge_config.in_process = fleet.forward_kv_events(&plane).into_iter().collect();
-            }
-            let bridge = KvEventBridge::start(instances.clone(), plane.clone(), bridge_config);
+            let plane = Arc::new(InProcessEventPlane::default());
+            let bridge =
+                KvEventBridge::start(instances.clone(), plane.clone(), bridge_config.clone());
             (plane, Some(bridge))
         }
     };

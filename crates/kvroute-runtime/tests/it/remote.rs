@@ -120,42 +120,6 @@ async fn the_bridge_forwards_every_listed_workers_events_and_resumes_after_recon
     assert!(quiet.is_err(), "no events after removal, got {quiet:?}");
 }
 
-#[tokio::test]
-async fn a_worker_forwarding_in_process_is_left_out_by_the_bridge_and_its_events_arrive_once() {
-    let publisher = KvEventPublisher::new(6, 64);
-    let config = WorkerServerConfig::new(6).with_kv_events(publisher.clone());
-    let (server, _engine) = start_worker_with(config).await;
-    let info = InstanceInfo::new(6, server.local_addr().to_string(), 16);
-    let (tx, rx) = watch::channel(InstanceSet::default());
-    let plane = Arc::new(InProcessEventPlane::default());
-    let mut events = plane.subscribe(KV_EVENT_SUBJECT).await.unwrap();
-    assert!(publisher.forward_to(plane.clone()), "forwards nowhere yet");
-    let bridge_config = KvEventBridgeConfig {
-        in_process: [6].into_iter().collect(),
-        ..KvEventBridgeConfig::default()
-    };
-    let _bridge = KvEventBridge::start(rx, plane.clone(), bridge_config);
-    tx.send_replace(Arc::new([(6, info)].into_iter().collect()));
-    // Long enough for the bridge to have subscribed, had it been going to.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-
-    let ids: Vec<u64> = (0..3)
-        .map(|_| {
-            publisher
-                .publish(0, KvCacheEventData::Cleared)
-                .event
-                .event_id
-        })
-        .collect();
-    for &id in &ids {
-        let m = bounded("a forwarded event", events.next()).await.unwrap();
-        let event = decode_router_event(&m.payload).unwrap();
-        assert_eq!((event.worker_id, event.event.event_id), (6, id));
-    }
-    let again = tokio::time::timeout(Duration::from_millis(200), events.next()).await;
-    assert!(again.is_err(), "each event once, got another: {again:?}");
-}
-
 fn quick() -> RemoteDiscoveryConfig {
     RemoteDiscoveryConfig {
         retry_interval: Duration::from_millis(20),

@@ -299,22 +299,6 @@ impl Fleet {
         })
     }
 
-    /// Has every engine adapter of this process that reads KV events forward them straight to
-    /// `plane` (no loopback request-plane stream, no second decoding); returns their worker ids,
-    /// for the [`kvroute_runtime::KvEventBridge`] to leave out. Their loopback servers still
-    /// serve the event ranges and dumps a router asks for after a gap.
-    pub(crate) fn forward_kv_events(
-        &self,
-        plane: &Arc<dyn kvroute_runtime::EventPlane>,
-    ) -> Vec<kvroute_protocols::WorkerId> {
-        self.engines
-            .iter()
-            .filter(|(_, adapter)| adapter.kv_events())
-            .filter(|(_, adapter)| adapter.publisher.forward_to(plane.clone()))
-            .map(|(_, adapter)| adapter.publisher.worker_id())
-            .collect()
-    }
-
     /// Fails once an engine's KV event feed proves unusable (see [`Adapter::failed`]).
     pub(crate) async fn failed(&self) -> anyhow::Error {
         if self.engines.is_empty() {

@@ -344,7 +344,7 @@ async fn fleet_over(sim: &EngineSim, test: &str) -> Fleet {
 }
 
 /// `kvroute serve` fronting both engines itself, from a static fleet file: its own engine
-/// adapters read the ZMQ events and publish them onto its event plane directly.
+/// adapters read the ZMQ events, and its KV event bridge carries them to the router.
 async fn static_fleet_over(sim: &EngineSim, test: &str) -> Fleet {
     let dir = scratch(&format!("engine-sim-{test}"));
     let model = word_level_model(&dir);
