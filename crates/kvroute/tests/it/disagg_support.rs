@@ -6,42 +6,14 @@ use std::path::Path;
 
 use serde_json::{Value, json};
 
-use crate::e2e::{Fleet, Proc, Sse, active_requests, gauge};
-use crate::engine_sim::{client, long_prompt, word_level_model};
+use crate::e2e::{Fleet, Sse, active_requests, gauge};
+use crate::engine_sim::{long_prompt, serve_fleet_file};
 
 /// `kvroute serve --disagg enforced` over the fleet `workers` (TOML `[[workers]]` entries for
 /// ids 1 and 2) written in `dir`, serving the word-level model; returns once the router lists
 /// both workers.
 pub(crate) async fn serve_disaggregated(dir: &Path, workers: &str) -> Fleet {
-    let model = word_level_model(dir);
-    let fleet = dir.join("fleet.toml");
-    std::fs::write(&fleet, workers).expect("write the fleet file");
-    let serve = Proc::start(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--fleet",
-            fleet.to_str().expect("utf-8 path"),
-            "--disagg",
-            "enforced",
-            "--model",
-            &model,
-        ],
-        &dir.join("serve.log"),
-    );
-    let fleet = Fleet {
-        base: format!("http://{}", serve.field("http")),
-        serve,
-        workers: Vec::new(),
-        http: client(),
-    };
-    fleet
-        .eventually("the router to list both engines", |m| {
-            (1..=2).all(|w| active_requests(m, w).is_some())
-        })
-        .await;
-    fleet
+    serve_fleet_file(dir, workers, &["--disagg", "enforced"]).await
 }
 
 /// A chat request over `long_prompt(tag)` that asks for the workers' ids in `nvext`.

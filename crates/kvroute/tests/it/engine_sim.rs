@@ -3,6 +3,7 @@
 //! whose ZMQ KV events reach the router's index.
 
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 
@@ -347,7 +348,6 @@ async fn fleet_over(sim: &EngineSim, test: &str) -> Fleet {
 /// adapters read the ZMQ events, and its KV event bridge carries them to the router.
 async fn static_fleet_over(sim: &EngineSim, test: &str) -> Fleet {
     let dir = scratch(&format!("engine-sim-{test}"));
-    let model = word_level_model(&dir);
     let mut file = String::new();
     for i in 0..2 {
         file.push_str(&format!(
@@ -359,20 +359,27 @@ async fn static_fleet_over(sim: &EngineSim, test: &str) -> Fleet {
             sim.field(i, "kv_events_replay"),
         ));
     }
-    let fleet_file = dir.join("fleet.toml");
-    std::fs::write(&fleet_file, file).expect("fleet file");
-    let serve = Proc::start(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--fleet",
-            fleet_file.to_str().expect("utf-8 path"),
-            "--model",
-            &model,
-        ],
-        &dir.join("serve.log"),
-    );
+    serve_fleet_file(&dir, &file, &[]).await
+}
+
+/// `kvroute serve` over the fleet `workers` (TOML `[[workers]]` entries for ids 1 and 2) written
+/// in `dir`, serving the word-level model, with `extra` flags; returns once the router lists both
+/// workers.
+pub(crate) async fn serve_fleet_file(dir: &Path, workers: &str, extra: &[&str]) -> Fleet {
+    let model = word_level_model(dir);
+    let fleet = dir.join("fleet.toml");
+    std::fs::write(&fleet, workers).expect("write the fleet file");
+    let mut args = vec![
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--fleet",
+        fleet.to_str().expect("utf-8 path"),
+        "--model",
+        &model,
+    ];
+    args.extend_from_slice(extra);
+    let serve = Proc::start(&args, &dir.join("serve.log"));
     listed(Fleet {
         base: format!("http://{}", serve.field("http")),
         serve,
