@@ -294,10 +294,14 @@ fn sends_and_submits_for_one_worker_keep_their_order() {
 fn an_idle_writer_takes_over_a_shard_its_busy_owner_cannot_get_to() {
     // Workers 40 and 42 sit on shards 0 and 2 of four, both first owned by writer 0 of two;
     // writer 1 owns only the idle shards 1 and 3. Everything is queued before the writers start,
-    // so writer 0 has two loaded shards and writer 1 none: writer 1 takes one over.
+    // and this thread holds shard 0 while they run: writer 0 starts on shard 0 and cannot get on,
+    // so writer 1, woken by changes on its own shard 1, takes shard 2 over. (Without the held
+    // shard the steal depends on writer 1 being scheduled while writer 0 applies: not so on a
+    // busy machine.)
     let shared = Arc::new(ConcurrentIndex::with_shards(4));
     let workers = [40u64, 42];
     assert_eq!(shared.shard_of(40), 0);
+    assert_eq!(shared.shard_of(41), 1);
     assert_eq!(shared.shard_of(42), 2);
     for _ in 0..20 {
         for &w in &workers {
@@ -306,7 +310,16 @@ fn an_idle_writer_takes_over_a_shard_its_busy_owner_cannot_get_to() {
             }
         }
     }
-    let writers = IndexWriters::with_threads(Arc::clone(&shared), 2).expect("threads start");
+    let writers = shared.read_shard(0, |_| {
+        let writers = IndexWriters::with_threads(Arc::clone(&shared), 2).expect("threads start");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while writers.steals() == 0 && std::time::Instant::now() < deadline {
+            // A change on shard 1 (removing a worker nobody has) wakes writer 1 if it sleeps.
+            writers.remove_worker(41);
+            thread::sleep(std::time::Duration::from_millis(1));
+        }
+        writers
+    });
     writers.flush();
     assert!(writers.steals() > 0, "writer 1 never took over a shard");
     // Every copy of a stored block after the first is a duplicate store, counted and dropped;
