@@ -25,7 +25,7 @@ pub struct ModelConfig {
     /// are its own) and sent with `model` set to the adapter's name.
     pub lora_adapters: Vec<String>,
     /// Whether the tokenizer encodes with `fastokens` where it can (see
-    /// [`HfTokenizer::with_fastokens`]); true unless turned off.
+    /// [`HfTokenizer::from_file_with`]); true unless turned off.
     pub fastokens: bool,
 }
 
@@ -107,7 +107,7 @@ impl Model {
             }
             return Ok(model);
         };
-        let tokenizer = HfTokenizer::from_file(path)?.with_fastokens(config.fastokens);
+        let tokenizer = HfTokenizer::from_file_with(path, config.fastokens)?;
         tracing::info!(
             model = %config.name,
             fastokens = tokenizer.encodes_with_fastokens(),

@@ -158,27 +158,37 @@ impl std::fmt::Debug for HfTokenizer {
 impl HfTokenizer {
     /// Loads a `tokenizer.json` file.
     pub fn from_file(path: &Path) -> Result<Self, TokenizerError> {
+        Self::from_file_with(path, true)
+    }
+
+    /// Loads a `tokenizer.json` file, with `fastokens` where it implements the tokenizer when
+    /// `fastokens` is true, without ever loading it when false.
+    pub fn from_file_with(path: &Path, fastokens: bool) -> Result<Self, TokenizerError> {
         let bytes = std::fs::read(path).map_err(|e| TokenizerError::Load {
             path: path.to_owned(),
             message: e.to_string(),
         })?;
-        Self::parse(&bytes, path)
+        Self::parse(&bytes, path, fastokens)
     }
 
     /// Parses a `tokenizer.json` document.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, TokenizerError> {
-        Self::parse(bytes, Path::new("<bytes>"))
+        Self::parse(bytes, Path::new("<bytes>"), true)
     }
 
-    fn parse(bytes: &[u8], path: &Path) -> Result<Self, TokenizerError> {
+    fn parse(bytes: &[u8], path: &Path, fastokens: bool) -> Result<Self, TokenizerError> {
         let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| TokenizerError::Load {
             path: path.to_owned(),
             message: e.to_string(),
         })?;
         // The `tokenizers` crate parsed it, so it is JSON.
-        let fast = serde_json::from_slice(bytes)
-            .map_err(|e| e.to_string())
-            .and_then(fast::FastEncoder::load);
+        let fast = if fastokens {
+            serde_json::from_slice(bytes)
+                .map_err(|e| e.to_string())
+                .and_then(fast::FastEncoder::load)
+        } else {
+            Err("turned off".to_owned())
+        };
         let fast = match fast {
             Ok(fast) => {
                 tracing::debug!(path = %path.display(), "prompts are encoded with fastokens");

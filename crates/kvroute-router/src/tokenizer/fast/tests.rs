@@ -137,3 +137,20 @@ fn a_reference_error_is_returned_on_a_check() {
     assert_eq!(err, "tokenizers failed");
     assert!(!fast.disabled(), "an error is not a difference");
 }
+
+#[test]
+fn a_tokenizer_loaded_without_fastokens_never_loads_it() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let path = dir.path().join("tokenizer.json");
+    let json = serde_json::to_string(&byte_level_bpe().inner).expect("serializable");
+    std::fs::write(&path, json).expect("written");
+    let with = HfTokenizer::from_file_with(&path, true).expect("loads");
+    assert!(with.encodes_with_fastokens());
+    let without = HfTokenizer::from_file_with(&path, false).expect("loads");
+    assert!(without.fast.is_none(), "fastokens was not loaded");
+    assert_eq!(without.encoder(), "tokenizers");
+    assert_eq!(
+        without.encode("the token and").unwrap(),
+        with.encode("the token and").unwrap()
+    );
+}
