@@ -182,19 +182,18 @@ impl HfTokenizer {
             message: e.to_string(),
         })?;
         // The `tokenizers` crate parsed it, so it is JSON.
-        let fast = if fastokens {
+        let fast = fastokens.then(|| {
             serde_json::from_slice(bytes)
                 .map_err(|e| e.to_string())
                 .and_then(fast::FastEncoder::load)
-        } else {
-            Err("turned off".to_owned())
-        };
+        });
         let fast = match fast {
-            Ok(fast) => {
+            None => None,
+            Some(Ok(fast)) => {
                 tracing::debug!(path = %path.display(), "prompts are encoded with fastokens");
                 Some(fast)
             }
-            Err(why) => {
+            Some(Err(why)) => {
                 tracing::debug!(
                     path = %path.display(),
                     "prompts are encoded with the tokenizers crate: fastokens cannot load this \
