@@ -132,6 +132,12 @@ pub(crate) struct Args {
     /// or a weight against the same runs: `--kvroute-arg=--policy --kvroute-arg=kv`.
     #[arg(long = "kvroute-arg", value_name = "ARG", allow_hyphen_values = true)]
     kvroute_args: Vec<String>,
+    /// `RUST_LOG` of both `kvroute serve` configurations [default: warn]; for example
+    /// `warn,kvroute_router::push=debug` writes every routing decision (worker, cached blocks,
+    /// the cached tokens forgone against the best cached worker, load terms) to each run's
+    /// router log.
+    #[arg(long, value_name = "FILTER")]
+    kvroute_log: Option<String>,
     /// CI's smoke test: 4 engines, `multi-turn` only, one round of every configuration, short
     /// (with --engine llamacpp: 2 engines, llama.cpp's default prompt memory, 24 requests).
     #[arg(long)]
@@ -331,6 +337,10 @@ pub(crate) struct Run {
     predicted: Option<f64>,
     /// kvroute's time tokenizing prompts (wall seconds on its workers) per 1,000 requests.
     tokenizing_s_per_1k: Option<f64>,
+    /// The share of kvroute's prompt tokens cached on a better eligible worker than the one
+    /// chosen (its `forgone_cached_tokens_total` over `input_tokens_total`): the hits its cost
+    /// model traded for load.
+    forgone: Option<f64>,
     /// What encoded kvroute's prompts (`fastokens`, `tokenizers`), from its metrics.
     encoder: Option<String>,
     /// Why the router could not be run at all.
@@ -544,6 +554,7 @@ async fn one_run(
             figures: Figures::default(),
             predicted: None,
             tokenizing_s_per_1k: None,
+            forgone: None,
             encoder: None,
             failed: Some(format!("{e:#}")),
         },
@@ -594,7 +605,7 @@ async fn try_run(
     };
     let mut router = routers::start(
         config,
-        &args.kvroute_args,
+        args,
         &setup.binaries,
         &fleet.engines,
         &setup.scratch,
@@ -628,13 +639,15 @@ async fn try_run(
     };
     figures.cpu_s_per_1k = Some((cpu_after - cpu_before) / samples.len() as f64 * 1000.0);
     figures.peak_rss_mib = Some(hwm_kib as f64 / 1024.0);
-    let (mut predicted, mut tokenizing_s_per_1k, mut encoder) = (None, None, None);
+    let (mut predicted, mut tokenizing_s_per_1k, mut forgone, mut encoder) =
+        (None, None, None, None);
     if config.is_kvroute() {
         let keep = setup.logs.join(format!("{tag}-metrics.txt"));
         if let Ok(text) = kvroute_metrics(http, &router.base, &keep).await {
             predicted = kvroute_predicted(&text).ok();
             tokenizing_s_per_1k =
                 kvroute_tokenizing_seconds(&text).map(|s| s / samples.len().max(1) as f64 * 1000.0);
+            forgone = kvroute_forgone(&text).ok();
             encoder = kvroute_encoder(&text);
         }
     }
@@ -642,6 +655,7 @@ async fn try_run(
         figures,
         predicted,
         tokenizing_s_per_1k,
+        forgone,
         encoder,
         failed: None,
     })
@@ -680,6 +694,17 @@ fn kvroute_encoder(text: &str) -> Option<String> {
             let (_, rest) = l.split_once("encoder=\"")?;
             rest.split_once('"').map(|(encoder, _)| encoder.to_owned())
         })
+}
+
+/// The share of kvroute's prompt tokens that were cached on a better eligible worker than the one
+/// it chose, from its metrics `text`: `forgone_cached_tokens_total` over `input_tokens_total`.
+fn kvroute_forgone(text: &str) -> Result<f64> {
+    let forgone = fleet::counter(text, "kvroute_router_forgone_cached_tokens_total")?;
+    let input = fleet::counter(text, "kvroute_router_input_tokens_total")?;
+    if input == 0.0 {
+        bail!("no prompt token counted");
+    }
+    Ok(forgone / input)
 }
 
 /// kvroute's predicted hit rate over the requests whose engines reported cached tokens, from its

@@ -176,6 +176,20 @@ impl Routed {
             .min(self.isl_tokens)
     }
 
+    /// The prompt tokens cached (device tier) on the eligible candidate holding most of the
+    /// prompt but not on the chosen worker: 0 when the chosen worker holds as many as any, or
+    /// when it was pinned or sticky (the only candidate). What the cost model traded for load.
+    pub fn forgone_cached_tokens(&self, block_size: u32) -> u64 {
+        let best = self
+            .candidates
+            .iter()
+            .map(|c| c.overlap_blocks)
+            .max()
+            .unwrap_or(0);
+        let forgone = u64::from(best.saturating_sub(self.overlap_blocks)) * u64::from(block_size);
+        forgone.min(self.isl_tokens)
+    }
+
     /// The fraction of the prompt's tokens predicted to be served from cache (0 for an empty
     /// prompt).
     pub fn predicted_hit_rate(&self, block_size: u32) -> f64 {

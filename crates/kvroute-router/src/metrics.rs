@@ -19,6 +19,8 @@
 //! | `output_tokens_total` | counter | | tokens streamed back |
 //! | `predicted_cached_tokens_total` | counter | | prompt tokens the index predicted cached |
 //! | `predicted_kv_hit_rate` | histogram | | per request, predicted cached / prompt tokens |
+//! | `routed_off_cache_total` | counter | | requests sent to a worker holding fewer of their prompt's blocks (device tier) than another eligible worker: the cost model judged that worker's load worth more than the hit |
+//! | `forgone_cached_tokens_total` | counter | | for those requests, prompt tokens cached on the best eligible worker but not on the chosen one (against `predicted_cached_tokens_total`: the share of the fleet's hits the cost model traded for load) |
 //! | `time_to_first_token_seconds` | histogram | | send to first token |
 //! | `inter_token_latency_seconds` | histogram | | between tokens, per token |
 //! | `routing_overhead_seconds` | histogram | `phase` = tokenizing, hashing, find_matches, scheduling | time in each routing phase (`tokenizing`: the HTTP frontend's chat template and tokenizer, for prompts sent as text) |
@@ -60,7 +62,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use kvroute_protocols::{WorkerLoadReport, WorkerWithDpRank};
-use kvroute_router_core::{PhaseTimings, Retention};
+use kvroute_router_core::{Retention, Routed};
 use kvroute_scheduler::WorkerLoad;
 use std::sync::atomic::AtomicU64;
 
@@ -125,6 +127,8 @@ pub struct RouterMetrics {
     output_tokens: Counter,
     predicted_cached_tokens: Counter,
     predicted_hit_rate: Histogram,
+    routed_off_cache: Counter,
+    forgone_cached_tokens: Counter,
     ttft: Histogram,
     itl: Histogram,
     overhead: Family<Labels, Histogram, fn() -> Histogram>,
@@ -183,6 +187,8 @@ impl RouterMetrics {
             input_tokens: Counter::default(),
             output_tokens: Counter::default(),
             predicted_cached_tokens: Counter::default(),
+            routed_off_cache: Counter::default(),
+            forgone_cached_tokens: Counter::default(),
             // k / 10 rather than repeated additions of 0.1, so that bounds print as written
             // (`le="0.3"`, not `le="0.30000000000000004"`).
             predicted_hit_rate: Histogram::new((1..=10).map(|k| f64::from(k) / 10.0)),
@@ -303,6 +309,16 @@ impl RouterMetrics {
             self.predicted_hit_rate.clone(),
         );
         registry.register(
+            "routed_off_cache",
+            "Requests sent to a worker holding fewer of their prompt's blocks than another eligible worker",
+            self.routed_off_cache.clone(),
+        );
+        registry.register(
+            "forgone_cached_tokens",
+            "Prompt tokens cached on the best eligible worker but not on the chosen one",
+            self.forgone_cached_tokens.clone(),
+        );
+        registry.register(
             "time_to_first_token_seconds",
             "Time from sending a request to its first token",
             self.ttft.clone(),
@@ -392,8 +408,11 @@ impl RouterMetrics {
         );
     }
 
-    /// A request was routed: its prompt, predicted cache hits and routing time.
-    pub fn on_routed(&self, isl_tokens: u64, predicted_cached_tokens: u64, timings: &PhaseTimings) {
+    /// A request was routed: its prompt, predicted cache hits, the hits its worker forgoes
+    /// against the best cached eligible worker, and routing time.
+    pub fn on_routed(&self, routed: &Routed, block_size: u32) {
+        let isl_tokens = routed.isl_tokens;
+        let predicted_cached_tokens = routed.predicted_cached_tokens(block_size);
         self.requests.inc();
         self.input_tokens.inc_by(isl_tokens);
         self.predicted_cached_tokens.inc_by(predicted_cached_tokens);
@@ -401,10 +420,15 @@ impl RouterMetrics {
             self.predicted_hit_rate
                 .observe(predicted_cached_tokens as f64 / isl_tokens as f64);
         }
+        let forgone = routed.forgone_cached_tokens(block_size);
+        if forgone > 0 {
+            self.routed_off_cache.inc();
+            self.forgone_cached_tokens.inc_by(forgone);
+        }
         for (phase, d) in [
-            ("hashing", timings.hashing),
-            ("find_matches", timings.find_matches),
-            ("scheduling", timings.scheduling),
+            ("hashing", routed.timings.hashing),
+            ("find_matches", routed.timings.find_matches),
+            ("scheduling", routed.timings.scheduling),
         ] {
             self.overhead
                 .get_or_create(&vec![("phase", phase.to_owned())])

@@ -365,10 +365,19 @@ impl KvPushRouter {
         if let (Some(sync), Some((load, predicted))) = (&inner.load_sync, shared_load) {
             sync.local(Local::Added(id, load, predicted));
         }
-        inner.metrics.on_routed(
-            routed.isl_tokens,
-            routed.predicted_cached_tokens(inner.config.core.block_size()),
-            &routed.timings,
+        inner
+            .metrics
+            .on_routed(&routed, inner.config.core.block_size());
+        tracing::debug!(
+            id = id.0,
+            worker = %routed.worker,
+            isl_tokens = routed.isl_tokens,
+            overlap_blocks = routed.overlap_blocks,
+            forgone_cached_tokens = routed.forgone_cached_tokens(inner.config.core.block_size()),
+            prefill_blocks = routed.cost.prefill_blocks,
+            decode_blocks = routed.cost.decode_blocks,
+            candidates = routed.candidates.len(),
+            "routed"
         );
         // From here on the guard frees the request on every path, including early returns.
         let guard = RequestGuard::new(inner.clone(), id, routed.worker);

@@ -27,6 +27,9 @@ pub(super) fn run_summary(run: &Run) -> String {
     if let Some(p) = run.predicted {
         let _ = write!(out, ", predicted {}", pct(Some(p)));
     }
+    if let Some(f) = run.forgone {
+        let _ = write!(out, ", forgone {}", pct(Some(f)));
+    }
     if let Some(t) = run.tokenizing_s_per_1k {
         let _ = write!(out, ", tokenizing {t:.2} s/1k");
         if let Some(encoder) = &run.encoder {
@@ -157,12 +160,12 @@ pub(super) fn report(args: &Args, results: &Results) -> String {
     let _ = writeln!(
         out,
         "| engines | workload | router | ok / requests | hit (usage) | hit (engine counters) | \
-         kvroute predicted | TTFT p50 | TTFT p99 | E2E p99 | output tok/s | router CPU s / 1k req \
+         kvroute predicted | kvroute forgone | TTFT p50 | TTFT p99 | E2E p99 | output tok/s | router CPU s / 1k req \
          | kvroute tokenizing s / 1k req | router peak RSS MiB |"
     );
     let _ = writeln!(
         out,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for ((engines, workload), cell) in results {
         for (config, runs) in cell {
@@ -176,11 +179,12 @@ pub(super) fn report(args: &Args, results: &Results) -> String {
             };
             let _ = writeln!(
                 out,
-                "| {engines} | {workload} | {} | {status} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {engines} | {workload} | {} | {status} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 config.label(),
                 pct(mean(runs, |r| r.figures.hit_rate_usage)),
                 pct(mean(runs, |r| r.figures.hit_rate_engines)),
                 pct(mean(runs, |r| r.predicted)),
+                pct(mean(runs, |r| r.forgone)),
                 num(mean(runs, |r| r.figures.ttft_p50_ms), 1),
                 num(mean(runs, |r| r.figures.ttft_p99_ms), 1),
                 num(mean(runs, |r| r.figures.e2e_p99_ms), 1),
@@ -270,6 +274,12 @@ pub(super) fn check_quick(results: &Results) -> Result<()> {
                     problems.push(format!(
                         "{} on {engines} engines, {workload}: its metrics showed no tokenizing \
                          time",
+                        config.label()
+                    ));
+                } else if config.is_kvroute() && run.forgone.is_none() {
+                    problems.push(format!(
+                        "{} on {engines} engines, {workload}: its metrics showed no \
+                         forgone_cached_tokens_total or input_tokens_total",
                         config.label()
                     ));
                 } else if config.is_kvroute() && run.encoder.as_deref() != Some("fastokens") {

@@ -117,7 +117,7 @@ pub(crate) fn free_port() -> Result<u16> {
 /// Starts `config` in front of `engines` and waits until it lists every engine as healthy.
 pub(crate) async fn start(
     config: Config,
-    kvroute_args: &[String],
+    args: &super::Args,
     bin: &Binaries,
     engines: &[Engine],
     scratch: &Path,
@@ -144,11 +144,11 @@ pub(crate) async fn start(
             .arg("--model")
             .arg(model)
             .args(["--block-size", &BLOCK_SIZE.to_string()])
-            .env("RUST_LOG", "warn");
+            .env("RUST_LOG", args.kvroute_log.as_deref().unwrap_or("warn"));
         if config == Config::KvrouteApprox {
             cmd.args(["--kv-mode", "approximate"]);
         }
-        cmd.args(kvroute_args);
+        cmd.args(&args.kvroute_args);
         let (proc, line) =
             Proc::spawn_with_ready_line(config.label(), &mut cmd, log, READY_BOUND).await?;
         let base = serve_address(&line)

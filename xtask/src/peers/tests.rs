@@ -475,6 +475,13 @@ kvroute_router_tokenizer_encoder{model=\"sim\",encoder=\"tokenizers\"} 1
     assert_eq!(kvroute_tokenizing_seconds(text), Some(0.3275));
     assert_eq!(kvroute_encoder(text).as_deref(), Some("tokenizers"));
     assert_eq!(kvroute_predicted(text).unwrap(), 0.75);
+    assert!(
+        kvroute_forgone(text).is_err(),
+        "no forgone counter in this text"
+    );
+    let counted =
+        "kvroute_router_input_tokens_total 400\nkvroute_router_forgone_cached_tokens_total 12\n";
+    assert_eq!(kvroute_forgone(counted).unwrap(), 0.03);
     let untimed = "kvroute_router_routing_overhead_seconds_sum{phase=\"hashing\"} 0.5\n";
     assert_eq!(kvroute_tokenizing_seconds(untimed), None);
     assert_eq!(kvroute_encoder(untimed), None);
@@ -482,7 +489,8 @@ kvroute_router_tokenizer_encoder{model=\"sim\",encoder=\"tokenizers\"} 1
 }
 
 #[test]
-fn the_quick_check_wants_every_request_served_and_kvroute_tokenizing_timed_with_fastokens() {
+fn the_quick_check_wants_every_request_served_and_kvroute_tokenizing_timed_with_fastokens_and_forgone_hits_counted()
+ {
     let served = Figures {
         requests: 10,
         ok: 10,
@@ -492,6 +500,7 @@ fn the_quick_check_wants_every_request_served_and_kvroute_tokenizing_timed_with_
         figures: served.clone(),
         predicted: None,
         tokenizing_s_per_1k: tokenizing,
+        forgone: tokenizing.map(|_| 0.01),
         encoder: tokenizing.map(|_| "fastokens".to_owned()),
         failed: None,
     };
@@ -509,6 +518,13 @@ fn the_quick_check_wants_every_request_served_and_kvroute_tokenizing_timed_with_
     short.figures.ok = 9;
     let e = check_quick(&results(Config::Kvroute, short)).unwrap_err();
     assert!(e.to_string().contains("served 9 of 10 requests"), "{e}");
+    let mut uncounted = run(Some(0.4));
+    uncounted.forgone = None;
+    let e = check_quick(&results(Config::Kvroute, uncounted)).unwrap_err();
+    assert!(
+        e.to_string().contains("no forgone_cached_tokens_total"),
+        "{e}"
+    );
     let mut slow = run(Some(0.4));
     slow.encoder = Some("tokenizers".to_owned());
     let e = check_quick(&results(Config::Kvroute, slow)).unwrap_err();

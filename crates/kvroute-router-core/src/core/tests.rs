@@ -914,3 +914,46 @@ fn an_approximate_worker_whose_engine_reports_far_fewer_cached_tokens_loses_its_
     assert_eq!(core.on_cache_report(RequestId(77), 0), 0);
     assert_idle(&core);
 }
+
+#[test]
+fn a_request_sent_away_from_its_cached_prefix_counts_the_tokens_it_forgoes() {
+    let mut core = core(Policy::Kv, &[(1, KvMode::Events), (2, KvMode::Events)]);
+    let first_prompt = prompt(64);
+    let first = core
+        .route(
+            &RouteRequest::new(RequestId(1), &first_prompt),
+            T0,
+            &mut rng(),
+        )
+        .unwrap();
+    // Nothing was cached anywhere: nothing forgone.
+    assert_eq!(first.forgone_cached_tokens(BS), 0);
+    // Half of the second prompt is in flight on the first's worker, which is busy with it: the
+    // reference's weights send it to the idle worker and forgo those 8 blocks.
+    let mut second_prompt = prompt(32);
+    second_prompt.extend(1000..1032);
+    let second = core
+        .route(
+            &RouteRequest::new(RequestId(2), &second_prompt),
+            T0,
+            &mut rng(),
+        )
+        .unwrap();
+    assert_ne!(second.worker, first.worker);
+    assert_eq!(second.overlap_blocks, 0);
+    assert_eq!(second.forgone_cached_tokens(BS), 32);
+    // The same prompt again follows its cache: nothing forgone.
+    let third = core
+        .route(
+            &RouteRequest::new(RequestId(3), &second_prompt),
+            T0,
+            &mut rng(),
+        )
+        .unwrap();
+    assert_eq!(third.worker, second.worker);
+    assert_eq!(third.forgone_cached_tokens(BS), 0);
+    for id in 1..=3 {
+        core.on_finished(RequestId(id));
+    }
+    assert_idle(&core);
+}
