@@ -133,6 +133,17 @@ pub(crate) struct RouterOptions {
     /// kv-locality and kv-adaptive policies score with fixed weights and refuse it).
     #[arg(long, allow_negative_numbers = true)]
     pub(crate) overlap_credit: Option<f64>,
+    /// Weight of a block of prefill (queued, or this prompt's uncached part) against a block of
+    /// decode in the cost of policy kv (default 1; kv-locality scores with 4). Higher keeps
+    /// requests on their cache under load at some cost in decode balance (see
+    /// docs/benchmarks.md, "Trading hits for load").
+    #[arg(long, allow_negative_numbers = true)]
+    pub(crate) prefill_load_scale: Option<f64>,
+    /// How the overlap credit of policy kv falls with the cached share of the prompt: the credit
+    /// per cached block is `overlap_credit * share ^ this` (default 0: every cached block alike;
+    /// kv-locality scores with 2).
+    #[arg(long, allow_negative_numbers = true)]
+    pub(crate) cached_share_exponent: Option<f64>,
     /// Credit per cached block found on a worker's host (CPU) tier, continuing its device
     /// prefix, against a device block's 1 (default 0.75, as the reference).
     #[arg(long, allow_negative_numbers = true)]
@@ -426,6 +437,8 @@ impl ServeOptions {
                 policy: pick(r.policy, fr.policy),
                 temperature: pick(r.temperature, fr.temperature),
                 overlap_credit: pick(r.overlap_credit, fr.overlap_credit),
+                prefill_load_scale: pick(r.prefill_load_scale, fr.prefill_load_scale),
+                cached_share_exponent: pick(r.cached_share_exponent, fr.cached_share_exponent),
                 host_cache_hit_weight: pick(r.host_cache_hit_weight, fr.host_cache_hit_weight),
                 disk_cache_hit_weight: pick(r.disk_cache_hit_weight, fr.disk_cache_hit_weight),
                 max_migrations: pick(r.max_migrations, fr.max_migrations),

@@ -607,6 +607,16 @@ fn a_negative_number_flag_is_a_value_refused_by_range_not_an_unknown_flag() {
         &["--overlap-credit", "-2"],
         Err("router.overlap_credit"),
     );
+    check(
+        "[router]\npolicy = \"kv\"\n",
+        &["--prefill-load-scale", "-1"],
+        Err("router.prefill_load_scale"),
+    );
+    check(
+        "[router]\npolicy = \"kv\"\ncached_share_exponent = inf\n",
+        &[],
+        Err("router.cached_share_exponent"),
+    );
 }
 
 #[test]
@@ -628,6 +638,57 @@ fn an_overlap_credit_is_refused_by_the_policies_with_fixed_weights() {
         .validate()
         .expect("valid");
     assert_eq!(options.router.core.scheduler.cost.overlap_credit, 3.0);
+}
+
+#[test]
+fn policy_kv_takes_the_locality_weights_one_by_one_and_the_presets_refuse_them() {
+    check(
+        "",
+        &["--prefill-load-scale", "16"],
+        Err("no prefill load scale with policy kv-locality"),
+    );
+    check(
+        "[router]\npolicy = \"kv-adaptive\"\ncached_share_exponent = 2.0\n",
+        &[],
+        Err("no cached share exponent with policy kv-adaptive"),
+    );
+    let options = ServeOptions::from_toml(
+        "[router]\npolicy = \"kv\"\nprefill_load_scale = 16.0\noverlap_credit = 1.5\n\
+         cached_share_exponent = 2.0\n",
+    )
+    .expect("toml")
+    .validate()
+    .expect("valid");
+    let cost = options.router.core.scheduler.cost;
+    // kv-locality's weights with a fixed prefill scale of 16 instead of 4.
+    assert_eq!(
+        (
+            cost.prefill_load_scale,
+            cost.loaded_prefill_load_scale,
+            cost.overlap_credit,
+            cost.cached_share_exponent
+        ),
+        (16.0, 16.0, 1.5, 2.0)
+    );
+    // Flags override the file, weight by weight.
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        options: ServeOptions,
+    }
+    let flags = Cli::try_parse_from(["serve", "--prefill-load-scale", "8"])
+        .expect("flags")
+        .options;
+    let options = ServeOptions::from_toml("[router]\npolicy = \"kv\"\nprefill_load_scale = 16.0\n")
+        .expect("toml")
+        .overridden_by(flags)
+        .validate()
+        .expect("valid");
+    assert_eq!(options.router.core.scheduler.cost.prefill_load_scale, 8.0);
+    assert_eq!(
+        options.router.core.scheduler.cost.cached_share_exponent,
+        0.0
+    );
 }
 
 #[test]

@@ -325,30 +325,56 @@ fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(
         }
         router.core.scheduler.temperature = t;
     }
-    if let Some(c) = r.overlap_credit {
-        if !(c.is_finite() && c >= 0.0) {
-            return Err(invalid(
-                "router.overlap_credit",
-                "overlap-credit",
-                "a finite number >= 0",
-                c,
-            ));
+    // The cost's weights of policy kv. The presets score with fixed weights
+    // (`Policy::cost_weights`): a weight given with one of them would be silently ignored.
+    let policy = router.core.policy;
+    let cost = &mut router.core.scheduler.cost;
+    for (value, key, flag, what) in [
+        (
+            r.overlap_credit,
+            "router.overlap_credit",
+            "overlap-credit",
+            "overlap credit",
+        ),
+        (
+            r.prefill_load_scale,
+            "router.prefill_load_scale",
+            "prefill-load-scale",
+            "prefill load scale",
+        ),
+        (
+            r.cached_share_exponent,
+            "router.cached_share_exponent",
+            "cached-share-exponent",
+            "cached share exponent",
+        ),
+    ] {
+        let Some(v) = value else { continue };
+        if !(v.is_finite() && v >= 0.0) {
+            return Err(invalid(key, flag, "a finite number >= 0", v));
         }
-        // The presets score with fixed weights (`Policy::cost_weights`): a credit given with
-        // one of them would be silently ignored.
-        let policy = router.core.policy;
         if policy.cost_weights().is_some() {
             return Err(invalid(
-                "router.overlap_credit",
-                "overlap-credit",
+                key,
+                flag,
                 &format!(
-                    "no overlap credit with policy {policy}, whose weights are fixed (it applies \
-                     to policy kv: set policy = \"kv\" to tune the cost's weights)"
+                    "no {what} with policy {policy}, whose weights are fixed (it applies to \
+                     policy kv: set policy = \"kv\" to tune the cost's weights)"
                 ),
-                c,
+                v,
             ));
         }
-        router.core.scheduler.cost.overlap_credit = c;
+    }
+    if let Some(c) = r.overlap_credit {
+        cost.overlap_credit = c;
+    }
+    if let Some(s) = r.prefill_load_scale {
+        // One fixed scale, as the wire's per-request override sets it.
+        cost.prefill_load_scale = s;
+        cost.loaded_prefill_load_scale = s;
+    }
+    if let Some(e) = r.cached_share_exponent {
+        cost.cached_share_exponent = e;
     }
     let weights = &mut router.core.scheduler.cache_hit_weights;
     for (value, key, flag, slot) in [
