@@ -38,7 +38,7 @@ use disagg::args::{DisaggArgs, DisaggPlan};
 use dispatch::{RouterDispatcher, RunState, SessionTracker};
 use metrics::Recorder;
 use oracle::{Oracle, ratio};
-use policy::ReplayPolicy;
+use policy::{KvWeights, ReplayPolicy};
 use replicas::ReplicaDispatcher;
 use report::{OracleJson, PolicyReport, ReplayJson, Setup, ms};
 use workload::{Synthesis, Trace};
@@ -87,6 +87,18 @@ pub(crate) struct ReplayArgs {
     /// kv-locality.
     #[arg(long = "policy", value_name = "P", value_parser = ReplayPolicy::parse)]
     policies: Vec<ReplayPolicy>,
+    /// Policy kv's overlap credit: blocks of prefill credited per cached block (default 1, the
+    /// reference's; kv-locality scores with 1.5).
+    #[arg(long, value_name = "X")]
+    overlap_credit: Option<f64>,
+    /// Policy kv's weight of a block of prefill against a block of decode (default 1, the
+    /// reference's; kv-locality scores with 4).
+    #[arg(long, value_name = "X")]
+    prefill_load_scale: Option<f64>,
+    /// Policy kv's fall of the credit with the cached share: `credit * share ^ X` per cached
+    /// block (default 0; kv-locality scores with 2).
+    #[arg(long, value_name = "X")]
+    cached_share_exponent: Option<f64>,
     /// Replay speed: 2.0 makes requests arrive twice as fast as the trace says.
     #[arg(long, default_value_t = 1.0, value_name = "X")]
     speed: f64,
@@ -179,6 +191,8 @@ struct Plan {
     sync_delay: Duration,
     /// Sessions go to the router as sticky sessions.
     sticky_sessions: bool,
+    /// Policy kv's weights, where given.
+    kv_weights: KvWeights,
 }
 
 impl Plan {
@@ -260,6 +274,12 @@ impl Plan {
         } else {
             &args.policies
         };
+        let kv_weights = KvWeights {
+            overlap_credit: args.overlap_credit,
+            prefill_load_scale: args.prefill_load_scale,
+            cached_share_exponent: args.cached_share_exponent,
+        };
+        kv_weights.validate(asked)?;
         // A policy named twice would only print the same row twice.
         let mut policies: Vec<ReplayPolicy> = Vec::new();
         for &p in asked {
@@ -281,6 +301,7 @@ impl Plan {
             routers: args.routers,
             sync_delay: args.router_sync_delay.0,
             sticky_sessions: args.sticky_sessions,
+            kv_weights,
         })
     }
 }
@@ -522,7 +543,7 @@ fn run_policy(
         return run_disagg_policy(plan, policy, prefill, records, progress, sessions);
     }
     let mut sim = Simulation::new(&plan.mocker, plan.workers).context("invalid engine settings")?;
-    let config = policy.router_config(plan.mocker.block_size);
+    let config = policy.router_config(plan.mocker.block_size, &plan.kv_weights);
     if plan.routers > 1 {
         let cores = (0..plan.routers)
             .map(|_| new_core(plan, config.clone(), plan.workers))
@@ -610,7 +631,7 @@ fn run_disagg_policy(
     let mut sim =
         DisaggSimulation::new(&plan.mocker, prefill, plan.workers, DecodeConfig::default())
             .context("invalid engine settings")?;
-    let config = policy.router_config(plan.mocker.block_size);
+    let config = policy.router_config(plan.mocker.block_size, &plan.kv_weights);
     let prefill_core = new_core(plan, config.clone(), prefill)?;
     let decode_core = new_core(plan, config, plan.workers)?;
     let recorder = Recorder::new(prefill + plan.workers, load_bucket(plan, records));

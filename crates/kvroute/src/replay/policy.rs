@@ -94,13 +94,28 @@ impl ReplayPolicy {
             })
     }
 
-    /// The router configuration that implements this policy for `block_size`-token blocks.
-    pub(crate) fn router_config(self, block_size: u32) -> RouterConfig {
+    /// The router configuration that implements this policy for `block_size`-token blocks;
+    /// `kv` scores with `weights` where given.
+    pub(crate) fn router_config(self, block_size: u32, weights: &KvWeights) -> RouterConfig {
         let base = RouterConfig::new(block_size);
         match self {
             ReplayPolicy::RoundRobin => base.with_policy(Policy::RoundRobin),
             ReplayPolicy::Random => base.with_policy(Policy::Random),
-            ReplayPolicy::Kv => base.with_policy(Policy::Kv),
+            ReplayPolicy::Kv => {
+                let mut config = base.with_policy(Policy::Kv);
+                let cost = &mut config.scheduler.cost;
+                if let Some(c) = weights.overlap_credit {
+                    cost.overlap_credit = c;
+                }
+                if let Some(s) = weights.prefill_load_scale {
+                    cost.prefill_load_scale = s;
+                    cost.loaded_prefill_load_scale = s;
+                }
+                if let Some(e) = weights.cached_share_exponent {
+                    cost.cached_share_exponent = e;
+                }
+                config
+            }
             ReplayPolicy::KvAdaptive => base.with_policy(Policy::KvAdaptive),
             ReplayPolicy::KvLocality => base.with_policy(Policy::KvLocality),
             ReplayPolicy::KvAffinity => {
@@ -110,6 +125,41 @@ impl ReplayPolicy {
                 config
             }
         }
+    }
+}
+
+/// Policy `kv`'s cost weights given on the command line (`None` keeps the reference's), as
+/// `kvroute serve --policy kv` takes them: `kv-locality` is `kv` with an overlap credit of 1.5, a
+/// prefill load scale of 4 and a cached share exponent of 2.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct KvWeights {
+    pub(crate) overlap_credit: Option<f64>,
+    pub(crate) prefill_load_scale: Option<f64>,
+    pub(crate) cached_share_exponent: Option<f64>,
+}
+
+impl KvWeights {
+    /// Checks each weight (finite, at least 0) and that policy kv is among `policies`, since no
+    /// other policy would read them.
+    pub(crate) fn validate(&self, policies: &[ReplayPolicy]) -> anyhow::Result<()> {
+        let given = [
+            ("--overlap-credit", self.overlap_credit),
+            ("--prefill-load-scale", self.prefill_load_scale),
+            ("--cached-share-exponent", self.cached_share_exponent),
+        ];
+        for (flag, value) in given {
+            let Some(v) = value else { continue };
+            if !(v.is_finite() && v >= 0.0) {
+                anyhow::bail!("{flag} must be a finite number >= 0, got {v}");
+            }
+            if !policies.contains(&ReplayPolicy::Kv) {
+                anyhow::bail!(
+                    "{flag} sets a weight of policy kv, which is not replayed: add --policy kv \
+                     (the other policies score with fixed weights)"
+                );
+            }
+        }
+        Ok(())
     }
 }
 
@@ -128,11 +178,39 @@ mod tests {
         let default = ReplayPolicy::parse("default").unwrap();
         assert_eq!(default, ReplayPolicy::serve_default());
         assert_eq!(
-            default.router_config(16).policy,
+            default.router_config(16, &KvWeights::default()).policy,
             RouterConfig::new(16).policy,
             "replay's default runs exactly the router's default policy"
         );
         let error = ReplayPolicy::parse("best").unwrap_err();
         assert!(error.contains("or default"), "{error}");
+    }
+
+    #[test]
+    fn kv_with_kv_localitys_weights_scores_as_kv_locality() {
+        let weights = KvWeights {
+            overlap_credit: Some(1.5),
+            prefill_load_scale: Some(4.0),
+            cached_share_exponent: Some(2.0),
+        };
+        let kv = ReplayPolicy::Kv.router_config(16, &weights);
+        let locality = ReplayPolicy::KvLocality.router_config(16, &weights);
+        assert_eq!(Some(kv.scheduler.cost), locality.policy.cost_weights());
+        // Without weights kv keeps the reference's; the presets ignore them.
+        let plain = ReplayPolicy::Kv.router_config(16, &KvWeights::default());
+        assert_eq!(plain.scheduler.cost.prefill_load_scale, 1.0);
+        assert_eq!(locality.scheduler.cost, plain.scheduler.cost);
+        let error = weights.validate(&[ReplayPolicy::KvLocality]).unwrap_err();
+        assert!(error.to_string().contains("add --policy kv"), "{error}");
+        assert!(weights.validate(&[ReplayPolicy::Kv]).is_ok());
+        let negative = KvWeights {
+            prefill_load_scale: Some(-1.0),
+            ..KvWeights::default()
+        };
+        let error = negative.validate(&[ReplayPolicy::Kv]).unwrap_err();
+        assert!(
+            error.to_string().contains("--prefill-load-scale must be"),
+            "{error}"
+        );
     }
 }
