@@ -368,17 +368,31 @@ impl KvPushRouter {
         inner
             .metrics
             .on_routed(&routed, inner.config.core.block_size());
-        tracing::debug!(
-            id = id.0,
-            worker = %routed.worker,
-            isl_tokens = routed.isl_tokens,
-            overlap_blocks = routed.overlap_blocks,
-            forgone_cached_tokens = routed.forgone_cached_tokens(inner.config.core.block_size()),
-            prefill_blocks = routed.cost.prefill_blocks,
-            decode_blocks = routed.cost.decode_blocks,
-            candidates = routed.candidates.len(),
-            "routed"
-        );
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            // The best cached candidate's terms beside the chosen one's: why the cache lost.
+            let best = routed
+                .candidates
+                .iter()
+                .max_by_key(|c| c.overlap_blocks)
+                .filter(|c| c.overlap_blocks > routed.overlap_blocks);
+            tracing::debug!(
+                id = id.0,
+                worker = %routed.worker,
+                isl_tokens = routed.isl_tokens,
+                overlap_blocks = routed.overlap_blocks,
+                forgone_cached_tokens = routed.forgone_cached_tokens(inner.config.core.block_size()),
+                prefill_blocks = routed.cost.prefill_blocks,
+                decode_blocks = routed.cost.decode_blocks,
+                cost = routed.cost.cost,
+                best_cached_worker = best.map(|c| c.worker.to_string()),
+                best_cached_overlap_blocks = best.map(|c| c.overlap_blocks),
+                best_cached_prefill_blocks = best.map(|c| c.prefill_blocks),
+                best_cached_decode_blocks = best.map(|c| c.decode_blocks),
+                best_cached_cost = best.map(|c| c.cost),
+                candidates = routed.candidates.len(),
+                "routed"
+            );
+        }
         // From here on the guard frees the request on every path, including early returns.
         let guard = RequestGuard::new(inner.clone(), id, routed.worker);
         if let Some(open) = &routed.session_open {
