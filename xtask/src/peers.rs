@@ -630,6 +630,7 @@ async fn try_run(
         }
     };
     let (cpu_after, hwm_kib) = fleet::group_usage(pgid);
+    write_samples(&setup.logs.join(format!("{tag}-requests.jsonl")), &samples)?;
     router.proc.check_alive()?;
     fleet.proc.check_alive()?;
     let mut figures = load::figures(&samples, wall);
@@ -659,6 +660,28 @@ async fn try_run(
         encoder,
         failed: None,
     })
+}
+
+/// Every request's sample of one run, one JSON line each in the requests' order (`i`, TTFT and
+/// E2E in real ms, prompt, cached and output tokens, error), for comparing two routers request by
+/// request afterwards.
+fn write_samples(path: &Path, samples: &[load::Sample]) -> Result<()> {
+    let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1e3);
+    let mut text = String::new();
+    for (i, s) in samples.iter().enumerate() {
+        let line = serde_json::json!({
+            "i": i,
+            "ttft_ms": ms(s.ttft),
+            "e2e_ms": ms(s.e2e),
+            "prompt_tokens": s.prompt_tokens,
+            "cached_tokens": s.cached_tokens,
+            "completion_tokens": s.completion_tokens,
+            "error": s.error,
+        });
+        text.push_str(&line.to_string());
+        text.push('\n');
+    }
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
 /// kvroute's `/metrics` text at the end of a run, also kept in `keep` (beside the run's logs)

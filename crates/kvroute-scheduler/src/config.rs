@@ -255,6 +255,29 @@ impl CostWeights {
         }
     }
 
+    /// These weights with policy kv's tunable weights set where given (`None` keeps the
+    /// configured value): the credit per cached block, one fixed prefill scale (both ends of the
+    /// range, as the wire's per-request override sets it) and the cached share's exponent. Serve's
+    /// `[router]` keys and replay's flags of the same names both come here.
+    pub fn with_tuning(
+        mut self,
+        overlap_credit: Option<f64>,
+        prefill_load_scale: Option<f64>,
+        cached_share_exponent: Option<f64>,
+    ) -> Self {
+        if let Some(c) = overlap_credit {
+            self.overlap_credit = c;
+        }
+        if let Some(s) = prefill_load_scale {
+            self.prefill_load_scale = s;
+            self.loaded_prefill_load_scale = s;
+        }
+        if let Some(e) = cached_share_exponent {
+            self.cached_share_exponent = e;
+        }
+        self
+    }
+
     /// These weights with the request's overrides applied (`None` keeps the configured value).
     pub fn with_override(mut self, o: &RouterConfigOverride) -> Self {
         // The wire field names one fixed scale: it replaces both ends of the range.

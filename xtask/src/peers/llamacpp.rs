@@ -396,7 +396,7 @@ async fn turn_request(
             format!("{base}/v1/completions")
         }
     };
-    let result = load::stream(http, &url, body, Instant::now())
+    let result = load::stream(http, &url, body, Instant::now(), load::SseScan::default())
         .await
         .and_then(|(sample, scan)| {
             let usage = scan.usage.as_ref().context("no usage")?;

@@ -204,7 +204,7 @@ pub(crate) async fn replay(
 }
 
 async fn send(http: &reqwest::Client, url: &str, body: Value, since: Instant) -> Sample {
-    match stream(http, url, body, since).await {
+    match stream(http, url, body, since, SseScan::skimming()).await {
         Ok((sample, _)) => sample,
         Err(e) => Sample {
             error: Some(format!("{e:#}")),
@@ -213,13 +213,15 @@ async fn send(http: &reqwest::Client, url: &str, body: Value, since: Instant) ->
     }
 }
 
-/// Sends one streamed request and reads its answer to the end; its sample, and the scan (the
-/// reply's text, usage and timings) for a caller that wants more.
+/// Sends one streamed request and reads its answer to the end with `scan` (a skimming one when the
+/// reply's text is not wanted); its sample, and the scan (the reply's text, usage and timings)
+/// for a caller that wants more.
 pub(crate) async fn stream(
     http: &reqwest::Client,
     url: &str,
     body: Value,
     since: Instant,
+    mut scan: SseScan,
 ) -> Result<(Sample, SseScan)> {
     let mut response = http
         .post(url)
@@ -235,7 +237,6 @@ pub(crate) async fn stream(
             text.chars().take(300).collect::<String>()
         );
     }
-    let mut scan = SseScan::default();
     let mut ttft = None;
     while let Some(chunk) = response.chunk().await.context("reading the stream")? {
         scan.feed(&chunk)?;

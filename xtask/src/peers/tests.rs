@@ -534,3 +534,26 @@ fn the_quick_check_wants_every_request_served_and_kvroute_tokenizing_timed_with_
         "{e}"
     );
 }
+
+#[test]
+fn a_skimming_scan_sees_choices_usage_and_errors_without_the_text() {
+    let mut scan = SseScan::skimming();
+    scan.feed(b"data: {\"choices\": [ ]}\n\n").unwrap();
+    assert!(!scan.first_choice, "an empty choices list carries no token");
+    scan.feed(b"data: {\"id\":\"x\",\"choices\" : [ {\"text\":\"w1\"}]}\n\ndata: {\"cho")
+        .unwrap();
+    assert!(scan.first_choice);
+    assert_eq!(scan.content, "", "a skimming scan gathers no text");
+    scan.feed(b"ices\":[],\"usage\":{\"prompt_tokens\":3}}\n\ndata: [DONE]\n\n")
+        .unwrap();
+    assert_eq!(scan.usage.as_ref().unwrap()["prompt_tokens"], json!(3));
+    assert!(scan.done);
+    let err = SseScan::skimming()
+        .feed(b"data: {\"choices\":[],\"error\":{\"message\":\"worker lost\"}}\n")
+        .expect_err("an error event");
+    assert!(err.to_string().contains("worker lost"), "{err}");
+    let err = SseScan::skimming()
+        .feed(b"data: not json\n")
+        .expect_err("not JSON");
+    assert!(err.to_string().contains("not JSON"), "{err}");
+}

@@ -103,17 +103,11 @@ impl ReplayPolicy {
             ReplayPolicy::Random => base.with_policy(Policy::Random),
             ReplayPolicy::Kv => {
                 let mut config = base.with_policy(Policy::Kv);
-                let cost = &mut config.scheduler.cost;
-                if let Some(c) = weights.overlap_credit {
-                    cost.overlap_credit = c;
-                }
-                if let Some(s) = weights.prefill_load_scale {
-                    cost.prefill_load_scale = s;
-                    cost.loaded_prefill_load_scale = s;
-                }
-                if let Some(e) = weights.cached_share_exponent {
-                    cost.cached_share_exponent = e;
-                }
+                config.scheduler.cost = config.scheduler.cost.with_tuning(
+                    weights.overlap_credit,
+                    weights.prefill_load_scale,
+                    weights.cached_share_exponent,
+                );
                 config
             }
             ReplayPolicy::KvAdaptive => base.with_policy(Policy::KvAdaptive),

@@ -365,17 +365,11 @@ fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(
             ));
         }
     }
-    if let Some(c) = r.overlap_credit {
-        cost.overlap_credit = c;
-    }
-    if let Some(s) = r.prefill_load_scale {
-        // One fixed scale, as the wire's per-request override sets it.
-        cost.prefill_load_scale = s;
-        cost.loaded_prefill_load_scale = s;
-    }
-    if let Some(e) = r.cached_share_exponent {
-        cost.cached_share_exponent = e;
-    }
+    *cost = cost.with_tuning(
+        r.overlap_credit,
+        r.prefill_load_scale,
+        r.cached_share_exponent,
+    );
     let weights = &mut router.core.scheduler.cache_hit_weights;
     for (value, key, flag, slot) in [
         (
