@@ -95,6 +95,11 @@ pub(crate) struct ReplayArgs {
     /// reference's; kv-locality scores with 4).
     #[arg(long, value_name = "X")]
     prefill_load_scale: Option<f64>,
+    /// Policy kv's prefill weight once the fleet's prefill backlog fills a batch on every
+    /// eligible worker, interpolated from --prefill-load-scale's below it (default: the same
+    /// scale, fixed; kv-adaptive rises from 1 to 8).
+    #[arg(long, value_name = "X")]
+    loaded_prefill_load_scale: Option<f64>,
     /// Policy kv's fall of the credit with the cached share: `credit * share ^ X` per cached
     /// block (default 0; kv-locality scores with 2).
     #[arg(long, value_name = "X")]
@@ -277,6 +282,7 @@ impl Plan {
         let kv_weights = KvWeights {
             overlap_credit: args.overlap_credit,
             prefill_load_scale: args.prefill_load_scale,
+            loaded_prefill_load_scale: args.loaded_prefill_load_scale,
             cached_share_exponent: args.cached_share_exponent,
         };
         kv_weights.validate(asked)?;

@@ -19,8 +19,8 @@ pub(crate) enum ReplayPolicy {
     /// prefill weight that rises from 1 to 8 decode blocks as the fleet's prefill backlog
     /// builds; on a light load it routes exactly as `kv` does.
     KvAdaptive,
-    /// [`Policy::KvLocality`], the router's default: prefill weighs 4 decode blocks and a
-    /// cached block credits up to 1.5 blocks of prefill, falling with the square of the cached
+    /// [`Policy::KvLocality`], the router's default: prefill weighs 4 decode blocks (8 under a
+    /// full prefill backlog) and a cached block credits up to 1.5 blocks of prefill, falling with the square of the cached
     /// share (see docs/benchmarks.md, "The default policy against the reference").
     KvLocality,
     /// [`Policy::Kv`] with `prefill_load_scale = 4` and `overlap_score_credit = 2`: an earlier
@@ -108,6 +108,9 @@ impl ReplayPolicy {
                     weights.prefill_load_scale,
                     weights.cached_share_exponent,
                 );
+                if let Some(loaded) = weights.loaded_prefill_load_scale {
+                    config.scheduler.cost.loaded_prefill_load_scale = loaded;
+                }
                 config
             }
             ReplayPolicy::KvAdaptive => base.with_policy(Policy::KvAdaptive),
@@ -123,12 +126,14 @@ impl ReplayPolicy {
 }
 
 /// Policy `kv`'s cost weights given on the command line (`None` keeps the reference's), as
-/// `kvroute serve --policy kv` takes them: `kv-locality` is `kv` with an overlap credit of 1.5, a
-/// prefill load scale of 4 and a cached share exponent of 2.
+/// `kvroute serve --policy kv` takes them (`loaded_prefill_load_scale` replay's alone):
+/// `kv-locality` is `kv` with an overlap credit of 1.5, a prefill load scale of 4 rising to 8
+/// under backlog and a cached share exponent of 2.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub(crate) struct KvWeights {
     pub(crate) overlap_credit: Option<f64>,
     pub(crate) prefill_load_scale: Option<f64>,
+    pub(crate) loaded_prefill_load_scale: Option<f64>,
     pub(crate) cached_share_exponent: Option<f64>,
 }
 
@@ -139,6 +144,10 @@ impl KvWeights {
         let given = [
             ("--overlap-credit", self.overlap_credit),
             ("--prefill-load-scale", self.prefill_load_scale),
+            (
+                "--loaded-prefill-load-scale",
+                self.loaded_prefill_load_scale,
+            ),
             ("--cached-share-exponent", self.cached_share_exponent),
         ];
         for (flag, value) in given {
@@ -185,6 +194,7 @@ mod tests {
         let weights = KvWeights {
             overlap_credit: Some(1.5),
             prefill_load_scale: Some(4.0),
+            loaded_prefill_load_scale: Some(8.0),
             cached_share_exponent: Some(2.0),
         };
         let kv = ReplayPolicy::Kv.router_config(16, &weights);
@@ -204,6 +214,32 @@ mod tests {
         let error = negative.validate(&[ReplayPolicy::Kv]).unwrap_err();
         assert!(
             error.to_string().contains("--prefill-load-scale must be"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_loaded_scale_sets_only_the_backlogged_end_of_the_range() {
+        let weights = KvWeights {
+            prefill_load_scale: Some(4.0),
+            loaded_prefill_load_scale: Some(16.0),
+            ..KvWeights::default()
+        };
+        let cost = ReplayPolicy::Kv.router_config(16, &weights).scheduler.cost;
+        assert_eq!(
+            (cost.prefill_load_scale, cost.loaded_prefill_load_scale),
+            (4.0, 16.0)
+        );
+        assert_eq!(cost.prefill_scale_at(0.5), 10.0);
+        let nan = KvWeights {
+            loaded_prefill_load_scale: Some(f64::NAN),
+            ..KvWeights::default()
+        };
+        let error = nan.validate(&[ReplayPolicy::Kv]).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("--loaded-prefill-load-scale must be"),
             "{error}"
         );
     }
