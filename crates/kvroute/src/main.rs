@@ -24,6 +24,15 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// The binary allocates through mimalloc (v2) rather than the C library's allocator: a streamed
+/// response allocates a few small buffers for every token it relays (the engine's chunk, the
+/// parsed step, the client's chunk), and glibc's malloc and free were the largest items of
+/// `kvroute serve`'s CPU profile (docs/benchmarks.md, "Against the peers"). Only this binary
+/// chooses; the library crates leave the allocator to whoever links them. v2 rather than v3:
+/// v3 cost 38-40 MiB more peak RSS on the same runs for a few percent less CPU.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The command line.
 #[derive(Debug, Parser)]
 #[command(
