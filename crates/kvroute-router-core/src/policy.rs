@@ -28,8 +28,9 @@ pub enum Policy {
     /// before [`Policy::KvLocality`].
     KvAdaptive,
     /// The locality cost (the default): the reference's terms with prefill weighing 4 decode
-    /// blocks (8 once the fleet's prefill backlog fills a batch on every worker) and a cached block crediting up to 1.5 blocks of prefill, falling with the square
-    /// of the prompt's cached share ([`CostWeights::locality`]): a long context stays with its
+    /// blocks (8 once the fleet's prefill backlog fills a batch on every worker) and a cached
+    /// block crediting up to 1.5 blocks of prefill, falling with the square of the prompt's
+    /// cached share ([`CostWeights::locality`]): a long context stays with its
     /// cache and a burst for one prefix queues behind it, while a preamble shared by every
     /// request does not pull traffic onto one worker.
     #[default]

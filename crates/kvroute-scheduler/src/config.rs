@@ -138,8 +138,7 @@ impl CacheHitWeights {
 /// Three presets: [`CostWeights::reference`] (the default) is the reference's cost (a fixed scale
 /// of 1 and a credit of 1 per cached block); [`CostWeights::locality`] (the router's default
 /// policy, `kv-locality`) weighs prefill 4 to 1 against decode blocks (up to 8 to 1 as the prefill
-/// backlog builds) and credits a mostly
-/// cached prompt's blocks 1.5 times, falling with the square of the cached share;
+/// backlog builds) and credits a mostly cached prompt's blocks 1.5 times, falling with the square of the cached share;
 /// [`CostWeights::load_adaptive`] raises the prefill scale from 1 to 8 as the fleet's prefill
 /// backlog builds. Blocks continuing the prefix in slower
 /// tiers add [`SchedulerConfig::cache_hit_weights`] to the credit under either preset.

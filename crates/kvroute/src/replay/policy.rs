@@ -20,8 +20,8 @@ pub(crate) enum ReplayPolicy {
     /// builds; on a light load it routes exactly as `kv` does.
     KvAdaptive,
     /// [`Policy::KvLocality`], the router's default: prefill weighs 4 decode blocks (8 under a
-    /// full prefill backlog) and a cached block credits up to 1.5 blocks of prefill, falling with the square of the cached
-    /// share (see docs/benchmarks.md, "The default policy against the reference").
+    /// full prefill backlog) and a cached block credits up to 1.5 blocks of prefill, falling
+    /// with the square of the cached share (see docs/benchmarks.md, "The default policy against the reference").
     KvLocality,
     /// [`Policy::Kv`] with `prefill_load_scale = 4` and `overlap_score_credit = 2`: an earlier
     /// tuning kept for comparison, not in the default set. `kv-locality` is its successor: the
