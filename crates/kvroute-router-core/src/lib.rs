@@ -69,6 +69,7 @@ pub use request::{PhaseTimings, PreparedRoute, RoutePreparer, RouteRequest, Rout
 pub use kvroute_indexer::hash::HashSalt;
 pub use kvroute_indexer::{ApproxConfig, EventGap, Retention};
 pub use kvroute_scheduler::{
-    CandidateCost, LoadError, RequestId, RequestLoad, SchedulerConfig, WorkerLoad, WorkerSpec,
+    CandidateCost, CostTuning, LoadError, RequestId, RequestLoad, SchedulerConfig, WorkerLoad,
+    WorkerSpec,
 };
 pub use kvroute_sessions::{InMemoryAffinityStore, SessionCommand, WorkerLossMode};

@@ -28,11 +28,14 @@ pub enum Policy {
     /// before [`Policy::KvLocality`].
     KvAdaptive,
     /// The locality cost (the default): the reference's terms with prefill weighing 4 decode
-    /// blocks (8 once the fleet's prefill backlog fills a batch on every worker) and a cached
-    /// block crediting up to 1.5 blocks of prefill, falling with the square of the prompt's
-    /// cached share ([`CostWeights::locality`]): a long context stays with its
-    /// cache and a burst for one prefix queues behind it, while a preamble shared by every
-    /// request does not pull traffic onto one worker.
+    /// blocks (8 once the fleet's prefill backlog fills a batch on every worker), a decode
+    /// block weighing a quarter while the worker's decode load is within twice the eligible
+    /// workers' mean, and a cached block crediting up to 1.5 blocks of prefill, falling with
+    /// the square of the prompt's cached share ([`CostWeights::locality`]): a long context
+    /// stays with its cache, a burst for one prefix queues behind it, small differences in
+    /// decode load do not move a prompt off its cache, while a preamble shared by every request
+    /// does not pull traffic onto one worker and a worker decoding far more than the rest is
+    /// spread.
     #[default]
     KvLocality,
     /// No selection: the request must name its worker for its phase (a backend instance, a

@@ -109,7 +109,10 @@ impl RequestGuard {
         }
         let now = Instant::now();
         let first = self.last_tokens.is_none();
-        {
+        // After the first token the core only counts output tokens when it tracks output
+        // blocks (off by default, as the reference's `router_track_output_blocks`): otherwise
+        // a streamed token need not take the router's state lock at all.
+        if first || self.inner.config.core.scheduler.track_output_blocks {
             let mut state = self.inner.state.lock();
             if first {
                 let _ = state.core.on_first_token(self.id);

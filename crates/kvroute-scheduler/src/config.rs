@@ -129,19 +129,23 @@ impl CacheHitWeights {
 }
 
 /// Weights of the cost
-/// `scale * max(prefill_blocks - credit * overlap_blocks, 0) + decode_blocks`, where
+/// `scale * max(prefill_blocks - credit * overlap_blocks, 0) + decode_cost(decode_blocks)`, where
 /// `scale = prefill_load_scale + (loaded_prefill_load_scale - prefill_load_scale) * backlog`,
 /// `backlog` is the eligible workers' outstanding prefill tokens over their batch budgets
-/// (capped at 1), and `credit = overlap_credit * (overlap_blocks / prompt_blocks) ^
-/// cached_share_exponent`.
+/// (capped at 1), `credit = overlap_credit * (overlap_blocks / prompt_blocks) ^
+/// cached_share_exponent`, and `decode_cost` weighs decode blocks up to `1 + decode_tolerance`
+/// times the eligible workers' mean at `balanced_decode_weight` and those above at 1
+/// ([`CostWeights::decode_cost`]).
 ///
 /// Three presets: [`CostWeights::reference`] (the default) is the reference's cost (a fixed scale
-/// of 1 and a credit of 1 per cached block); [`CostWeights::locality`] (the router's default
-/// policy, `kv-locality`) weighs prefill 4 to 1 against decode blocks (up to 8 to 1 as the prefill
-/// backlog builds) and credits a mostly cached prompt's blocks 1.5 times, falling with the square of the cached share;
+/// of 1, a credit of 1 per cached block, every decode block weighing 1);
+/// [`CostWeights::locality`] (the router's default policy, `kv-locality`) weighs prefill 4 to 1
+/// against decode blocks (up to 8 to 1 as the prefill backlog builds), a decode block a quarter
+/// while the worker's decode load is within twice the mean, and credits a mostly cached prompt's
+/// blocks 1.5 times, falling with the square of the cached share;
 /// [`CostWeights::load_adaptive`] raises the prefill scale from 1 to 8 as the fleet's prefill
-/// backlog builds. Blocks continuing the prefix in slower
-/// tiers add [`SchedulerConfig::cache_hit_weights`] to the credit under either preset.
+/// backlog builds. Blocks continuing the prefix in slower tiers add
+/// [`SchedulerConfig::cache_hit_weights`] to the credit under every preset.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostWeights {
     /// Multiplies the prefill term when no eligible worker has prefill outstanding (the
@@ -169,6 +173,27 @@ pub struct CostWeights {
     /// queue is a prompt's length longer than the floor's keeps `1 / (1 + decay)` of it, so a
     /// burst of requests for one cached prefix spreads out instead of queueing behind it.
     pub overlap_credit_decay: f64,
+    /// Weight of a decode block on a worker whose decode load is balanced: while the worker's
+    /// decode blocks with this prompt's added stay within `(1 + decode_tolerance)` times the
+    /// eligible workers' current mean, each weighs this; the blocks above that weigh 1. 1.0
+    /// (the reference's cost) weighs every decode block 1 whatever the balance. The mean is the
+    /// fleet's load before this prompt, so on a lightly loaded fleet (a mean near zero) a
+    /// prompt's own blocks are already above it and weigh fully: a preamble every request
+    /// shares does not herd traffic onto the worker that cached it.
+    ///
+    /// A decode block is a proxy for load, not for time to first token (under the reference's
+    /// engine timing a block of prefill costs a hundred times what a block of decode adds to a
+    /// step), so a cost that weighs small differences in decode load fully moves requests off
+    /// their cache for little: on a busy fleet every worker runs about as many decodes, and the
+    /// differences that remain are noise that costs hits. Weighing them lightly within a
+    /// tolerance, and fully beyond it, keeps requests with their cache while the fleet is
+    /// balanced and still spreads a worker that decodes far more than the rest (what SGLang's
+    /// gateway does with its absolute and relative imbalance thresholds, here in the cost).
+    pub balanced_decode_weight: f64,
+    /// How far above the eligible workers' mean decode load a worker's still counts as
+    /// balanced, as a fraction of the mean (1.0: up to twice the mean); see
+    /// [`Self::balanced_decode_weight`].
+    pub decode_tolerance: f64,
     /// Whether the prefill term counts at all (the reference's `track_prefill_tokens`).
     pub track_prefill_tokens: bool,
     /// Whether prompt blocks already active on a worker are counted once (the reference's
@@ -195,14 +220,18 @@ impl CostWeights {
             overlap_credit: 1.0,
             cached_share_exponent: 0.0,
             overlap_credit_decay: 0.0,
+            balanced_decode_weight: 1.0,
+            decode_tolerance: 0.0,
             track_prefill_tokens: true,
             assume_kv_reuse: true,
         }
     }
 
     /// The locality cost: prefill weighs 4 decode blocks (rising to 8 as the fleet's prefill
-    /// backlog fills a batch on every worker), and a cached block credits up to 1.5 blocks of
-    /// prefill, `1.5 * share^2` where `share` is the cached share of the prompt.
+    /// backlog fills a batch on every worker), a decode block weighs a quarter on a worker
+    /// whose decode load is within twice the eligible workers' mean (and 1 above that), and a
+    /// cached block credits up to 1.5 blocks of prefill, `1.5 * share^2` where `share` is the
+    /// cached share of the prompt.
     ///
     /// Time to first token is mostly prefill: under the reference's own engine timing a block
     /// of prefill costs a hundred times more time than a block of decode adds to a step, so
@@ -217,7 +246,11 @@ impl CostWeights {
     /// otherwise herd. The rise to 8 under backlog keeps a prompt with its cache when every
     /// worker is queued and decode load is what differs (the cache then saves the most), while
     /// light load is routed as at 4, where a higher fixed scale packs decodes onto cached workers
-    /// (light `multi-turn` E2E p99 +35% at a fixed 16).
+    /// (light `multi-turn` E2E p99 +35% at a fixed 16). The quarter weight within the decode
+    /// tolerance does on a balanced fleet what a fixed 16 would (a prompt is not moved off its
+    /// cache for a few hundred more decode blocks that slow nobody's first token), while a
+    /// worker that decodes over twice the mean is spread at the full weight, which keeps most
+    /// of light `multi-turn`'s E2E (+8% against +35%).
     ///
     /// Measured in docs/benchmarks.md ("The default policy against the reference"): on every
     /// workload of the evaluation set, light and saturated, it beats the reference's router on
@@ -230,6 +263,8 @@ impl CostWeights {
             overlap_credit: 1.5,
             cached_share_exponent: 2.0,
             overlap_credit_decay: 0.0,
+            balanced_decode_weight: 0.25,
+            decode_tolerance: 1.0,
             track_prefill_tokens: true,
             assume_kv_reuse: true,
         }
@@ -254,30 +289,35 @@ impl CostWeights {
             overlap_credit: 1.0,
             cached_share_exponent: 0.0,
             overlap_credit_decay: 0.0,
+            balanced_decode_weight: 1.0,
+            decode_tolerance: 0.0,
             track_prefill_tokens: true,
             assume_kv_reuse: true,
         }
     }
 
     /// These weights with policy kv's tunable weights set where given (`None` keeps the
-    /// configured value): the credit per cached block, one fixed prefill scale (both ends of the
-    /// range, as the wire's per-request override sets it) and the cached share's exponent. Serve's
-    /// `[router]` keys and replay's flags of the same names both come here.
-    pub fn with_tuning(
-        mut self,
-        overlap_credit: Option<f64>,
-        prefill_load_scale: Option<f64>,
-        cached_share_exponent: Option<f64>,
-    ) -> Self {
-        if let Some(c) = overlap_credit {
+    /// configured value). Serve's `[router]` keys and replay's flags of the same names both come
+    /// here.
+    pub fn with_tuning(mut self, t: &CostTuning) -> Self {
+        if let Some(c) = t.overlap_credit {
             self.overlap_credit = c;
         }
-        if let Some(s) = prefill_load_scale {
+        if let Some(s) = t.prefill_load_scale {
             self.prefill_load_scale = s;
             self.loaded_prefill_load_scale = s;
         }
-        if let Some(e) = cached_share_exponent {
+        if let Some(s) = t.loaded_prefill_load_scale {
+            self.loaded_prefill_load_scale = s;
+        }
+        if let Some(e) = t.cached_share_exponent {
             self.cached_share_exponent = e;
+        }
+        if let Some(w) = t.balanced_decode_weight {
+            self.balanced_decode_weight = w;
+        }
+        if let Some(d) = t.decode_tolerance {
+            self.decode_tolerance = d;
         }
         self
     }
@@ -307,7 +347,9 @@ impl CostWeights {
         check_weight("loaded_prefill_load_scale", self.loaded_prefill_load_scale)?;
         check_weight("overlap_score_credit", self.overlap_credit)?;
         check_weight("cached_share_exponent", self.cached_share_exponent)?;
-        check_weight("overlap_score_credit_decay", self.overlap_credit_decay)
+        check_weight("overlap_score_credit_decay", self.overlap_credit_decay)?;
+        check_unit("balanced_decode_weight", self.balanced_decode_weight)?;
+        check_weight("decode_tolerance", self.decode_tolerance)
     }
 
     /// The prefill scale at `backlog` (outstanding prefill over batch budget, clamped to 0..=1).
@@ -332,6 +374,19 @@ impl CostWeights {
         1.0 / (1.0 + self.overlap_credit_decay * excess_blocks / prompt_blocks.max(1) as f64)
     }
 
+    /// What `decode_blocks` on a worker (this prompt's included) weigh when the eligible
+    /// workers' mean before this prompt is `mean_decode_blocks`: `balanced_decode_weight * decode +
+    /// (1 - balanced_decode_weight) * max(decode - (1 + decode_tolerance) * mean, 0)`, exactly
+    /// `decode_blocks` with the reference's weight of 1.
+    #[inline]
+    pub fn decode_cost(&self, decode_blocks: f64, mean_decode_blocks: f64) -> f64 {
+        if self.balanced_decode_weight >= 1.0 {
+            return decode_blocks;
+        }
+        let above = (decode_blocks - (1.0 + self.decode_tolerance) * mean_decode_blocks).max(0.0);
+        self.balanced_decode_weight * decode_blocks + (1.0 - self.balanced_decode_weight) * above
+    }
+
     /// The credit per cached block for a prompt of `prompt_blocks` with `overlap_blocks` cached.
     #[inline]
     pub fn credit(&self, overlap_blocks: u32, prompt_blocks: usize) -> f64 {
@@ -345,6 +400,25 @@ impl CostWeights {
         };
         self.overlap_credit * share.powf(self.cached_share_exponent)
     }
+}
+
+/// Policy kv's tunable weights as an operator gives them (`None` keeps the configured value):
+/// serve's `[router]` keys and replay's flags of the same names ([`CostWeights::with_tuning`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CostTuning {
+    /// [`CostWeights::overlap_credit`].
+    pub overlap_credit: Option<f64>,
+    /// One prefill scale: [`CostWeights::prefill_load_scale`], and also
+    /// [`CostWeights::loaded_prefill_load_scale`] unless that is given too.
+    pub prefill_load_scale: Option<f64>,
+    /// [`CostWeights::loaded_prefill_load_scale`].
+    pub loaded_prefill_load_scale: Option<f64>,
+    /// [`CostWeights::cached_share_exponent`].
+    pub cached_share_exponent: Option<f64>,
+    /// [`CostWeights::balanced_decode_weight`].
+    pub balanced_decode_weight: Option<f64>,
+    /// [`CostWeights::decode_tolerance`].
+    pub decode_tolerance: Option<f64>,
 }
 
 /// When a worker counts as loaded; `None` disables a check. Used both for the busy filter and

@@ -112,9 +112,12 @@ pub struct CandidateCost {
     pub credited_prefill_blocks: f64,
     /// Active decode blocks plus this prompt's blocks not already active there.
     pub decode_blocks: f64,
+    /// What the decode blocks weigh in the cost ([`CostWeights::decode_cost`]): `decode_blocks`
+    /// itself unless the weights weigh a balanced worker's decode blocks lightly.
+    pub weighted_decode_blocks: f64,
     /// Preferred-taint multiplier (1.0 without preferences).
     pub taint_multiplier: f64,
-    /// `(scale * credited_prefill_blocks + decode_blocks) * taint_multiplier`, `scale` being
+    /// `(scale * credited_prefill_blocks + weighted_decode_blocks) * taint_multiplier`, `scale` being
     /// [`Decision::prefill_load_scale`].
     pub cost: f64,
 }
@@ -150,8 +153,8 @@ impl fmt::Display for CandidateCost {
         }
         write!(
             f,
-            ") decode={:.3} x{:.3}",
-            self.decode_blocks, self.taint_multiplier
+            ") decode={:.3}->{:.3} x{:.3}",
+            self.decode_blocks, self.weighted_decode_blocks, self.taint_multiplier
         )
     }
 }

@@ -29,8 +29,9 @@ mod slot_load;
 mod workers;
 
 pub use config::{
-    CacheHitWeights, ConfigError, CostWeights, DEFAULT_BATCH_BUDGET_TOKENS, DEFAULT_REPORT_GRACE,
-    DEFAULT_REQUEST_EXPIRY, LoadThresholds, PrefillThreshold, SchedulerConfig,
+    CacheHitWeights, ConfigError, CostTuning, CostWeights, DEFAULT_BATCH_BUDGET_TOKENS,
+    DEFAULT_REPORT_GRACE, DEFAULT_REQUEST_EXPIRY, LoadThresholds, PrefillThreshold,
+    SchedulerConfig,
 };
 pub use decision::{CandidateCost, Decision, FilterStage, SelectError, SelectRequest, TierOverlap};
 pub use load::{LoadError, NewRequest, RequestId, RequestLoad};

@@ -4,7 +4,7 @@
 //! `allowed_worker_ids`, the exact pin (worker, optional dp rank), dp rank ranges, required
 //! taints, then the busy thresholds. Every survivor gets the cost
 //! `scale * max(prefill_blocks - (credit * overlap_blocks + host * host_blocks + disk *
-//! disk_blocks), 0) + decode_blocks`
+//! disk_blocks), 0) + decode_cost(decode_blocks)`
 //! times its preferred-taint multiplier, where, as in the reference, `prefill_blocks` counts the
 //! worker's outstanding prefill (requests not yet past their first token) plus this whole prompt,
 //! and `decode_blocks` counts the worker's active blocks plus this prompt's blocks not already
@@ -14,7 +14,9 @@
 //! ([`CostWeights::credit`]) and with the worker's prefill backlog above the eligible workers'
 //! least ([`CostWeights::credit_decay_at`]); `host_blocks` and `disk_blocks` are the worker's runs of prompt
 //! blocks in slower tiers continuing its device prefix, credited by the
-//! [`CacheHitWeights`](crate::CacheHitWeights) (0.75 and 0.25 by default).
+//! [`CacheHitWeights`](crate::CacheHitWeights) (0.75 and 0.25 by default); `decode_cost` weighs
+//! decode blocks lightly while the worker's decode load is within a tolerance of the eligible
+//! workers' mean, when the weights ask for it ([`CostWeights::decode_cost`]).
 
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -237,7 +239,7 @@ impl Scheduler {
                     candidates = %CandidateList(candidates),
                     temperature,
                     prefill_load_scale = self.scratch.prefill_load_scale,
-                    "selected worker: cost = prefill_load_scale * max(prefill - (credit * overlap + host_weight * host + disk_weight * disk), 0) + decode, credit = overlap_credit * share^exponent"
+                    "selected worker: cost = prefill_load_scale * max(prefill - (credit * overlap + host_weight * host + disk_weight * disk), 0) + weighted decode, credit = overlap_credit * share^exponent"
                 );
                 Ok(Decision {
                     chosen,
@@ -299,6 +301,7 @@ impl Scheduler {
             prompt_blocks: req.block_hashes.len() as f64,
             scale,
             floor_prefill: floor_prefill(workers, &s.eligible, w),
+            mean_decode: mean_decode(workers, &s.eligible, w),
         };
         s.candidates.clear();
         for &idx in &s.eligible {
@@ -392,6 +395,22 @@ fn fleet_prefill_scale(workers: &Workers, eligible: &[u32], w: &CostWeights) -> 
     w.prefill_scale_at(outstanding as f64 / budget.max(1) as f64)
 }
 
+/// The eligible workers' mean decode blocks, without this prompt's, only when the decode cost
+/// depends on it ([`CostWeights::decode_cost`]).
+#[inline]
+fn mean_decode(workers: &Workers, eligible: &[u32], w: &CostWeights) -> f64 {
+    if w.balanced_decode_weight >= 1.0 {
+        return 0.0;
+    }
+    let (n, sum) = eligible
+        .iter()
+        .filter_map(|&i| workers.slot(i))
+        .fold((0u32, 0.0f64), |(n, d), slot| {
+            (n + 1, d + slot.load.decode_blocks())
+        });
+    sum / f64::from(n.max(1))
+}
+
 /// The eligible workers' least outstanding prefill, only when the credit decays with it.
 #[inline]
 fn floor_prefill(workers: &Workers, eligible: &[u32], w: &CostWeights) -> u64 {
@@ -419,6 +438,7 @@ struct CostTerms<'a> {
     prompt_blocks: f64,
     scale: f64,
     floor_prefill: u64,
+    mean_decode: f64,
 }
 
 impl CostTerms<'_> {
@@ -455,7 +475,9 @@ impl CostTerms<'_> {
         } else {
             1.0
         };
-        let cost = (self.scale * credited_prefill_blocks + decode_blocks) * taint_multiplier;
+        let weighted_decode_blocks = w.decode_cost(decode_blocks, self.mean_decode);
+        let cost =
+            (self.scale * credited_prefill_blocks + weighted_decode_blocks) * taint_multiplier;
         CandidateCost {
             worker: slot.key,
             overlap_blocks,
@@ -466,6 +488,7 @@ impl CostTerms<'_> {
             prefill_blocks,
             credited_prefill_blocks,
             decode_blocks,
+            weighted_decode_blocks,
             taint_multiplier,
             cost,
         }

@@ -91,6 +91,7 @@ fn costs(values: &[f64]) -> Vec<CandidateCost> {
             prefill_blocks: 0.0,
             credited_prefill_blocks: 0.0,
             decode_blocks: cost,
+            weighted_decode_blocks: cost,
             taint_multiplier: 1.0,
             cost,
         })
@@ -194,7 +195,7 @@ fn candidate_display_shows_the_weighted_overlap_only_with_lower_tiers() {
     c.overlap_blocks = 2;
     assert_eq!(
         c.to_string(),
-        "0/dp0 cost=2.000 prefill=0.000->0.000 (overlap 2 x credit 1.000) decode=2.000 x1.000"
+        "0/dp0 cost=2.000 prefill=0.000->0.000 (overlap 2 x credit 1.000) decode=2.000->2.000 x1.000"
     );
     c.host_blocks = 1;
     c.disk_blocks = 2;
@@ -202,7 +203,7 @@ fn candidate_display_shows_the_weighted_overlap_only_with_lower_tiers() {
     assert_eq!(
         c.to_string(),
         "0/dp0 cost=2.000 prefill=0.000->0.000 (overlap 2 x credit 1.000 + host 1 + disk 2, \
-         weighted 3.250) decode=2.000 x1.000"
+         weighted 3.250) decode=2.000->2.000 x1.000"
     );
     assert_eq!(c.cached_tokens(16), 52);
 }

@@ -29,7 +29,11 @@ use clap::{Parser, Subcommand};
 /// parsed step, the client's chunk), and glibc's malloc and free were the largest items of
 /// `kvroute serve`'s CPU profile (docs/benchmarks.md, "Against the peers"). Only this binary
 /// chooses; the library crates leave the allocator to whoever links them. v2 rather than v3:
-/// v3 cost 38-40 MiB more peak RSS on the same runs for a few percent less CPU.
+/// v3 cost 38-40 MiB more peak RSS on the same runs for a few percent less CPU. Without
+/// transparent huge pages (`no_thp`): mimalloc asks the kernel for them on its segments, and each
+/// first touch then faults in and zeroes 2 MiB where a 4 KiB page would do, which was a fifth to
+/// a third of a fresh `kvroute serve`'s CPU over a bench run (and 20-30 MiB of its peak RSS), and
+/// a stall in the first bursts of requests.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

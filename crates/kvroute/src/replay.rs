@@ -104,6 +104,15 @@ pub(crate) struct ReplayArgs {
     /// block (default 0; kv-locality scores with 2).
     #[arg(long, value_name = "X")]
     cached_share_exponent: Option<f64>,
+    /// Policy kv's weight of a decode block on a worker whose decode load is within
+    /// --decode-tolerance of the eligible workers' mean; blocks above weigh 1 (default 1, the
+    /// reference's; kv-locality scores with 0.25).
+    #[arg(long, value_name = "X")]
+    balanced_decode_weight: Option<f64>,
+    /// Policy kv's tolerance of decode load above the eligible workers' mean, as a fraction of
+    /// it (default 0; kv-locality scores with 1: up to twice the mean).
+    #[arg(long, value_name = "X")]
+    decode_tolerance: Option<f64>,
     /// Replay speed: 2.0 makes requests arrive twice as fast as the trace says.
     #[arg(long, default_value_t = 1.0, value_name = "X")]
     speed: f64,
@@ -284,6 +293,8 @@ impl Plan {
             prefill_load_scale: args.prefill_load_scale,
             loaded_prefill_load_scale: args.loaded_prefill_load_scale,
             cached_share_exponent: args.cached_share_exponent,
+            balanced_decode_weight: args.balanced_decode_weight,
+            decode_tolerance: args.decode_tolerance,
         };
         kv_weights.validate(asked)?;
         // A policy named twice would only print the same row twice.

@@ -432,6 +432,88 @@ fn load_adaptive_matches_the_reference_without_backlog_and_keeps_the_cache_under
     check_backlog(adaptive, 128, (8.0, 72.0, 96.0, 0));
 }
 
+/// Three workers; worker 1 caches 6 of an 8-block prompt's blocks and runs another request of
+/// `running` blocks past its prefill, workers 0 and 2 are idle. Returns worker 0's and worker
+/// 1's costs and whether the prompt stayed with its cache on worker 1.
+fn choose_with_decode_load(weights: CostWeights, running: u64) -> (f64, f64, bool) {
+    let mut config = SchedulerConfig::new(BS);
+    config.cost = weights;
+    let mut s = scheduler_with(config, (0..3).map(WorkerSpec::new));
+    add(&mut s, 1, w(1), &blocks(1000, running));
+    s.mark_prefill_completed(RequestId(1)).expect("active");
+    let prompt = blocks(100, 8);
+    let overlaps = [(w(1), 6)];
+    let d = s
+        .select(
+            &SelectRequest::new(8 * u64::from(BS), &prompt, &overlaps),
+            &mut rng(),
+        )
+        .expect("selected");
+    let w1 = cost_of(d.candidates, w(1));
+    assert_eq!(w1.decode_blocks, (running + 8) as f64);
+    (
+        cost_of(d.candidates, w(0)).cost,
+        w1.cost,
+        d.chosen.worker == w(1),
+    )
+}
+
+#[test]
+fn decode_load_within_the_tolerance_weighs_lightly_and_beyond_it_fully() {
+    // kv-locality's prefill side at a fixed scale of 4: 6 of 8 blocks cached credit
+    // 1.5 * (6/8)^2 = 0.84375 a block, so the cached worker's prefill term is
+    // 4 * (8 - 5.0625) = 11.75 and an idle worker's 4 * 8 = 32.
+    let linear = CostWeights {
+        prefill_load_scale: 4.0,
+        loaded_prefill_load_scale: 4.0,
+        overlap_credit: 1.5,
+        cached_share_exponent: 2.0,
+        ..CostWeights::reference()
+    };
+    let tolerant = CostWeights {
+        balanced_decode_weight: 0.25,
+        decode_tolerance: 1.0,
+        ..linear
+    };
+    // 24 blocks running on the cached worker. Every decode block weighing 1, its 32 decode
+    // blocks move the prompt off its cache: w1 = 11.75 + 32 = 43.75 > w0 = 32 + 8 = 40.
+    assert_eq!(choose_with_decode_load(linear, 24), (40.0, 43.75, false));
+    // With the tolerance the mean is 24 / 3 = 8, so up to 16 blocks are balanced: the idle
+    // worker's 8 weigh a quarter (w0 = 32 + 2 = 34), and of the cached worker's 32 the 16 above
+    // weigh fully: w1 = 11.75 + 0.25 * 32 + 0.75 * 16 = 31.75 < 34, so the prompt keeps its
+    // cache.
+    assert_eq!(choose_with_decode_load(tolerant, 24), (34.0, 31.75, true));
+    // 72 blocks running: mean 24, balanced up to 48; the cached worker's 80 are 32 above:
+    // w1 = 11.75 + 0.25 * 80 + 0.75 * 32 = 55.75 > 34, and it is spread.
+    assert_eq!(choose_with_decode_load(tolerant, 72), (34.0, 55.75, false));
+    // The reference's weight of 1 is the linear cost whatever the tolerance.
+    let reference = CostWeights {
+        decode_tolerance: 1.0,
+        ..linear
+    };
+    assert_eq!(choose_with_decode_load(reference, 24), (40.0, 43.75, false));
+}
+
+#[test]
+fn decode_cost_is_the_decode_blocks_at_the_references_weight() {
+    let reference = CostWeights::reference();
+    let locality = CostWeights::locality();
+    for (decode, mean, expect) in [
+        (0.0, 0.0, 0.0),
+        (10.0, 10.0, 2.5),
+        (20.0, 10.0, 5.0),
+        (30.0, 10.0, 7.5 + 7.5),
+        (30.0, 0.0, 30.0),
+    ] {
+        assert_eq!(reference.decode_cost(decode, mean), decode);
+        assert_eq!(
+            locality.decode_cost(decode, mean),
+            expect,
+            "{decode} / {mean}"
+        );
+    }
+}
+
 #[test]
 fn request_weights_replace_the_configured_cost_and_overrides_still_apply() {
     let mut s = scheduler(2);
@@ -681,13 +763,14 @@ fn locality_keeps_a_long_context_on_its_cache_where_the_reference_moves_it() {
     assert_eq!(cost_of(d.candidates, w(0)).cost, 84.0);
     assert_eq!(d.chosen.worker, w(1));
     // Locality: the credit is 1.5 * (36 / 40)^2 = 1.215 per cached block, which covers the
-    // prompt, so w0 = 4 * 0 + 80 = 80 against w1 = 4 * 40 + 40 = 200.
+    // prompt. Decode blocks within twice the mean (40 / 2 = 20) weigh a quarter, those above
+    // fully: w0 = 4 * 0 + 80 / 4 + 0.75 * (80 - 40) = 50 against w1 = 4 * 40 + 40 / 4 = 170.
     req.weights = Some(CostWeights::locality());
     let d = s.select(&req, &mut rng()).expect("selected");
     let w0 = cost_of(d.candidates, w(0));
     assert!((w0.credit - 1.215).abs() < 1e-9, "{w0:?}");
-    assert_eq!(w0.cost, 80.0);
-    assert_eq!(cost_of(d.candidates, w(1)).cost, 200.0);
+    assert_eq!(w0.cost, 50.0);
+    assert_eq!(cost_of(d.candidates, w(1)).cost, 170.0);
     assert_eq!(d.chosen.worker, w(0));
 }
 

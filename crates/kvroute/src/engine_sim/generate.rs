@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 use super::kv_events::RequestBlocks;
 use super::kv_transfer::Handshake;
 use super::openai::error_response;
-use super::openai::{Envelope, Usage};
+use super::openai::{Envelope, Usage, sse_event};
 use super::state::Sim;
 
 /// One request, ready to run.
@@ -193,7 +193,7 @@ impl Running {
     }
 
     async fn stream_to(mut self, tx: mpsc::Sender<Bytes>) {
-        let send = |value: &Value| Bytes::from(format!("data: {value}\n\n"));
+        let send = |value: &Value| sse_event(value);
         if self.job.envelope.kind == super::openai::Kind::Chat
             && tx
                 .send(send(&self.job.envelope.role_chunk()))
@@ -213,7 +213,7 @@ impl Running {
                 Some(Step::Done(finish, usage)) => {
                     let env = &self.job.envelope;
                     let last = env.chunk("", &[], Some(finish), None);
-                    if tx.send(send(&last)).await.is_err() {
+                    if tx.send(last).await.is_err() {
                         return;
                     }
                     if self.job.include_usage
@@ -230,7 +230,7 @@ impl Running {
                 }
                 None => break,
             };
-            if tx.send(send(&chunk)).await.is_err() {
+            if tx.send(chunk).await.is_err() {
                 return;
             }
         }

@@ -4,7 +4,11 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde::Deserialize;
+use std::fmt;
+
+use bytes::Bytes;
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 /// `stream_options`.
@@ -15,13 +19,70 @@ pub(super) struct StreamOptions {
 }
 
 /// A completion prompt: text, token ids, or a batch of one of either.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+///
+/// Read by a visitor that looks at the first element of an array, not as an untagged enum:
+/// serde buffers an untagged enum's whole input before trying each variant, which for a prompt
+/// of thousands of token ids was most of the simulated engine's parsing time.
+#[derive(Debug, PartialEq)]
 pub(super) enum Prompt {
     Text(String),
     Ids(Vec<u32>),
     Texts(Vec<String>),
     IdLists(Vec<Vec<u32>>),
+}
+
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(PromptVisitor)
+    }
+}
+
+struct PromptVisitor;
+
+impl<'de> Visitor<'de> for PromptVisitor {
+    type Value = Prompt;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(
+            "a string, an array of token ids, an array of strings or an array of token id arrays",
+        )
+    }
+
+    fn visit_str<E: de::Error>(self, text: &str) -> Result<Prompt, E> {
+        Ok(Prompt::Text(text.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, text: String) -> Result<Prompt, E> {
+        Ok(Prompt::Text(text))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
+        /// The first element, which decides what the rest must be.
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum First {
+            Id(u32),
+            Text(String),
+            Ids(Vec<u32>),
+        }
+        fn rest<'de, A: SeqAccess<'de>, T: Deserialize<'de>>(
+            first: T,
+            mut seq: A,
+        ) -> Result<Vec<T>, A::Error> {
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0) + 1);
+            out.push(first);
+            while let Some(item) = seq.next_element()? {
+                out.push(item);
+            }
+            Ok(out)
+        }
+        Ok(match seq.next_element::<First>()? {
+            None => Prompt::Ids(Vec::new()),
+            Some(First::Id(id)) => Prompt::Ids(rest(id, seq)?),
+            Some(First::Text(text)) => Prompt::Texts(rest(text, seq)?),
+            Some(First::Ids(ids)) => Prompt::IdLists(rest(ids, seq)?),
+        })
+    }
 }
 
 /// `POST /v1/completions`.
@@ -161,35 +222,51 @@ impl Envelope {
         )
     }
 
-    /// A streamed chunk of new output (`finish` set on the last one). `prompt_ids` is sent on
-    /// a completion's first chunk when token ids are asked for.
+    /// A streamed chunk of new output (`finish` set on the last one), as a server-sent event.
+    /// `prompt_ids` is sent on a completion's first chunk when token ids are asked for.
     pub(super) fn chunk(
         &self,
         text: &str,
         ids: &[u32],
         finish: Option<&str>,
         prompt_ids: Option<&[u32]>,
-    ) -> Value {
-        let mut choice = match self.kind {
-            Kind::Completion => json!({"index": 0, "text": text, "logprobs": null,
-                "finish_reason": finish, "stop_reason": null}),
+    ) -> Bytes {
+        let choice = match self.kind {
+            // Serialized straight from the ids: the echo of a long prompt is the bulk of a
+            // completion's first chunk, and building it as a `Value` cost the engine more than
+            // the rest of the request.
+            Kind::Completion => {
+                return sse_event(&CompletionChunk {
+                    id: &self.id,
+                    object: self.object(true),
+                    created: self.created,
+                    model: &self.model,
+                    choices: [CompletionChoice {
+                        index: 0,
+                        text,
+                        logprobs: (),
+                        finish_reason: finish,
+                        stop_reason: (),
+                        prompt_token_ids: self.return_token_ids.then_some(prompt_ids),
+                        token_ids: self.return_token_ids.then_some(ids),
+                    }],
+                });
+            }
             Kind::Chat => {
                 let delta = if finish.is_some() && text.is_empty() {
                     json!({})
                 } else {
                     json!({"content": text})
                 };
-                json!({"index": 0, "delta": delta, "logprobs": null,
-                    "finish_reason": finish, "stop_reason": null})
+                let mut choice = json!({"index": 0, "delta": delta, "logprobs": null,
+                    "finish_reason": finish, "stop_reason": null});
+                if self.return_token_ids {
+                    choice["token_ids"] = json!(ids);
+                }
+                choice
             }
         };
-        if self.return_token_ids {
-            if self.kind == Kind::Completion {
-                choice["prompt_token_ids"] = json!(prompt_ids);
-            }
-            choice["token_ids"] = json!(ids);
-        }
-        self.wrap(true, json!([choice]))
+        sse_event(&self.wrap(true, json!([choice])))
     }
 
     /// The usage chunk that ends a stream with `include_usage`.
@@ -231,6 +308,44 @@ impl Envelope {
     }
 }
 
+/// A streamed completion chunk (`CompletionStreamResponse`), with the fields in vLLM's order.
+#[derive(Serialize)]
+struct CompletionChunk<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [CompletionChoice<'a>; 1],
+}
+
+/// Its one choice; `()` is JSON's `null`. The token id fields are left out unless asked for
+/// (`return_token_ids`), and `prompt_token_ids` is `null` after the first chunk.
+#[derive(Serialize)]
+struct CompletionChoice<'a> {
+    index: u32,
+    text: &'a str,
+    logprobs: (),
+    finish_reason: Option<&'a str>,
+    stop_reason: (),
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_token_ids: Option<Option<&'a [u32]>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    token_ids: Option<&'a [u32]>,
+}
+
+/// `value` as one server-sent event: `data: JSON` and a blank line.
+pub(super) fn sse_event(value: &impl Serialize) -> Bytes {
+    let mut out = Vec::with_capacity(256);
+    out.extend_from_slice(b"data: ");
+    // Serializing these types into memory cannot fail: no map has a non-string key.
+    if serde_json::to_writer(&mut out, value).is_err() {
+        out.truncate(6);
+        out.extend_from_slice(b"{}");
+    }
+    out.extend_from_slice(b"\n\n");
+    Bytes::from(out)
+}
+
 /// vLLM's error body (`ErrorResponse`).
 pub(super) fn error_body(message: &str, kind: &str, code: u16) -> Value {
     json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
@@ -243,4 +358,63 @@ pub(super) fn error_response(status: StatusCode, kind: &str, message: &str) -> R
         axum::Json(error_body(message, kind, status.as_u16())),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prompt(json: &str) -> Result<Prompt, String> {
+        serde_json::from_str(json).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn every_prompt_form_vllm_takes_is_read() {
+        assert_eq!(prompt(r#""hi there""#), Ok(Prompt::Text("hi there".into())));
+        assert_eq!(prompt("[1, 2, 3]"), Ok(Prompt::Ids(vec![1, 2, 3])));
+        assert_eq!(prompt("[]"), Ok(Prompt::Ids(Vec::new())));
+        assert_eq!(
+            prompt(r#"["a", "b"]"#),
+            Ok(Prompt::Texts(vec!["a".into(), "b".into()]))
+        );
+        assert_eq!(
+            prompt("[[1, 2], [3]]"),
+            Ok(Prompt::IdLists(vec![vec![1, 2], vec![3]]))
+        );
+        // Mixed or wrong types are refused with what was expected.
+        assert!(prompt(r#"[1, "a"]"#).is_err());
+        assert!(prompt("[-1]").is_err());
+        let error = prompt("7").unwrap_err();
+        assert!(error.contains("an array of token ids"), "{error}");
+    }
+
+    fn envelope(return_token_ids: bool) -> Envelope {
+        Envelope {
+            kind: Kind::Completion,
+            id: "cmpl-1".into(),
+            created: 5,
+            model: "m".into(),
+            return_token_ids,
+        }
+    }
+
+    #[test]
+    fn a_completion_chunk_is_vllms_with_ids_only_when_asked() {
+        let event = envelope(true).chunk("a b", &[7, 8], None, Some(&[1, 2]));
+        assert_eq!(
+            std::str::from_utf8(&event).unwrap(),
+            "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":5,\"model\":\"m\",\
+             \"choices\":[{\"index\":0,\"text\":\"a b\",\"logprobs\":null,\"finish_reason\":null,\
+             \"stop_reason\":null,\"prompt_token_ids\":[1,2],\"token_ids\":[7,8]}]}\n\n"
+        );
+        let later = envelope(true).chunk("", &[], Some("length"), None);
+        let later: Value = serde_json::from_slice(&later["data: ".len()..]).unwrap();
+        assert_eq!(later["choices"][0]["prompt_token_ids"], Value::Null);
+        assert_eq!(later["choices"][0]["finish_reason"], "length");
+        let plain = envelope(false).chunk("x", &[9], None, Some(&[1]));
+        let plain: Value = serde_json::from_slice(&plain["data: ".len()..]).unwrap();
+        let choice = plain["choices"][0].as_object().unwrap();
+        assert!(!choice.contains_key("token_ids") && !choice.contains_key("prompt_token_ids"));
+        assert_eq!(choice["text"], "x");
+    }
 }

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use kvroute_router_core::{Policy, RouterConfig};
+use kvroute_router_core::{CostTuning, Policy, RouterConfig};
 
 /// A routing policy as named on the command line and in reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,14 +103,14 @@ impl ReplayPolicy {
             ReplayPolicy::Random => base.with_policy(Policy::Random),
             ReplayPolicy::Kv => {
                 let mut config = base.with_policy(Policy::Kv);
-                config.scheduler.cost = config.scheduler.cost.with_tuning(
-                    weights.overlap_credit,
-                    weights.prefill_load_scale,
-                    weights.cached_share_exponent,
-                );
-                if let Some(loaded) = weights.loaded_prefill_load_scale {
-                    config.scheduler.cost.loaded_prefill_load_scale = loaded;
-                }
+                config.scheduler.cost = config.scheduler.cost.with_tuning(&CostTuning {
+                    overlap_credit: weights.overlap_credit,
+                    prefill_load_scale: weights.prefill_load_scale,
+                    loaded_prefill_load_scale: weights.loaded_prefill_load_scale,
+                    cached_share_exponent: weights.cached_share_exponent,
+                    balanced_decode_weight: weights.balanced_decode_weight,
+                    decode_tolerance: weights.decode_tolerance,
+                });
                 config
             }
             ReplayPolicy::KvAdaptive => base.with_policy(Policy::KvAdaptive),
@@ -126,15 +126,18 @@ impl ReplayPolicy {
 }
 
 /// Policy `kv`'s cost weights given on the command line (`None` keeps the reference's), as
-/// `kvroute serve --policy kv` takes them (`loaded_prefill_load_scale` replay's alone):
+/// `kvroute serve --policy kv` takes them:
 /// `kv-locality` is `kv` with an overlap credit of 1.5, a prefill load scale of 4 rising to 8
-/// under backlog and a cached share exponent of 2.
+/// under backlog, a cached share exponent of 2 and a balanced decode weight of 0.25 within a
+/// decode tolerance of 1.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub(crate) struct KvWeights {
     pub(crate) overlap_credit: Option<f64>,
     pub(crate) prefill_load_scale: Option<f64>,
     pub(crate) loaded_prefill_load_scale: Option<f64>,
     pub(crate) cached_share_exponent: Option<f64>,
+    pub(crate) balanced_decode_weight: Option<f64>,
+    pub(crate) decode_tolerance: Option<f64>,
 }
 
 impl KvWeights {
@@ -149,11 +152,18 @@ impl KvWeights {
                 self.loaded_prefill_load_scale,
             ),
             ("--cached-share-exponent", self.cached_share_exponent),
+            ("--balanced-decode-weight", self.balanced_decode_weight),
+            ("--decode-tolerance", self.decode_tolerance),
         ];
         for (flag, value) in given {
             let Some(v) = value else { continue };
             if !(v.is_finite() && v >= 0.0) {
                 anyhow::bail!("{flag} must be a finite number >= 0, got {v}");
+            }
+            if flag == "--balanced-decode-weight" && v > 1.0 {
+                anyhow::bail!(
+                    "{flag} must be at most 1 (the weight of an unbalanced block), got {v}"
+                );
             }
             if !policies.contains(&ReplayPolicy::Kv) {
                 anyhow::bail!(
@@ -196,6 +206,8 @@ mod tests {
             prefill_load_scale: Some(4.0),
             loaded_prefill_load_scale: Some(8.0),
             cached_share_exponent: Some(2.0),
+            balanced_decode_weight: Some(0.25),
+            decode_tolerance: Some(1.0),
         };
         let kv = ReplayPolicy::Kv.router_config(16, &weights);
         let locality = ReplayPolicy::KvLocality.router_config(16, &weights);

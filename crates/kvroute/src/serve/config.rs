@@ -139,6 +139,21 @@ pub(crate) struct RouterOptions {
     /// docs/benchmarks.md, "Trading hits for load").
     #[arg(long, allow_negative_numbers = true)]
     pub(crate) prefill_load_scale: Option<f64>,
+    /// The prefill weight of policy kv once the fleet's prefill backlog fills a batch on every
+    /// eligible worker, interpolated from prefill_load_scale's below it (default: the same,
+    /// a fixed scale; kv-locality rises from 4 to 8).
+    #[arg(long, allow_negative_numbers = true)]
+    pub(crate) loaded_prefill_load_scale: Option<f64>,
+    /// Weight of a decode block, in the cost of policy kv, on a worker whose decode load is
+    /// within decode_tolerance of the eligible workers' mean; blocks above it weigh 1 (default
+    /// 1, the reference's; kv-locality scores with 0.25).
+    #[arg(long, allow_negative_numbers = true)]
+    pub(crate) balanced_decode_weight: Option<f64>,
+    /// How far above the eligible workers' mean decode load a worker's still counts as
+    /// balanced in the cost of policy kv, as a fraction of the mean (default 0; kv-locality
+    /// scores with 1: up to twice the mean).
+    #[arg(long, allow_negative_numbers = true)]
+    pub(crate) decode_tolerance: Option<f64>,
     /// How the overlap credit of policy kv falls with the cached share of the prompt: the credit
     /// per cached block is `overlap_credit * share ^ this` (default 0: every cached block alike;
     /// kv-locality scores with 2).
@@ -438,6 +453,12 @@ impl ServeOptions {
                 temperature: pick(r.temperature, fr.temperature),
                 overlap_credit: pick(r.overlap_credit, fr.overlap_credit),
                 prefill_load_scale: pick(r.prefill_load_scale, fr.prefill_load_scale),
+                loaded_prefill_load_scale: pick(
+                    r.loaded_prefill_load_scale,
+                    fr.loaded_prefill_load_scale,
+                ),
+                balanced_decode_weight: pick(r.balanced_decode_weight, fr.balanced_decode_weight),
+                decode_tolerance: pick(r.decode_tolerance, fr.decode_tolerance),
                 cached_share_exponent: pick(r.cached_share_exponent, fr.cached_share_exponent),
                 host_cache_hit_weight: pick(r.host_cache_hit_weight, fr.host_cache_hit_weight),
                 disk_cache_hit_weight: pick(r.disk_cache_hit_weight, fr.disk_cache_hit_weight),

@@ -692,6 +692,38 @@ fn policy_kv_takes_the_locality_weights_one_by_one_and_the_presets_refuse_them()
 }
 
 #[test]
+fn policy_kv_takes_every_weight_of_kv_locality_and_scores_as_it() {
+    let options = ServeOptions::from_toml(
+        "[router]\npolicy = \"kv\"\noverlap_credit = 1.5\nprefill_load_scale = 4.0\n\
+         loaded_prefill_load_scale = 8.0\ncached_share_exponent = 2.0\n\
+         balanced_decode_weight = 0.25\ndecode_tolerance = 1.0\n",
+    )
+    .expect("toml")
+    .validate()
+    .expect("valid");
+    assert_eq!(
+        Some(options.router.core.scheduler.cost),
+        kvroute_router_core::Policy::KvLocality.cost_weights()
+    );
+    // A balanced decode block cannot weigh more than an unbalanced one.
+    check(
+        "[router]\npolicy = \"kv\"\nbalanced_decode_weight = 1.5\n",
+        &[],
+        Err("router.balanced_decode_weight"),
+    );
+    check(
+        "[router]\npolicy = \"kv\"\n",
+        &["--decode-tolerance", "-1"],
+        Err("router.decode_tolerance"),
+    );
+    check(
+        "",
+        &["--decode-tolerance", "2"],
+        Err("no decode tolerance with policy kv-locality"),
+    );
+}
+
+#[test]
 fn conditional_thresholds_apply_to_conditional_disaggregation_only() {
     let validate = |file: &str| {
         ServeOptions::from_toml(file)

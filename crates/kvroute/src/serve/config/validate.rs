@@ -12,6 +12,7 @@ use kvroute_router::http::{AdmissionConfig, HttpConfig};
 use kvroute_router::{
     ConditionalDisagg, DisaggMode, KvMode, KvPushRouterConfig, ModelConfig, Policy,
 };
+use kvroute_router_core::CostTuning;
 use kvroute_router_core::disagg::ConditionalDisaggError;
 use kvroute_runtime::WorkerRole;
 
@@ -343,15 +344,41 @@ fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(
             "prefill load scale",
         ),
         (
+            r.loaded_prefill_load_scale,
+            "router.loaded_prefill_load_scale",
+            "loaded-prefill-load-scale",
+            "loaded prefill load scale",
+        ),
+        (
             r.cached_share_exponent,
             "router.cached_share_exponent",
             "cached-share-exponent",
             "cached share exponent",
         ),
+        (
+            r.balanced_decode_weight,
+            "router.balanced_decode_weight",
+            "balanced-decode-weight",
+            "balanced decode weight",
+        ),
+        (
+            r.decode_tolerance,
+            "router.decode_tolerance",
+            "decode-tolerance",
+            "decode tolerance",
+        ),
     ] {
         let Some(v) = value else { continue };
         if !(v.is_finite() && v >= 0.0) {
             return Err(invalid(key, flag, "a finite number >= 0", v));
+        }
+        if flag == "balanced-decode-weight" && v > 1.0 {
+            return Err(invalid(
+                key,
+                flag,
+                "at most 1 (the weight of a decode block above the tolerance)",
+                v,
+            ));
         }
         if policy.cost_weights().is_some() {
             return Err(invalid(
@@ -365,11 +392,14 @@ fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(
             ));
         }
     }
-    *cost = cost.with_tuning(
-        r.overlap_credit,
-        r.prefill_load_scale,
-        r.cached_share_exponent,
-    );
+    *cost = cost.with_tuning(&CostTuning {
+        overlap_credit: r.overlap_credit,
+        prefill_load_scale: r.prefill_load_scale,
+        loaded_prefill_load_scale: r.loaded_prefill_load_scale,
+        cached_share_exponent: r.cached_share_exponent,
+        balanced_decode_weight: r.balanced_decode_weight,
+        decode_tolerance: r.decode_tolerance,
+    });
     let weights = &mut router.core.scheduler.cache_hit_weights;
     for (value, key, flag, slot) in [
         (
