@@ -142,6 +142,12 @@ pub(crate) struct Args {
     /// (with --engine llamacpp: 2 engines, llama.cpp's default prompt memory, 24 requests).
     #[arg(long)]
     quick: bool,
+    /// Runs each router on the machine's last core and the fleet, the load generator and the
+    /// rest on the others (util-linux's `taskset`; Linux, at least 2 cores), as a deployment
+    /// keeps routers off the engines' cores. Without it, on a small machine the 40x cells also
+    /// measure how each router shares its cores with the fleet's bursts.
+    #[arg(long)]
+    pin: bool,
 }
 
 /// One row of the table: a workload on the simulated fleet, or the chats on llama.cpp with one
@@ -350,6 +356,7 @@ pub(crate) struct Run {
 /// Runs the bench.
 pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
     let args = Args::parse(args)?;
+    let pin = if args.pin { Some(pin_cores()?) } else { None };
     let venv = python::venv_dir(root);
     let python = python::ensure(root, &venv)?;
     let bin_dir = python
@@ -369,6 +376,7 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
         tokenizer: PathBuf::new(),
         chat_template: None,
         dialect: "vllm",
+        router_core: pin,
     };
     let (mut mocker, mut llama, mut traces) = (None, None, BTreeMap::new());
     match args.engine {
@@ -448,6 +456,35 @@ enum Load {
 }
 
 /// Writes each workload's trace with `kvroute replay --write-trace`; returns their texts.
+/// Moves this process (every thread: the load generator, and whatever it starts from now on)
+/// onto every core but the last, which it returns for the routers (`--pin`).
+fn pin_cores() -> Result<String> {
+    let cores = std::thread::available_parallelism()
+        .context("counting the cores")?
+        .get();
+    if cores < 2 {
+        bail!("--pin needs at least 2 cores (this machine has {cores}): one for the routers");
+    }
+    let rest = if cores == 2 {
+        "0".to_owned()
+    } else {
+        format!("0-{}", cores - 2)
+    };
+    let status = Command::new("taskset")
+        .args(["-a", "-p", "-c", &rest, &std::process::id().to_string()])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .context("--pin runs util-linux's `taskset`, which could not be started")?;
+    if !status.success() {
+        bail!("`taskset -a -p -c {rest}` on the bench's own process failed ({status})");
+    }
+    eprintln!(
+        "pinned: routers on core {}, the rest on cores {rest}",
+        cores - 1
+    );
+    Ok((cores - 1).to_string())
+}
+
 fn write_traces(kvroute: &Path, args: &Args, dir: &Path) -> Result<BTreeMap<String, String>> {
     let mut out = BTreeMap::new();
     for workload in &args.workloads {

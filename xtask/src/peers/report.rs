@@ -78,6 +78,13 @@ fn preamble(args: &Args) -> String {
     } else {
         format!("; kvroute serve given `{}`", args.kvroute_args.join(" "))
     };
+    let kvroute_args = if args.pin {
+        format!(
+            "{kvroute_args}; each router pinned to the last core, the fleet and the load to the others"
+        )
+    } else {
+        kvroute_args
+    };
     match args.engine {
         EngineKind::Sim => format!(
             "\nkvroute bench peers: workload scale {}, token scale {}, speed-up {}x, {} s of each \

@@ -99,6 +99,23 @@ pub(crate) struct Binaries {
     pub(crate) chat_template: Option<PathBuf>,
     /// The engines' dialect in kvroute's fleet file (`vllm`, `llamacpp`).
     pub(crate) dialect: &'static str,
+    /// The core every router runs on (`--pin`), `None` to leave it to the scheduler.
+    pub(crate) router_core: Option<String>,
+}
+
+impl Binaries {
+    /// The command that starts `program` as a router: under `taskset -c CORE` when pinned (the
+    /// router's children, SMG's Rust binary under its Python launcher, inherit the core).
+    pub(crate) fn router_command(&self, program: &Path) -> Command {
+        match &self.router_core {
+            Some(core) => {
+                let mut cmd = Command::new("taskset");
+                cmd.args(["-c", core]).arg(program);
+                cmd
+            }
+            None => Command::new(program),
+        }
+    }
 }
 
 /// A running router.
@@ -137,7 +154,7 @@ pub(crate) async fn start(
         if let Some(template) = &bin.chat_template {
             let _ = write!(model, ",chat_template={}", template.display());
         }
-        let mut cmd = Command::new(&bin.kvroute);
+        let mut cmd = bin.router_command(&bin.kvroute);
         cmd.args(["serve", "--listen", "127.0.0.1:0"])
             .arg("--fleet")
             .arg(&fleet)
@@ -161,7 +178,7 @@ pub(crate) async fn start(
             config,
             Config::VllmKvAware | Config::VllmCacheAware | Config::VllmCacheAwareText
         ) {
-            cmd = Command::new(&bin.vllm_router);
+            cmd = bin.router_command(&bin.vllm_router);
             cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
                 .arg("--worker-urls")
                 .args(&urls)
@@ -186,7 +203,7 @@ pub(crate) async fn start(
                 Config::SmgPrefixHash => "prefix_hash",
                 _ => "round_robin",
             };
-            cmd = Command::new(&bin.smg);
+            cmd = bin.router_command(&bin.smg);
             cmd.args(["launch", "--host", "127.0.0.1", "--port", &port.to_string()])
                 .arg("--worker-urls")
                 .args(&urls)

@@ -37,6 +37,29 @@ fn quick_is_one_small_cell_with_every_router_once() {
 }
 
 #[test]
+fn a_pinned_router_starts_under_taskset_on_its_core() {
+    assert!(!args(&[]).expect("valid").pin);
+    assert!(args(&["--pin"]).expect("valid").pin);
+    let mut bin = routers::Binaries {
+        kvroute: PathBuf::from("/bin/kvroute"),
+        smg: PathBuf::from("/venv/bin/smg"),
+        vllm_router: PathBuf::new(),
+        tokenizer: PathBuf::new(),
+        chat_template: None,
+        dialect: "vllm",
+        router_core: Some("3".to_owned()),
+    };
+    let pinned = bin.router_command(&bin.smg);
+    assert_eq!(pinned.get_program(), "taskset");
+    let pinned_args: Vec<_> = pinned.get_args().collect();
+    assert_eq!(pinned_args, ["-c", "3", "/venv/bin/smg"]);
+    bin.router_core = None;
+    let free = bin.router_command(&bin.kvroute);
+    assert_eq!(free.get_program(), "/bin/kvroute");
+    assert_eq!(free.get_args().count(), 0);
+}
+
+#[test]
 fn bad_arguments_name_the_flag_and_the_range() {
     let e = args(&["--engines", "0"]).unwrap_err().to_string();
     assert!(e.contains("--engines must list 1 to 64"), "{e}");
