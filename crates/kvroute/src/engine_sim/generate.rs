@@ -19,7 +19,6 @@ use kvroute_protocols::{
 };
 use kvroute_router::tokenizer::IncrementalDetokenizer;
 use kvroute_runtime::{Engine as _, RequestContext, ResponseStream};
-use serde_json::Value;
 use tokio::sync::mpsc;
 
 use super::kv_events::RequestBlocks;
@@ -193,10 +192,9 @@ impl Running {
     }
 
     async fn stream_to(mut self, tx: mpsc::Sender<Bytes>) {
-        let send = |value: &Value| sse_event(value);
         if self.job.envelope.kind == super::openai::Kind::Chat
             && tx
-                .send(send(&self.job.envelope.role_chunk()))
+                .send(sse_event(&self.job.envelope.role_chunk()))
                 .await
                 .is_err()
         {
@@ -217,7 +215,7 @@ impl Running {
                         return;
                     }
                     if self.job.include_usage
-                        && tx.send(send(&env.usage_chunk(usage))).await.is_err()
+                        && tx.send(sse_event(&env.usage_chunk(usage))).await.is_err()
                     {
                         return;
                     }
@@ -225,7 +223,7 @@ impl Running {
                 }
                 Some(Step::Failed(message)) => {
                     let body = super::openai::error_body(&message, "InternalServerError", 500);
-                    let _ = tx.send(send(&body)).await;
+                    let _ = tx.send(sse_event(&body)).await;
                     break;
                 }
                 None => break,

@@ -2,10 +2,10 @@
 //! as vLLM ignores unknown ones) and response shapes (checked against vLLM 0.33.0's
 //! `entrypoints/openai/{completion,chat_completion}/protocol.py`).
 
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
 use std::fmt;
 
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
