@@ -28,7 +28,7 @@ use kvroute_mocker::MockerConfig;
 use kvroute_mocker::disagg::DecodeConfig;
 use kvroute_mocker::sim::{DisaggSimulation, SimReport, Simulation};
 use kvroute_mocker::trace::TraceRecord;
-use kvroute_router_core::{ConditionalDisagg, KvMode, KvRouterCore, WorkerSpec};
+use kvroute_router_core::{ConditionalDisagg, CostTuning, KvMode, KvRouterCore, WorkerSpec};
 use kvroute_workloads::synth::{self, Workload};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -38,7 +38,7 @@ use disagg::args::{DisaggArgs, DisaggPlan};
 use dispatch::{RouterDispatcher, RunState, SessionTracker};
 use metrics::Recorder;
 use oracle::{Oracle, ratio};
-use policy::{KvWeights, ReplayPolicy};
+use policy::{ReplayPolicy, validate_kv_weights};
 use replicas::ReplicaDispatcher;
 use report::{OracleJson, PolicyReport, ReplayJson, Setup, ms};
 use workload::{Synthesis, Trace};
@@ -206,7 +206,7 @@ struct Plan {
     /// Sessions go to the router as sticky sessions.
     sticky_sessions: bool,
     /// Policy kv's weights, where given.
-    kv_weights: KvWeights,
+    kv_weights: CostTuning,
 }
 
 impl Plan {
@@ -288,7 +288,7 @@ impl Plan {
         } else {
             &args.policies
         };
-        let kv_weights = KvWeights {
+        let kv_weights = CostTuning {
             overlap_credit: args.overlap_credit,
             prefill_load_scale: args.prefill_load_scale,
             loaded_prefill_load_scale: args.loaded_prefill_load_scale,
@@ -296,7 +296,7 @@ impl Plan {
             balanced_decode_weight: args.balanced_decode_weight,
             decode_tolerance: args.decode_tolerance,
         };
-        kv_weights.validate(asked)?;
+        validate_kv_weights(&kv_weights, asked)?;
         // A policy named twice would only print the same row twice.
         let mut policies: Vec<ReplayPolicy> = Vec::new();
         for &p in asked {

@@ -96,21 +96,14 @@ impl ReplayPolicy {
 
     /// The router configuration that implements this policy for `block_size`-token blocks;
     /// `kv` scores with `weights` where given.
-    pub(crate) fn router_config(self, block_size: u32, weights: &KvWeights) -> RouterConfig {
+    pub(crate) fn router_config(self, block_size: u32, weights: &CostTuning) -> RouterConfig {
         let base = RouterConfig::new(block_size);
         match self {
             ReplayPolicy::RoundRobin => base.with_policy(Policy::RoundRobin),
             ReplayPolicy::Random => base.with_policy(Policy::Random),
             ReplayPolicy::Kv => {
                 let mut config = base.with_policy(Policy::Kv);
-                config.scheduler.cost = config.scheduler.cost.with_tuning(&CostTuning {
-                    overlap_credit: weights.overlap_credit,
-                    prefill_load_scale: weights.prefill_load_scale,
-                    loaded_prefill_load_scale: weights.loaded_prefill_load_scale,
-                    cached_share_exponent: weights.cached_share_exponent,
-                    balanced_decode_weight: weights.balanced_decode_weight,
-                    decode_tolerance: weights.decode_tolerance,
-                });
+                config.scheduler.cost = config.scheduler.cost.with_tuning(weights);
                 config
             }
             ReplayPolicy::KvAdaptive => base.with_policy(Policy::KvAdaptive),
@@ -125,55 +118,43 @@ impl ReplayPolicy {
     }
 }
 
-/// Policy `kv`'s cost weights given on the command line (`None` keeps the reference's), as
-/// `kvroute serve --policy kv` takes them:
+/// Checks policy `kv`'s cost weights given on the command line (`None` keeps the reference's;
+/// `kvroute serve --policy kv` takes the same): each finite and at least 0, a balanced decode
+/// weight at most 1, and policy kv among `policies`, since no other policy would read them.
 /// `kv-locality` is `kv` with an overlap credit of 1.5, a prefill load scale of 4 rising to 8
 /// under backlog, a cached share exponent of 2 and a balanced decode weight of 0.25 within a
 /// decode tolerance of 1.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(crate) struct KvWeights {
-    pub(crate) overlap_credit: Option<f64>,
-    pub(crate) prefill_load_scale: Option<f64>,
-    pub(crate) loaded_prefill_load_scale: Option<f64>,
-    pub(crate) cached_share_exponent: Option<f64>,
-    pub(crate) balanced_decode_weight: Option<f64>,
-    pub(crate) decode_tolerance: Option<f64>,
-}
-
-impl KvWeights {
-    /// Checks each weight (finite, at least 0) and that policy kv is among `policies`, since no
-    /// other policy would read them.
-    pub(crate) fn validate(&self, policies: &[ReplayPolicy]) -> anyhow::Result<()> {
-        let given = [
-            ("--overlap-credit", self.overlap_credit),
-            ("--prefill-load-scale", self.prefill_load_scale),
-            (
-                "--loaded-prefill-load-scale",
-                self.loaded_prefill_load_scale,
-            ),
-            ("--cached-share-exponent", self.cached_share_exponent),
-            ("--balanced-decode-weight", self.balanced_decode_weight),
-            ("--decode-tolerance", self.decode_tolerance),
-        ];
-        for (flag, value) in given {
-            let Some(v) = value else { continue };
-            if !(v.is_finite() && v >= 0.0) {
-                anyhow::bail!("{flag} must be a finite number >= 0, got {v}");
-            }
-            if flag == "--balanced-decode-weight" && v > 1.0 {
-                anyhow::bail!(
-                    "{flag} must be at most 1 (the weight of an unbalanced block), got {v}"
-                );
-            }
-            if !policies.contains(&ReplayPolicy::Kv) {
-                anyhow::bail!(
-                    "{flag} sets a weight of policy kv, which is not replayed: add --policy kv \
-                     (the other policies score with fixed weights)"
-                );
-            }
+pub(crate) fn validate_kv_weights(
+    weights: &CostTuning,
+    policies: &[ReplayPolicy],
+) -> anyhow::Result<()> {
+    let given = [
+        ("--overlap-credit", weights.overlap_credit),
+        ("--prefill-load-scale", weights.prefill_load_scale),
+        (
+            "--loaded-prefill-load-scale",
+            weights.loaded_prefill_load_scale,
+        ),
+        ("--cached-share-exponent", weights.cached_share_exponent),
+        ("--balanced-decode-weight", weights.balanced_decode_weight),
+        ("--decode-tolerance", weights.decode_tolerance),
+    ];
+    for (flag, value) in given {
+        let Some(v) = value else { continue };
+        if !(v.is_finite() && v >= 0.0) {
+            anyhow::bail!("{flag} must be a finite number >= 0, got {v}");
         }
-        Ok(())
+        if flag == "--balanced-decode-weight" && v > 1.0 {
+            anyhow::bail!("{flag} must be at most 1 (the weight of an unbalanced block), got {v}");
+        }
+        if !policies.contains(&ReplayPolicy::Kv) {
+            anyhow::bail!(
+                "{flag} sets a weight of policy kv, which is not replayed: add --policy kv \
+                 (the other policies score with fixed weights)"
+            );
+        }
     }
+    Ok(())
 }
 
 impl fmt::Display for ReplayPolicy {
@@ -191,7 +172,7 @@ mod tests {
         let default = ReplayPolicy::parse("default").unwrap();
         assert_eq!(default, ReplayPolicy::serve_default());
         assert_eq!(
-            default.router_config(16, &KvWeights::default()).policy,
+            default.router_config(16, &CostTuning::default()).policy,
             RouterConfig::new(16).policy,
             "replay's default runs exactly the router's default policy"
         );
@@ -201,7 +182,7 @@ mod tests {
 
     #[test]
     fn kv_with_kv_localitys_weights_scores_as_kv_locality() {
-        let weights = KvWeights {
+        let weights = CostTuning {
             overlap_credit: Some(1.5),
             prefill_load_scale: Some(4.0),
             loaded_prefill_load_scale: Some(8.0),
@@ -213,17 +194,17 @@ mod tests {
         let locality = ReplayPolicy::KvLocality.router_config(16, &weights);
         assert_eq!(Some(kv.scheduler.cost), locality.policy.cost_weights());
         // Without weights kv keeps the reference's; the presets ignore them.
-        let plain = ReplayPolicy::Kv.router_config(16, &KvWeights::default());
+        let plain = ReplayPolicy::Kv.router_config(16, &CostTuning::default());
         assert_eq!(plain.scheduler.cost.prefill_load_scale, 1.0);
         assert_eq!(locality.scheduler.cost, plain.scheduler.cost);
-        let error = weights.validate(&[ReplayPolicy::KvLocality]).unwrap_err();
+        let error = validate_kv_weights(&weights, &[ReplayPolicy::KvLocality]).unwrap_err();
         assert!(error.to_string().contains("add --policy kv"), "{error}");
-        assert!(weights.validate(&[ReplayPolicy::Kv]).is_ok());
-        let negative = KvWeights {
+        assert!(validate_kv_weights(&weights, &[ReplayPolicy::Kv]).is_ok());
+        let negative = CostTuning {
             prefill_load_scale: Some(-1.0),
-            ..KvWeights::default()
+            ..CostTuning::default()
         };
-        let error = negative.validate(&[ReplayPolicy::Kv]).unwrap_err();
+        let error = validate_kv_weights(&negative, &[ReplayPolicy::Kv]).unwrap_err();
         assert!(
             error.to_string().contains("--prefill-load-scale must be"),
             "{error}"
@@ -232,10 +213,10 @@ mod tests {
 
     #[test]
     fn a_loaded_scale_sets_only_the_backlogged_end_of_the_range() {
-        let weights = KvWeights {
+        let weights = CostTuning {
             prefill_load_scale: Some(4.0),
             loaded_prefill_load_scale: Some(16.0),
-            ..KvWeights::default()
+            ..CostTuning::default()
         };
         let cost = ReplayPolicy::Kv.router_config(16, &weights).scheduler.cost;
         assert_eq!(
@@ -243,11 +224,11 @@ mod tests {
             (4.0, 16.0)
         );
         assert_eq!(cost.prefill_scale_at(0.5), 10.0);
-        let nan = KvWeights {
+        let nan = CostTuning {
             loaded_prefill_load_scale: Some(f64::NAN),
-            ..KvWeights::default()
+            ..CostTuning::default()
         };
-        let error = nan.validate(&[ReplayPolicy::Kv]).unwrap_err();
+        let error = validate_kv_weights(&nan, &[ReplayPolicy::Kv]).unwrap_err();
         assert!(
             error
                 .to_string()
