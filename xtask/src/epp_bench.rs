@@ -112,6 +112,8 @@ fn requests(args: &Args, arm: usize, round: u32) -> Vec<Request> {
                 prompt: prompt.join(" "),
                 prompt_tokens: args.prompt_tokens,
                 max_tokens: args.max_tokens,
+                // Every prompt is new words.
+                reusable_tokens: 0,
             }
         })
         .collect()

@@ -413,7 +413,13 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
     let result = block_on_interruptible(bench(&setup, &args));
     eprintln!("logs of every run: {}", logs.display());
     let results = result?;
-    let report = report(&args, &results);
+    // Each trace row's ceiling: the hit rate of a perfect router on a fleet that evicts nothing.
+    let mut ceilings = BTreeMap::new();
+    for (name, trace) in &setup.traces {
+        let requests = load::requests(trace, args.shape())?;
+        ceilings.insert(name.clone(), load::ceiling_hit_rate(&requests));
+    }
+    let report = report(&args, &results, &ceilings);
     print!("{report}");
     let path = logs.join(match args.engine {
         EngineKind::Sim => "results.md",
@@ -519,9 +525,11 @@ async fn bench(setup: &Setup, args: &Args) -> Result<Results> {
                     let tokens: u64 = requests.iter().map(|r| r.prompt_tokens).sum();
                     eprintln!(
                         "{name} on {engines} engines: {} requests, {:.0} prompt tokens each on \
-                         average",
+                         average, {:.1}% of them sent before by an earlier request (the ceiling \
+                         of the hit rate)",
                         requests.len(),
-                        tokens as f64 / requests.len() as f64
+                        tokens as f64 / requests.len() as f64,
+                        100.0 * load::ceiling_hit_rate(&requests)
                     );
                     Load::Trace(requests)
                 }

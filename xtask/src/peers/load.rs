@@ -13,6 +13,8 @@
 //! cannot hide its queueing): TTFT at the first chunk with a choice, end to end at `[DONE]`, and
 //! the usage's `prompt_tokens_details.cached_tokens` the engine reported.
 
+use std::collections::HashSet;
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,6 +43,10 @@ pub(crate) struct Request {
     pub(crate) prompt_tokens: u64,
     /// Tokens to generate.
     pub(crate) max_tokens: u64,
+    /// Tokens of its prompt that an earlier request of the run sent too (its longest prefix of
+    /// trace blocks seen before, in whole blocks): what a fleet-wide cache that kept everything
+    /// could serve it, whoever routed it.
+    pub(crate) reusable_tokens: u64,
 }
 
 /// How a trace becomes requests.
@@ -83,6 +89,8 @@ pub(crate) fn word(i: u32) -> String {
 pub(crate) fn requests(trace: &str, shape: Shape) -> Result<Vec<Request>> {
     let block_words = ((TRACE_BLOCK_TOKENS * shape.token_scale).round() as u64).max(1);
     let mut out = Vec::new();
+    // Every prefix of trace blocks sent so far, each as a hash of its block ids.
+    let mut seen: HashSet<u64> = HashSet::new();
     for (n, line) in trace.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
@@ -111,6 +119,19 @@ pub(crate) fn requests(trace: &str, shape: Shape) -> Result<Vec<Request>> {
             break;
         }
         let prompt_tokens = ((input * shape.token_scale).round() as u64).max(1);
+        let mut prefix = 0u64;
+        let mut reused_blocks = 0u64;
+        let mut all_seen = true;
+        for &id in &hash_ids {
+            let mut hasher = DefaultHasher::new();
+            (prefix, id).hash(&mut hasher);
+            prefix = hasher.finish();
+            all_seen &= !seen.insert(prefix);
+            if all_seen {
+                reused_blocks += 1;
+            }
+        }
+        let reusable_tokens = (reused_blocks * block_words).min(prompt_tokens);
         let mut words = Vec::with_capacity(prompt_tokens as usize);
         'blocks: for &id in &hash_ids {
             for position in 0..block_words {
@@ -135,12 +156,22 @@ pub(crate) fn requests(trace: &str, shape: Shape) -> Result<Vec<Request>> {
             prompt: words.join(" "),
             prompt_tokens,
             max_tokens: ((output * shape.token_scale).round() as u64).max(1),
+            reusable_tokens,
         });
     }
     if out.is_empty() {
         bail!("the trace has no request within the run's duration");
     }
     Ok(out)
+}
+
+/// The share of the run's prompt tokens that earlier requests of the run sent too: the hit rate
+/// of a router that always found a prompt's longest cached prefix on a fleet that evicted
+/// nothing, the ceiling of the table's hit rates (up to the engines' rounding to whole blocks).
+pub(crate) fn ceiling_hit_rate(requests: &[Request]) -> f64 {
+    let reusable: u64 = requests.iter().map(|r| r.reusable_tokens).sum();
+    let prompt: u64 = requests.iter().map(|r| r.prompt_tokens).sum();
+    reusable as f64 / prompt.max(1) as f64
 }
 
 /// What one request gave.

@@ -2,6 +2,7 @@
 //! summary matrix per fleet size, every figure of every cell, kvroute's predicted against the
 //! engines' reported hit rate, and the errors).
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use anyhow::{Result, bail};
@@ -89,7 +90,10 @@ fn preamble(args: &Args) -> String {
         EngineKind::Sim => format!(
             "\nkvroute bench peers: workload scale {}, token scale {}, speed-up {}x, {} s of each \
              trace, seed {}, {} round(s); latencies in real milliseconds (multiply by the speed-up \
-             for the modelled H100's); figures are means over rounds{kvroute_args}.\n\n",
+             for the modelled H100's); figures are means over rounds{kvroute_args}. The ceiling is \
+             the share of prompt tokens an earlier request of the run had sent: the hit rate of a \
+             router that always found a prompt's longest cached prefix on engines that evicted \
+             nothing.\n\n",
             args.workloads
                 .iter()
                 .map(|w| format!("{w} {}", args.scale(w)))
@@ -131,22 +135,26 @@ fn preamble(args: &Args) -> String {
 
 /// The markdown report: a summary matrix per fleet size (hit rate and TTFT p99 per workload
 /// and configuration), then every figure of every cell.
-pub(super) fn report(args: &Args, results: &Results) -> String {
+///
+/// `ceilings` holds each trace workload's ceiling ([`super::load::ceiling_hit_rate`]), shown
+/// beside its name.
+pub(super) fn report(args: &Args, results: &Results, ceilings: &BTreeMap<String, f64>) -> String {
     let mut out = preamble(args);
     for &engines in &args.engines {
         let _ = writeln!(
             out,
             "### {engines} engines: engine-reported hit rate / TTFT p99 (ms)\n"
         );
-        let _ = write!(out, "| workload |");
+        let _ = write!(out, "| workload | ceiling |");
         for config in &args.routers {
             let _ = write!(out, " {} |", config.label());
         }
         let _ = writeln!(out);
-        let _ = writeln!(out, "|---|{}", "---|".repeat(args.routers.len()));
+        let _ = writeln!(out, "|---|---|{}", "---|".repeat(args.routers.len()));
         for workload in args.rows() {
             let workload = workload.label();
-            let _ = write!(out, "| {workload} |");
+            let ceiling = pct(ceilings.get(&workload).copied());
+            let _ = write!(out, "| {workload} | {ceiling} |");
             let cell = results.get(&(engines, workload));
             for config in &args.routers {
                 let runs = cell

@@ -113,6 +113,26 @@ fn prompts_share_exactly_the_words_of_their_shared_blocks() {
 }
 
 #[test]
+fn the_ceiling_counts_the_longest_prefix_an_earlier_request_sent() {
+    // 8 words a block. Block 9 after [1] is new; [5, 2] shares block 2's id but not its prefix.
+    let trace = "\
+{\"timestamp\": 0, \"input_length\": 1024, \"output_length\": 64, \"hash_ids\": [1, 2]}
+{\"timestamp\": 1, \"input_length\": 1280, \"output_length\": 64, \"hash_ids\": [1, 2, 3]}
+{\"timestamp\": 2, \"input_length\": 1024, \"output_length\": 64, \"hash_ids\": [1, 9]}
+{\"timestamp\": 3, \"input_length\": 1024, \"output_length\": 64, \"hash_ids\": [5, 2]}
+{\"timestamp\": 4, \"input_length\": 960, \"output_length\": 64, \"hash_ids\": [1, 2]}
+";
+    let requests = load::requests(trace, shape(60.0)).expect("valid trace");
+    let reusable: Vec<u64> = requests.iter().map(|r| r.reusable_tokens).collect();
+    // The last prompt (15 words) is shorter than the two blocks it repeats.
+    assert_eq!(reusable, [0, 16, 8, 0, 15]);
+    let prompt: u64 = requests.iter().map(|r| r.prompt_tokens).sum();
+    assert_eq!(prompt, 16 + 20 + 16 + 16 + 15);
+    let ceiling = load::ceiling_hit_rate(&requests);
+    assert!((ceiling - 39.0 / 83.0).abs() < 1e-12, "{ceiling}");
+}
+
+#[test]
 fn requests_after_the_duration_are_left_out_and_bad_lines_are_named() {
     let trace = "\
 {\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}
