@@ -413,13 +413,7 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
     let result = block_on_interruptible(bench(&setup, &args));
     eprintln!("logs of every run: {}", logs.display());
     let results = result?;
-    // Each trace row's ceiling: the hit rate of a perfect router on a fleet that evicts nothing.
-    let mut ceilings = BTreeMap::new();
-    for (name, trace) in &setup.traces {
-        let requests = load::requests(trace, args.shape())?;
-        ceilings.insert(name.clone(), load::ceiling_hit_rate(&requests));
-    }
-    let report = report(&args, &results, &ceilings);
+    let report = report(&args, &results);
     print!("{report}");
     let path = logs.join(match args.engine {
         EngineKind::Sim => "results.md",
@@ -525,11 +519,9 @@ async fn bench(setup: &Setup, args: &Args) -> Result<Results> {
                     let tokens: u64 = requests.iter().map(|r| r.prompt_tokens).sum();
                     eprintln!(
                         "{name} on {engines} engines: {} requests, {:.0} prompt tokens each on \
-                         average, {:.1}% of them sent before by an earlier request (the ceiling \
-                         of the hit rate)",
+                         average",
                         requests.len(),
-                        tokens as f64 / requests.len() as f64,
-                        100.0 * load::ceiling_hit_rate(&requests)
+                        tokens as f64 / requests.len() as f64
                     );
                     Load::Trace(requests)
                 }
@@ -680,7 +672,10 @@ async fn try_run(
     fleet.proc.check_alive()?;
     let mut figures = load::figures(&samples, wall);
     figures.hit_rate_engines = match requests {
-        Load::Trace(_) => fleet::engine_hit_rate(http, &fleet.engines).await.ok(),
+        Load::Trace(requests) => {
+            figures.ceiling = load::ceiling_hit_rate(requests, &samples);
+            fleet::engine_hit_rate(http, &fleet.engines).await.ok()
+        }
         Load::Chat(_) => llamacpp::engine_hit_rate(http, &fleet.engines).await.ok(),
     };
     figures.cpu_s_per_1k = Some((cpu_after - cpu_before) / samples.len() as f64 * 1000.0);

@@ -165,13 +165,19 @@ pub(crate) fn requests(trace: &str, shape: Shape) -> Result<Vec<Request>> {
     Ok(out)
 }
 
-/// The share of the run's prompt tokens that earlier requests of the run sent too: the hit rate
-/// of a router that always found a prompt's longest cached prefix on a fleet that evicted
-/// nothing, the ceiling of the table's hit rates (up to the engines' rounding to whole blocks).
-pub(crate) fn ceiling_hit_rate(requests: &[Request]) -> f64 {
-    let reusable: u64 = requests.iter().map(|r| r.reusable_tokens).sum();
-    let prompt: u64 = requests.iter().map(|r| r.prompt_tokens).sum();
-    reusable as f64 / prompt.max(1) as f64
+/// The ceiling of a run's hit rate: the served requests' tokens that earlier requests of the run
+/// sent too, over their prompt tokens as the engines counted them (`usage`, the same denominator
+/// as the hit rate's): what a router that always found a prompt's longest cached prefix would
+/// read on engines that evicted nothing. `samples` are `requests`' in order.
+pub(crate) fn ceiling_hit_rate(requests: &[Request], samples: &[Sample]) -> Option<f64> {
+    let (reusable, prompt) = requests
+        .iter()
+        .zip(samples)
+        .filter(|(_, s)| s.error.is_none())
+        .fold((0u64, 0u64), |(r, p), (request, sample)| {
+            (r + request.reusable_tokens, p + sample.prompt_tokens)
+        });
+    (prompt > 0).then(|| reusable as f64 / prompt as f64)
 }
 
 /// What one request gave.
@@ -307,6 +313,8 @@ pub(crate) struct Figures {
     pub(crate) hit_rate_usage: Option<f64>,
     /// The engines' own prefix-cache hits over queries, from their counters.
     pub(crate) hit_rate_engines: Option<f64>,
+    /// The hit rate's ceiling ([`ceiling_hit_rate`]); traces only.
+    pub(crate) ceiling: Option<f64>,
     pub(crate) ttft_p50_ms: Option<f64>,
     pub(crate) ttft_p99_ms: Option<f64>,
     pub(crate) e2e_p99_ms: Option<f64>,
@@ -335,6 +343,7 @@ pub(crate) fn figures(samples: &[Sample], wall: Duration) -> Figures {
         first_error: samples.iter().find_map(|s| s.error.clone()),
         hit_rate_usage: (prompt > 0).then(|| cached as f64 / prompt as f64),
         hit_rate_engines: None,
+        ceiling: None,
         ttft_p50_ms: percentile(&ttft, 50.0),
         ttft_p99_ms: percentile(&ttft, 99.0),
         e2e_p99_ms: percentile(&e2e, 99.0),

@@ -2,7 +2,6 @@
 //! summary matrix per fleet size, every figure of every cell, kvroute's predicted against the
 //! engines' reported hit rate, and the errors).
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use anyhow::{Result, bail};
@@ -135,10 +134,8 @@ fn preamble(args: &Args) -> String {
 
 /// The markdown report: a summary matrix per fleet size (hit rate and TTFT p99 per workload
 /// and configuration), then every figure of every cell.
-///
-/// `ceilings` holds each trace workload's ceiling ([`super::load::ceiling_hit_rate`]), shown
-/// beside its name.
-pub(super) fn report(args: &Args, results: &Results, ceilings: &BTreeMap<String, f64>) -> String {
+/// Each trace row shows its ceiling ([`super::load::ceiling_hit_rate`]) beside its name.
+pub(super) fn report(args: &Args, results: &Results) -> String {
     let mut out = preamble(args);
     for &engines in &args.engines {
         let _ = writeln!(
@@ -153,9 +150,13 @@ pub(super) fn report(args: &Args, results: &Results, ceilings: &BTreeMap<String,
         let _ = writeln!(out, "|---|---|{}", "---|".repeat(args.routers.len()));
         for workload in args.rows() {
             let workload = workload.label();
-            let ceiling = pct(ceilings.get(&workload).copied());
+            let cell = results.get(&(engines, workload.clone()));
+            let all_runs: Vec<Run> = cell
+                .into_iter()
+                .flat_map(|c| c.values().flatten().cloned())
+                .collect();
+            let ceiling = pct(mean(&all_runs, |r| r.figures.ceiling));
             let _ = write!(out, "| {workload} | {ceiling} |");
-            let cell = results.get(&(engines, workload));
             for config in &args.routers {
                 let runs = cell
                     .and_then(|c| c.get(config))

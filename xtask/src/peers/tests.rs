@@ -126,10 +126,20 @@ fn the_ceiling_counts_the_longest_prefix_an_earlier_request_sent() {
     let reusable: Vec<u64> = requests.iter().map(|r| r.reusable_tokens).collect();
     // The last prompt (15 words) is shorter than the two blocks it repeats.
     assert_eq!(reusable, [0, 16, 8, 0, 15]);
-    let prompt: u64 = requests.iter().map(|r| r.prompt_tokens).sum();
-    assert_eq!(prompt, 16 + 20 + 16 + 16 + 15);
-    let ceiling = load::ceiling_hit_rate(&requests);
-    assert!((ceiling - 39.0 / 83.0).abs() < 1e-12, "{ceiling}");
+    // Over the engines' prompt tokens (one special token more a prompt here), served ones only.
+    let mut samples: Vec<load::Sample> = requests
+        .iter()
+        .map(|r| load::Sample {
+            prompt_tokens: r.prompt_tokens + 1,
+            ..load::Sample::default()
+        })
+        .collect();
+    let ceiling = load::ceiling_hit_rate(&requests, &samples).expect("prompt tokens");
+    assert!((ceiling - 39.0 / 88.0).abs() < 1e-12, "{ceiling}");
+    samples[1].error = Some("refused".to_owned());
+    let ceiling = load::ceiling_hit_rate(&requests, &samples).expect("prompt tokens");
+    assert!((ceiling - 23.0 / 67.0).abs() < 1e-12, "{ceiling}");
+    assert_eq!(load::ceiling_hit_rate(&requests, &[]), None);
 }
 
 #[test]
