@@ -62,9 +62,12 @@ fn num(v: Option<f64>, decimals: usize) -> String {
 }
 
 /// The mean over a cell's successful runs of one figure.
-fn mean(runs: &[Run], figure: impl Fn(&Run) -> Option<f64>) -> Option<f64> {
+fn mean<'a>(
+    runs: impl IntoIterator<Item = &'a Run>,
+    figure: impl Fn(&Run) -> Option<f64>,
+) -> Option<f64> {
     let values: Vec<f64> = runs
-        .iter()
+        .into_iter()
         .filter(|r| r.failed.is_none())
         .filter_map(figure)
         .collect();
@@ -133,8 +136,7 @@ fn preamble(args: &Args) -> String {
 }
 
 /// The markdown report: a summary matrix per fleet size (hit rate and TTFT p99 per workload
-/// and configuration), then every figure of every cell.
-/// Each trace row shows its ceiling ([`super::load::ceiling_hit_rate`]) beside its name.
+/// and configuration), then every figure of every cell. Each trace row shows its ceiling ([`super::load::ceiling_hit_rate`]) beside its name.
 pub(super) fn report(args: &Args, results: &Results) -> String {
     let mut out = preamble(args);
     for &engines in &args.engines {
@@ -151,11 +153,9 @@ pub(super) fn report(args: &Args, results: &Results) -> String {
         for workload in args.rows() {
             let workload = workload.label();
             let cell = results.get(&(engines, workload.clone()));
-            let all_runs: Vec<Run> = cell
-                .into_iter()
-                .flat_map(|c| c.values().flatten().cloned())
-                .collect();
-            let ceiling = pct(mean(&all_runs, |r| r.figures.ceiling));
+            // Every configuration's runs of the row served the same requests.
+            let all_runs = cell.into_iter().flat_map(|c| c.values().flatten());
+            let ceiling = pct(mean(all_runs, |r| r.figures.ceiling));
             let _ = write!(out, "| {workload} | {ceiling} |");
             for config in &args.routers {
                 let runs = cell
