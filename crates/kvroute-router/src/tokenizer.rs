@@ -127,6 +127,13 @@ impl Tokenizer for MockTokenizer {
     }
 }
 
+/// The text every [`HfTokenizer`] encodes once as it loads (see `HfTokenizer::warm_up`): words
+/// in both cases, digits, punctuation, whitespace runs and non-ASCII letters, so that each
+/// branch of a pre-tokenizer runs.
+const WARM_UP_TEXT: &str = "You are a helpful assistant. Answer the user's questions \
+    carefully; cite sources where you can.\n\nUser: What's 1234 + 5678, and why?\n\t- \
+    Étape 2: « déjà vu » — naïve café, 東京 ｶﾀｶﾅ, emoji 🙂!\n    def f(x): return x ** 2  # ok\n";
+
 /// A Hugging Face `tokenizer.json`, loaded with the `tokenizers` crate (pure Rust, no Python).
 ///
 /// Texts are encoded with `fastokens` where it implements the tokenizer (BPE models: byte-level
@@ -212,11 +219,26 @@ impl HfTokenizer {
                 None
             }
         };
-        Ok(Self {
+        let tokenizer = Self {
             inner,
             fast,
             chunks,
-        })
+        };
+        tokenizer.warm_up();
+        Ok(tokenizer)
+    }
+
+    /// Encodes [`WARM_UP_TEXT`] once with each encoder, outside the checks and the chunk cache.
+    /// A fresh tokenizer's first encoding builds what both encoders make lazily (`fastokens`'
+    /// table of short pretokens, its merge tables brought into cache, the `tokenizers` crate's
+    /// word cache and buffers) and faults in fresh memory: on the peers bench's byte-level BPE
+    /// that put 25-45 ms on a new router's first request, and on a router with one core, on
+    /// every request of a first burst queued behind it. Here it is paid while the model loads.
+    fn warm_up(&self) {
+        if let Some(fast) = &self.fast {
+            fast.warm_up(WARM_UP_TEXT);
+        }
+        let _ = self.encode_reference(WARM_UP_TEXT);
     }
 
     /// This tokenizer with the chunk cache on or off: off tokenizes every prompt whole (no

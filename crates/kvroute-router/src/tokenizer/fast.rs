@@ -55,6 +55,12 @@ impl FastEncoder {
         self.disabled.load(Ordering::Relaxed)
     }
 
+    /// Encodes `text` and forgets the ids: builds what `fastokens` makes on first use, without
+    /// counting as an encoding (the first ones are the checked ones).
+    pub(crate) fn warm_up(&self, text: &str) {
+        let _ = self.inner.encode(text);
+    }
+
     /// The ids of `text` (no special tokens added), with `reference` encoding it with the
     /// `tokenizers` crate when this encoding is checked, when `fastokens` fails on it and once
     /// `fastokens` is off.

@@ -154,3 +154,24 @@ fn a_tokenizer_loaded_without_fastokens_never_loads_it() {
         with.encode("the token and").unwrap()
     );
 }
+
+#[test]
+fn the_warm_up_at_load_leaves_every_first_check_to_the_prompts() {
+    // Loading encoded the warm-up text with both encoders, but not as one of the checked
+    // encodings: the first VERIFY_FIRST prompts are all still compared.
+    let t = byte_level_bpe();
+    let fast = t.fast.as_ref().expect("fastokens loaded");
+    assert_eq!(fast.encodings.load(Ordering::Relaxed), 0);
+    let good = fast.inner.encode("the token").unwrap();
+    let calls = Cell::new(0);
+    for _ in 0..VERIFY_FIRST {
+        fast.encode("the token", counting(&calls, &good)).unwrap();
+    }
+    assert_eq!(calls.get(), VERIFY_FIRST);
+    // And the warm-up text itself encodes as the tokenizers crate encodes it.
+    let reference = byte_level_bpe().with_fastokens(false);
+    assert_eq!(
+        t.encode(super::super::WARM_UP_TEXT).unwrap(),
+        reference.encode(super::super::WARM_UP_TEXT).unwrap()
+    );
+}
