@@ -674,6 +674,8 @@ async fn try_run(
     figures.hit_rate_engines = match requests {
         Load::Trace(requests) => {
             figures.ceiling = load::ceiling_hit_rate(requests, &samples);
+            figures.engine_ttft_mean_ms =
+                fleet::engine_ttft_mean_ms(http, &fleet.engines).await.ok();
             fleet::engine_hit_rate(http, &fleet.engines).await.ok()
         }
         Load::Chat(_) => llamacpp::engine_hit_rate(http, &fleet.engines).await.ok(),

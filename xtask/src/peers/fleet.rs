@@ -262,6 +262,24 @@ pub(crate) async fn sum_counters<const N: usize>(
     Ok(sums)
 }
 
+/// The engines' own mean time to first token in ms: the sum of
+/// `vllm:time_to_first_token_seconds_sum` over the sum of its `_count`, over every engine.
+pub(crate) async fn engine_ttft_mean_ms(http: &reqwest::Client, engines: &[Engine]) -> Result<f64> {
+    let [sum, count] = sum_counters(
+        http,
+        engines,
+        [
+            "vllm:time_to_first_token_seconds_sum",
+            "vllm:time_to_first_token_seconds_count",
+        ],
+    )
+    .await?;
+    if count == 0.0 {
+        bail!("the engines counted no first token");
+    }
+    Ok(sum / count * 1000.0)
+}
+
 /// The sum of every sample of counter `name` in a Prometheus text.
 pub(crate) fn counter(text: &str, name: &str) -> Result<f64> {
     let mut found = false;

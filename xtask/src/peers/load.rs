@@ -315,6 +315,12 @@ pub(crate) struct Figures {
     pub(crate) hit_rate_engines: Option<f64>,
     /// The hit rate's ceiling ([`ceiling_hit_rate`]); traces only.
     pub(crate) ceiling: Option<f64>,
+    /// The clients' mean time to first token.
+    pub(crate) ttft_mean_ms: Option<f64>,
+    /// The engines' own mean time to first token (from arrival at the engine), where they
+    /// publish it (`vllm:time_to_first_token_seconds`): the client's mean less this is what the
+    /// router and the network took.
+    pub(crate) engine_ttft_mean_ms: Option<f64>,
     pub(crate) ttft_p50_ms: Option<f64>,
     pub(crate) ttft_p99_ms: Option<f64>,
     pub(crate) e2e_p99_ms: Option<f64>,
@@ -344,6 +350,8 @@ pub(crate) fn figures(samples: &[Sample], wall: Duration) -> Figures {
         hit_rate_usage: (prompt > 0).then(|| cached as f64 / prompt as f64),
         hit_rate_engines: None,
         ceiling: None,
+        ttft_mean_ms: (!ttft.is_empty()).then(|| ttft.iter().sum::<f64>() / ttft.len() as f64),
+        engine_ttft_mean_ms: None,
         ttft_p50_ms: percentile(&ttft, 50.0),
         ttft_p99_ms: percentile(&ttft, 99.0),
         e2e_p99_ms: percentile(&e2e, 99.0),

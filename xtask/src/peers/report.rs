@@ -24,6 +24,12 @@ pub(super) fn run_summary(run: &Run) -> String {
         num(f.cpu_s_per_1k, 2),
         num(f.peak_rss_mib, 0),
     );
+    if let (Some(client), Some(engines)) = (f.ttft_mean_ms, f.engine_ttft_mean_ms) {
+        let _ = write!(
+            out,
+            ", TTFT mean {client:.1} ms (at the engines {engines:.1})"
+        );
+    }
     if let Some(p) = run.predicted {
         let _ = write!(out, ", predicted {}", pct(Some(p)));
     }
@@ -176,12 +182,12 @@ pub(super) fn report(args: &Args, results: &Results) -> String {
     let _ = writeln!(
         out,
         "| engines | workload | router | ok / requests | hit (usage) | hit (engine counters) | \
-         kvroute predicted | kvroute forgone | TTFT p50 | TTFT p99 | E2E p99 | output tok/s | router CPU s / 1k req \
+         kvroute predicted | kvroute forgone | TTFT mean (at the engines) | TTFT p50 | TTFT p99 | E2E p99 | output tok/s | router CPU s / 1k req \
          | kvroute tokenizing s / 1k req | router peak RSS MiB |"
     );
     let _ = writeln!(
         out,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for ((engines, workload), cell) in results {
         for (config, runs) in cell {
@@ -195,12 +201,14 @@ pub(super) fn report(args: &Args, results: &Results) -> String {
             };
             let _ = writeln!(
                 out,
-                "| {engines} | {workload} | {} | {status} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {engines} | {workload} | {} | {status} | {} | {} | {} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} |",
                 config.label(),
                 pct(mean(runs, |r| r.figures.hit_rate_usage)),
                 pct(mean(runs, |r| r.figures.hit_rate_engines)),
                 pct(mean(runs, |r| r.predicted)),
                 pct(mean(runs, |r| r.forgone)),
+                num(mean(runs, |r| r.figures.ttft_mean_ms), 1),
+                num(mean(runs, |r| r.figures.engine_ttft_mean_ms), 1),
                 num(mean(runs, |r| r.figures.ttft_p50_ms), 1),
                 num(mean(runs, |r| r.figures.ttft_p99_ms), 1),
                 num(mean(runs, |r| r.figures.e2e_p99_ms), 1),

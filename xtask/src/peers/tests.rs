@@ -206,6 +206,8 @@ fn figures_count_errors_and_weigh_hit_rates_by_tokens() {
     assert_eq!(f.first_error.as_deref(), Some("HTTP 503"));
     assert_eq!(f.hit_rate_usage, Some(90.0 / 400.0));
     assert_eq!(f.ttft_p50_ms, Some(10.0));
+    assert_eq!(f.ttft_mean_ms, Some(20.0), "the mean of the served requests' 10 and 30 ms");
+    assert_eq!(f.engine_ttft_mean_ms, None, "read from the engines, not the samples");
     assert_eq!(f.ttft_p99_ms, Some(30.0));
     assert_eq!(f.e2e_p99_ms, Some(60.0));
     assert_eq!(f.output_tokens_per_s, 10.0);

@@ -7,6 +7,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::body::Body;
 use axum::http::{StatusCode, header};
@@ -40,6 +41,7 @@ pub(super) struct Job {
 
 /// Runs `job` and answers it, streamed or whole.
 pub(super) async fn run(sim: Arc<Sim>, job: Job) -> Response {
+    let arrived = Instant::now();
     let mut request = PreprocessedRequest::new(job.envelope.model.clone(), job.prompt.clone());
     request.stop_conditions.max_tokens = Some(job.max_tokens);
     if let Handshake::RemotePrefill { transferred_tokens } = job.handshake {
@@ -71,6 +73,7 @@ pub(super) async fn run(sim: Arc<Sim>, job: Job) -> Response {
     };
     let run = Running {
         sim,
+        arrived,
         job,
         stream,
         blocks,
@@ -106,6 +109,8 @@ enum Step {
 
 struct Running {
     sim: Arc<Sim>,
+    /// When the engine took the request, for its time to first token.
+    arrived: Instant,
     job: Job,
     stream: ResponseStream<kvroute_protocols::Annotated<LLMEngineOutput>>,
     blocks: Option<RequestBlocks>,
@@ -131,6 +136,9 @@ impl Running {
             }
             if let Some(blocks) = &mut self.blocks {
                 blocks.push(&out.token_ids);
+            }
+            if self.output.is_empty() {
+                self.sim.counters.first_token(self.arrived.elapsed());
             }
             self.output.extend_from_slice(&out.token_ids);
             let text = self

@@ -4,6 +4,7 @@
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use kvroute_protocols::WorkerLoadReport;
 
@@ -15,7 +16,18 @@ pub(super) struct Counters {
     pub(super) prompt_tokens: AtomicU64,
     pub(super) generation_tokens: AtomicU64,
     pub(super) requests_finished: AtomicU64,
+    /// Times to first token, counted per bucket of [`TTFT_BUCKETS`] (the first bound at or
+    /// above each time; the last slot past the last bound), not cumulated.
+    ttft_buckets: [AtomicU64; TTFT_BUCKETS.len() + 1],
+    ttft_nanos: AtomicU64,
+    ttft_count: AtomicU64,
 }
+
+/// The upper bounds, in seconds, of vLLM's `vllm:time_to_first_token_seconds` buckets.
+const TTFT_BUCKETS: [f64; 22] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
 
 impl Counters {
     /// Counts one finished request.
@@ -29,6 +41,21 @@ impl Counters {
         self.generation_tokens
             .fetch_add(u64::from(generated), Ordering::Relaxed);
         self.requests_finished.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one request's time from its arrival at the engine to its first output token (in
+    /// the engine's own real time, sped up as it runs): what vLLM's TTFT histogram counts, and
+    /// what tells a router's lag from the engine's.
+    pub(super) fn first_token(&self, ttft: Duration) {
+        let seconds = ttft.as_secs_f64();
+        let bucket = TTFT_BUCKETS
+            .iter()
+            .position(|&bound| seconds <= bound)
+            .unwrap_or(TTFT_BUCKETS.len());
+        self.ttft_buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        let nanos = u64::try_from(ttft.as_nanos()).unwrap_or(u64::MAX);
+        self.ttft_nanos.fetch_add(nanos, Ordering::Relaxed);
+        self.ttft_count.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -103,6 +130,25 @@ pub(super) fn render(
         "Count of successfully processed requests.",
         c(&counters.requests_finished),
     );
+    let name = "vllm:time_to_first_token_seconds";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Histogram of time to first token in seconds."
+    );
+    let _ = writeln!(out, "# TYPE {name} histogram");
+    let mut below = 0;
+    for (bound, n) in TTFT_BUCKETS.iter().zip(&counters.ttft_buckets) {
+        below += n.load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{labels},le=\"{bound:?}\"}} {below:?}.0"
+        );
+    }
+    let count = counters.ttft_count.load(Ordering::Relaxed);
+    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count:?}.0");
+    let sum = counters.ttft_nanos.load(Ordering::Relaxed) as f64 / 1e9;
+    let _ = writeln!(out, "{name}_sum{{{labels}}} {sum:?}");
+    let _ = writeln!(out, "{name}_count{{{labels}}} {count:?}.0");
     let _ = writeln!(
         out,
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
@@ -114,4 +160,53 @@ pub(super) fn render(
         u64::from(cache.num_blocks) + 1,
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(text: &str, series: &str) -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+    }
+
+    #[test]
+    fn time_to_first_token_is_vllms_cumulative_histogram() {
+        let counters = Counters::default();
+        counters.first_token(Duration::from_millis(3));
+        counters.first_token(Duration::from_millis(50));
+        counters.first_token(Duration::from_secs(3000));
+        let cache = CacheShape {
+            block_size: 16,
+            num_blocks: 100,
+        };
+        let text = render("m", &WorkerLoadReport::default(), &counters, &cache);
+        let series = |le: &str| {
+            format!(
+                "vllm:time_to_first_token_seconds_bucket{{engine=\"0\",model_name=\"m\",le=\"{le}\"}}"
+            )
+        };
+        assert_eq!(sample(&text, &series("0.001")), 0.0);
+        assert_eq!(sample(&text, &series("0.005")), 1.0);
+        assert_eq!(sample(&text, &series("0.04")), 1.0);
+        assert_eq!(sample(&text, &series("0.06")), 2.0);
+        assert_eq!(sample(&text, &series("2560.0")), 2.0);
+        assert_eq!(sample(&text, &series("+Inf")), 3.0);
+        let labels = "{engine=\"0\",model_name=\"m\"}";
+        assert_eq!(
+            sample(
+                &text,
+                &format!("vllm:time_to_first_token_seconds_count{labels}")
+            ),
+            3.0
+        );
+        let sum = sample(
+            &text,
+            &format!("vllm:time_to_first_token_seconds_sum{labels}"),
+        );
+        assert!((sum - 3000.053).abs() < 1e-6, "{sum}");
+        assert!(text.contains("# TYPE vllm:time_to_first_token_seconds histogram"));
+    }
 }

@@ -256,6 +256,16 @@ async fn engine_sim_speaks_vllms_http_shapes_and_metrics() {
     assert!((0.0..=1.0).contains(&usage), "{usage}");
     assert!(vllm_sample(&metrics, "vllm:prefix_cache_queries_total") > 0.0);
     assert!(vllm_sample(&metrics, "vllm:prefix_cache_hits_total") > 0.0);
+    // Every request above that produced a token counted its time to first token.
+    let ttft_count = vllm_sample(&metrics, "vllm:time_to_first_token_seconds_count");
+    assert_eq!(ttft_count, 5.0, "five requests made tokens");
+    assert!(vllm_sample(&metrics, "vllm:time_to_first_token_seconds_sum") > 0.0);
+    assert!(
+        metrics.contains(&format!(
+            "vllm:time_to_first_token_seconds_bucket{{engine=\"0\",model_name=\"{MODEL}\",le=\"+Inf\"}} {ttft_count:?}"
+        )),
+        "{metrics}"
+    );
     assert!(
         metrics.contains("vllm:cache_config_info{block_size=\"16\""),
         "{metrics}"
