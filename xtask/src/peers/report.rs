@@ -293,6 +293,15 @@ pub(super) fn check_quick(results: &Results) -> Result<()> {
                             .map(|e| format!(" (first error: {})", first_line(e)))
                             .unwrap_or_default()
                     ));
+                } else if run.figures.ceiling.is_some() && run.figures.engine_ttft_mean_ms.is_none()
+                {
+                    // A trace run (the only kind with a ceiling) is on the simulated fleet, whose
+                    // engines publish vLLM's time-to-first-token histogram.
+                    problems.push(format!(
+                        "{} on {engines} engines, {workload}: the engines' metrics gave no \
+                         vllm:time_to_first_token_seconds",
+                        config.label()
+                    ));
                 } else if config.is_kvroute() && run.tokenizing_s_per_1k.is_none() {
                     // Every prompt the bench sends is text, so kvroute tokenized each one.
                     problems.push(format!(

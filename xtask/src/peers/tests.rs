@@ -206,8 +206,15 @@ fn figures_count_errors_and_weigh_hit_rates_by_tokens() {
     assert_eq!(f.first_error.as_deref(), Some("HTTP 503"));
     assert_eq!(f.hit_rate_usage, Some(90.0 / 400.0));
     assert_eq!(f.ttft_p50_ms, Some(10.0));
-    assert_eq!(f.ttft_mean_ms, Some(20.0), "the mean of the served requests' 10 and 30 ms");
-    assert_eq!(f.engine_ttft_mean_ms, None, "read from the engines, not the samples");
+    assert_eq!(
+        f.ttft_mean_ms,
+        Some(20.0),
+        "the mean of the served requests' 10 and 30 ms"
+    );
+    assert_eq!(
+        f.engine_ttft_mean_ms, None,
+        "read from the engines, not the samples"
+    );
     assert_eq!(f.ttft_p99_ms, Some(30.0));
     assert_eq!(f.e2e_p99_ms, Some(60.0));
     assert_eq!(f.output_tokens_per_s, 10.0);
@@ -580,6 +587,17 @@ fn the_quick_check_wants_every_request_served_and_kvroute_tokenizing_timed_with_
         e.to_string().contains("no forgone_cached_tokens_total"),
         "{e}"
     );
+    // On the simulated fleet (a trace run, with a ceiling) the engines' own TTFT is wanted too.
+    let mut traced = run(Some(0.4));
+    traced.figures.ceiling = Some(0.5);
+    let e = check_quick(&results(Config::SmgCacheAware, traced.clone())).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("no vllm:time_to_first_token_seconds"),
+        "{e}"
+    );
+    traced.figures.engine_ttft_mean_ms = Some(2.5);
+    assert!(check_quick(&results(Config::SmgCacheAware, traced)).is_ok());
     let mut slow = run(Some(0.4));
     slow.encoder = Some("tokenizers".to_owned());
     let e = check_quick(&results(Config::Kvroute, slow)).unwrap_err();
