@@ -280,7 +280,10 @@ impl StreamParser for Parser {
         match event {
             SseEvent::Error(raw) => Parsed::Failed(stream_error(self.flavor.name(), &raw)),
             SseEvent::Data(data) if data.trim() == "[DONE]" => Parsed::Done,
-            SseEvent::Data(data) => match serde_json::from_str::<Chunk>(&data) {
+            SseEvent::Data(mut data) => match serde_json::from_str::<Chunk>({
+                skip_prompt_token_ids(&mut data);
+                &data
+            }) {
                 Ok(chunk) => self.chunk(chunk),
                 Err(e) => self.malformed(&format!(
                     "{e}; expected a completions chunk, got {}",
@@ -288,6 +291,54 @@ impl StreamParser for Parser {
                 )),
             },
         }
+    }
+}
+
+/// vLLM echoes the prompt's token ids (`prompt_token_ids`, which comes with `return_token_ids`)
+/// in a stream's first chunk and in a whole response: as many numbers as the prompt has tokens,
+/// which nothing here reads. serde skips them a byte at a time (4% of `kvroute serve`'s CPU with
+/// prompts of 13,000 tokens); this finds the array's end with `memchr` instead and puts `null`
+/// in its place. Only an array of plain numbers (digits, commas, white space) is replaced; any
+/// other value is left for the parser, which reads or refuses it as before. A JSON string
+/// cannot hold an unescaped `"`, so the quoted key found is a key, never text.
+pub(super) fn skip_prompt_token_ids(data: &mut String) {
+    const KEY: &[u8] = b"\"prompt_token_ids\"";
+    let bytes = data.as_bytes();
+    let Some(at) = memchr::memmem::find(bytes, KEY) else {
+        return;
+    };
+    let mut i = at + KEY.len();
+    let skip_space = |mut i: usize| {
+        while bytes.get(i).is_some_and(u8::is_ascii_whitespace) {
+            i += 1;
+        }
+        i
+    };
+    i = skip_space(i);
+    if bytes.get(i) != Some(&b':') {
+        return;
+    }
+    i = skip_space(i + 1);
+    if bytes.get(i) != Some(&b'[') {
+        return;
+    }
+    let open = i;
+    let Some(close) = memchr::memchr(b']', &bytes[open..]).map(|n| open + n) else {
+        return;
+    };
+    // Branch-free per byte, so that it vectorizes; one verdict per 64 bytes.
+    let plain = bytes[open + 1..close].chunks(64).all(|chunk| {
+        chunk.iter().fold(true, |ok, &b| {
+            ok & (b.is_ascii_digit()
+                | (b == b',')
+                | (b == b' ')
+                | (b == b'\n')
+                | (b == b'\r')
+                | (b == b'\t'))
+        })
+    });
+    if plain {
+        data.replace_range(open..=close, "null");
     }
 }
 

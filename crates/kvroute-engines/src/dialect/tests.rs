@@ -439,6 +439,63 @@ fn completions_chunks() {
 }
 
 #[test]
+fn the_echoed_prompt_ids_are_cut_out_before_parsing_and_nothing_else_is() {
+    use super::completions::skip_prompt_token_ids;
+    let cut = |s: &str| {
+        let mut s = s.to_owned();
+        skip_prompt_token_ids(&mut s);
+        s
+    };
+    // vLLM's own spacing and a pretty-printed one: the array becomes `null`, all else stays.
+    assert_eq!(
+        cut(r#"{"choices":[{"text":"a","prompt_token_ids":[1,22,333],"token_ids":[4]}]}"#),
+        r#"{"choices":[{"text":"a","prompt_token_ids":null,"token_ids":[4]}]}"#
+    );
+    assert_eq!(
+        cut("{\"prompt_token_ids\" :\n [ 1,\n\t2 ], \"x\": [5]}"),
+        "{\"prompt_token_ids\" :\n null, \"x\": [5]}"
+    );
+    assert_eq!(
+        cut(r#"{"prompt_token_ids":[]}"#),
+        r#"{"prompt_token_ids":null}"#
+    );
+    // Anything but an array of plain numbers is left for the parser to judge.
+    for untouched in [
+        r#"{"prompt_token_ids":null,"token_ids":[4]}"#,
+        r#"{"prompt_token_ids":[1,"2"],"token_ids":[4]}"#,
+        r#"{"prompt_token_ids":[1,[2]],"token_ids":[4]}"#,
+        r#"{"prompt_token_ids":[-1,2.5]}"#,
+        r#"{"prompt_token_ids":[1,2"#,
+        r#"{"prompt_token_ids""#,
+        r#"{"text":"prompt_token_ids: [1]","token_ids":[4]}"#,
+        r#"{"text":"\"prompt_token_ids\":[1]"}"#,
+    ] {
+        assert_eq!(cut(untouched), untouched);
+    }
+    // A long echo parses to exactly what the chunk without it does.
+    let r = eos_request();
+    let echo: Vec<String> = (0..20_000)
+        .map(|i| (i * 7919 % 128_000).to_string())
+        .collect();
+    let with_echo = format!(
+        r#"{{"choices":[{{"index":0,"text":" Hi","prompt_token_ids":[{}],"token_ids":[11],"finish_reason":null}}]}}"#,
+        echo.join(",")
+    );
+    let plain = r#"{"choices":[{"index":0,"text":" Hi","token_ids":[11],"finish_reason":null}]}"#;
+    let mut parser = for_kind(EngineKind::Vllm).parser(&r);
+    let expect = parser.parse(SseEvent::Data(plain.to_owned()));
+    assert!(matches!(expect, Parsed::Step(ref s) if s.token_ids == [11]));
+    assert_eq!(parser.parse(SseEvent::Data(with_echo)), expect);
+    // A chunk that is not JSON is refused whether or not it holds the key.
+    assert!(matches!(
+        parser.parse(SseEvent::Data(
+            r#"{"prompt_token_ids":[1,2],"choices":"#.to_owned()
+        )),
+        Parsed::Failed(Failure::Malformed(_))
+    ));
+}
+
+#[test]
 fn completions_errors_are_sorted_by_code() {
     let r = eos_request();
     check_parse(
