@@ -312,6 +312,7 @@ impl NatsEventPlane {
                             yield Message {
                                 subject: subject.clone(),
                                 payload: message.payload.clone(),
+                                event: None,
                                 sequence,
                             };
                         }
@@ -341,6 +342,7 @@ impl NatsEventPlane {
             subject: message.subject.as_str()[prefix_len..].into(),
             payload: message.payload,
             sequence: None,
+            event: None,
         })))
     }
 }

@@ -11,8 +11,7 @@ use futures::StreamExt;
 use kvroute_indexer::EventGap;
 use kvroute_protocols::WorkerId;
 use kvroute_runtime::{
-    DiscoveryEvent, InstanceInfo, InstanceSet, KV_EVENT_BASE_METADATA, Subscription,
-    decode_router_event, diff_instances,
+    DiscoveryEvent, InstanceInfo, InstanceSet, KV_EVENT_BASE_METADATA, Subscription, diff_instances,
 };
 use kvroute_scheduler::WorkerSpec;
 use tokio::sync::watch;
@@ -59,7 +58,7 @@ pub(crate) async fn snapshot_loop(inner: Arc<Inner>) {
 /// Applies the KV events of the event plane, repairing the gaps it finds.
 pub(crate) async fn event_loop(inner: Arc<Inner>, mut subscription: Subscription) {
     while let Some(message) = subscription.next().await {
-        let event = match decode_router_event(&message.payload) {
+        let event = match message.router_event() {
             Ok(event) => event,
             Err(error) => {
                 tracing::warn!(%error, "undecodable KV event");

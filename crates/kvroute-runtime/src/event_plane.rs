@@ -25,6 +25,22 @@ pub struct Message {
     /// Where the message sits in the plane's durable history (the JetStream stream sequence of
     /// a KV event), for planes that keep one ([`EventPlane::subscribe_after`]); `None` otherwise.
     pub sequence: Option<u64>,
+    /// A KV event handed over as it is, where publisher and subscriber share this process's
+    /// memory ([`EventPlane::publish_router_event`] on the [`InProcessEventPlane`]); `payload` is
+    /// then empty. Read KV events with [`Message::router_event`], which takes this or decodes the
+    /// payload.
+    pub event: Option<Arc<RouterEvent>>,
+}
+
+impl Message {
+    /// The KV event this message carries: the one handed over in memory, or its payload
+    /// decoded ([`decode_router_event`]).
+    pub fn router_event(&self) -> Result<RouterEvent, serde_json::Error> {
+        match &self.event {
+            Some(event) => Ok(RouterEvent::clone(event)),
+            None => decode_router_event(&self.payload),
+        }
+    }
 }
 
 /// The messages matching one subscription, in publish order, until the plane is dropped.
@@ -65,6 +81,19 @@ pub trait EventPlane: Send + Sync + 'static {
         subject: &'a str,
         payload: Bytes,
     ) -> BoxFuture<'a, Result<(), EventPlaneError>>;
+
+    /// Publishes a KV event on [`KV_EVENT_SUBJECT`](crate::KV_EVENT_SUBJECT): encoded
+    /// ([`encode_router_event`]) unless the plane can hand it over in memory, as the
+    /// [`InProcessEventPlane`] does (its subscribers skip a JSON round trip per event).
+    fn publish_router_event(
+        &self,
+        event: RouterEvent,
+    ) -> BoxFuture<'_, Result<(), EventPlaneError>> {
+        Box::pin(async move {
+            self.publish(crate::KV_EVENT_SUBJECT, encode_router_event(&event))
+                .await
+        })
+    }
 
     /// Subscribes to every subject matching `pattern`.
     fn subscribe<'a>(
@@ -167,7 +196,12 @@ impl InProcessEventPlane {
         }
     }
 
-    fn publish_now(&self, subject: &str, payload: Bytes) -> Result<(), EventPlaneError> {
+    fn publish_now(
+        &self,
+        subject: &str,
+        payload: Bytes,
+        event: Option<Arc<RouterEvent>>,
+    ) -> Result<(), EventPlaneError> {
         let tokens = tokens(subject, false)?;
         let subject: Arc<str> = subject.into();
         let mut subscribers = self.subscribers.lock();
@@ -178,6 +212,7 @@ impl InProcessEventPlane {
                     subject: subject.clone(),
                     payload: payload.clone(),
                     sequence: None,
+                    event: event.clone(),
                 });
             }
         }
@@ -214,7 +249,15 @@ impl EventPlane for InProcessEventPlane {
         subject: &'a str,
         payload: Bytes,
     ) -> BoxFuture<'a, Result<(), EventPlaneError>> {
-        let result = self.publish_now(subject, payload);
+        let result = self.publish_now(subject, payload, None);
+        Box::pin(async move { result })
+    }
+
+    fn publish_router_event(
+        &self,
+        event: RouterEvent,
+    ) -> BoxFuture<'_, Result<(), EventPlaneError>> {
+        let result = self.publish_now(crate::KV_EVENT_SUBJECT, Bytes::new(), Some(Arc::new(event)));
         Box::pin(async move { result })
     }
 

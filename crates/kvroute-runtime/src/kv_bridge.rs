@@ -24,8 +24,7 @@ use tokio::task::JoinHandle;
 use crate::client::{Client, ClientConfig};
 use crate::discovery::{DiscoveryEvent, InstanceInfo, InstanceSet, diff_instances};
 use crate::error::RequestError;
-use crate::event_plane::{EventPlane, encode_router_event};
-use crate::kv_publisher::KV_EVENT_SUBJECT;
+use crate::event_plane::EventPlane;
 use crate::load_reporter::{LOAD_REPORT_SUBJECT, LOAD_REPORTS_METADATA, encode_load_report};
 
 /// The instance metadata key whose value `"false"` says the worker publishes no KV events (the
@@ -206,10 +205,7 @@ async fn stream_once(
         let event = event?;
         *next = Some(event.event.event_id + 1);
         let now = std::time::Instant::now();
-        match plane
-            .publish(KV_EVENT_SUBJECT, encode_router_event(&event))
-            .await
-        {
+        match plane.publish_router_event(event).await {
             Ok(()) => {
                 if let Some(more) = throttle.flush(now) {
                     tracing::warn!(worker = info.id, "the event plane refused KV events{more}");

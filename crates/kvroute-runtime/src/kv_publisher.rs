@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, mpsc};
 
-use crate::event_plane::{EventPlane, encode_router_event};
+use crate::event_plane::EventPlane;
 
 mod blocks;
 
@@ -188,8 +188,7 @@ impl KvEventPublisher {
             // While the broker is down every event fails: one line per window says so.
             let throttle = crate::WarnThrottle::default();
             while let Some(event) = rx.recv().await {
-                let payload = encode_router_event(&event);
-                match plane.publish(KV_EVENT_SUBJECT, payload).await {
+                match plane.publish_router_event(event).await {
                     Ok(()) => {
                         if let Some(more) = throttle.flush(std::time::Instant::now()) {
                             tracing::warn!("dropped KV events the event plane refused{more}");

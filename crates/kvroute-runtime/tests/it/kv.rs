@@ -11,7 +11,7 @@ use kvroute_protocols::kv_events::{
 };
 use kvroute_runtime::{
     EventPlane, InProcessEventPlane, KV_EVENT_SUBJECT, KvEventPublisher, RequestError,
-    WorkerServerConfig, decode_router_event,
+    WorkerServerConfig,
 };
 
 use crate::support::{TestEngine, bounded, connect, start_worker_with};
@@ -121,7 +121,7 @@ async fn a_late_router_rebuilds_from_the_dump_and_fills_a_gap_from_the_ring() {
         let message = bounded("the next event", events.next())
             .await
             .expect("subscription open");
-        let event = decode_router_event(&message.payload).unwrap();
+        let event = message.router_event().unwrap();
         if (22..=24).contains(&event.event.event_id) {
             lost += 1;
             continue;

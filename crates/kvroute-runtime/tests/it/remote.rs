@@ -10,7 +10,7 @@ use kvroute_protocols::kv_events::{KvCacheEventData, RouterEvent};
 use kvroute_runtime::{
     Discovery, EventPlane, InProcessDiscovery, InProcessEventPlane, InstanceInfo, InstanceSet,
     KV_EVENT_SUBJECT, KvEventBridge, KvEventBridgeConfig, KvEventPublisher, RegistryServer,
-    RemoteDiscovery, RemoteDiscoveryConfig, RequestError, WorkerServerConfig, decode_router_event,
+    RemoteDiscovery, RemoteDiscoveryConfig, RequestError, WorkerServerConfig,
 };
 use tokio::sync::watch;
 
@@ -90,7 +90,7 @@ async fn the_bridge_forwards_every_listed_workers_events_and_resumes_after_recon
         loop {
             publisher.publish(0, KvCacheEventData::Cleared);
             tokio::select! {
-                m = events.next() => return decode_router_event(&m.unwrap().payload).unwrap(),
+                m = events.next() => return m.unwrap().router_event().unwrap(),
                 () = tokio::time::sleep(Duration::from_millis(20)) => {}
             }
         }
@@ -105,10 +105,7 @@ async fn the_bridge_forwards_every_listed_workers_events_and_resumes_after_recon
         .event_id;
     while expected <= last {
         let m = bounded("a forwarded event", events.next()).await.unwrap();
-        assert_eq!(
-            decode_router_event(&m.payload).unwrap().event.event_id,
-            expected
-        );
+        assert_eq!(m.router_event().unwrap().event.event_id, expected);
         expected += 1;
     }
 

@@ -166,8 +166,8 @@ pub(super) async fn start(
     Ok((zmq, store))
 }
 
-/// An event plane that hands the engine's events, in order, to the feed task.
-struct Sink(mpsc::UnboundedSender<Bytes>);
+/// An event plane that hands the engine's events, in order and as they are, to the feed task.
+struct Sink(mpsc::UnboundedSender<RouterEvent>);
 
 impl EventPlane for Sink {
     fn publish<'a>(
@@ -175,7 +175,24 @@ impl EventPlane for Sink {
         _subject: &'a str,
         payload: Bytes,
     ) -> BoxFuture<'a, Result<(), EventPlaneError>> {
-        let _ = self.0.send(payload);
+        // The publisher sends only KV events, through `publish_router_event`.
+        let result = match decode_router_event(&payload) {
+            Ok(event) => {
+                let _ = self.0.send(event);
+                Ok(())
+            }
+            Err(_) => Err(EventPlaneError::Unsupported {
+                what: "publishing anything but KV events to the simulated engine's event sink",
+            }),
+        };
+        Box::pin(async move { result })
+    }
+
+    fn publish_router_event(
+        &self,
+        event: RouterEvent,
+    ) -> BoxFuture<'_, Result<(), EventPlaneError>> {
+        let _ = self.0.send(event);
         Box::pin(async { Ok(()) })
     }
 
@@ -193,22 +210,19 @@ impl EventPlane for Sink {
 
 /// Translates the engine's events into vLLM batches: what arrived together goes out together.
 async fn feed(
-    mut rx: mpsc::UnboundedReceiver<Bytes>,
+    mut rx: mpsc::UnboundedReceiver<RouterEvent>,
     store: Arc<BlockTokens>,
     zmq: Arc<VllmKvPublisher>,
     block_size: u32,
 ) {
     while let Some(first) = rx.recv().await {
-        let mut payloads = vec![first];
+        let mut arrived = vec![first];
         while let Ok(more) = rx.try_recv() {
-            payloads.push(more);
+            arrived.push(more);
         }
-        let mut events = Vec::with_capacity(payloads.len());
-        for payload in payloads {
-            match decode_router_event(&payload) {
-                Ok(event) => translate(&store, event, block_size, &mut events).await,
-                Err(error) => tracing::warn!(%error, "skipping an undecodable engine event"),
-            }
+        let mut events = Vec::with_capacity(arrived.len());
+        for event in arrived {
+            translate(&store, event, block_size, &mut events).await;
         }
         if events.is_empty() {
             continue;
