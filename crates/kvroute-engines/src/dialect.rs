@@ -60,10 +60,17 @@ pub(crate) struct Built {
 }
 
 impl Built {
-    fn json(body: &impl serde::Serialize) -> Result<Self, EngineError> {
-        let body = serde_json::to_vec(body).map_err(|e| EngineError::Rejected {
+    /// `request`'s body: sized up front for its prompt's ids (up to six digits and a comma
+    /// each), so that a long prompt is written once instead of copied on every doubling.
+    fn json(
+        body: &impl serde::Serialize,
+        request: &PreprocessedRequest,
+    ) -> Result<Self, EngineError> {
+        let mut out = Vec::with_capacity(request.token_ids.len() * 7 + 1024);
+        serde_json::to_writer(&mut out, body).map_err(|e| EngineError::Rejected {
             message: format!("cannot encode the engine request: {e}"),
         })?;
+        let body = out;
         Ok(Self {
             body,
             headers: Vec::new(),

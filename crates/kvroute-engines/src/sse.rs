@@ -78,10 +78,7 @@ impl SseDecoder {
     pub(crate) fn next_event(&mut self) -> Option<Result<SseEvent, SseError>> {
         loop {
             let rest = &self.buf[self.pos..];
-            let Some(nl) = rest[self.scanned..]
-                .iter()
-                .position(|&b| b == b'\n')
-                .map(|at| self.scanned + at)
+            let Some(nl) = memchr::memchr(b'\n', &rest[self.scanned..]).map(|at| self.scanned + at)
             else {
                 if rest.len() > MAX_EVENT_BYTES {
                     return Some(Err(SseError::TooLong));

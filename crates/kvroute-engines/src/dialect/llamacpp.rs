@@ -78,26 +78,29 @@ impl Dialect for Llamacpp {
     ) -> Result<Built, EngineError> {
         let stop = &request.stop_conditions;
         let sampling = &request.sampling_options;
-        Built::json(&Body {
-            model: Some(target.model).filter(|m| !m.is_empty()),
-            prompt: &request.token_ids,
-            n_predict: target.max_tokens,
-            stream: true,
-            return_tokens: true,
-            cache_prompt: true,
-            temperature: sampling.temperature,
-            top_p: sampling.top_p,
-            top_k: sampling.top_k,
-            min_p: sampling.min_p,
-            seed: sampling.seed,
-            stop: stop.stop.as_deref().filter(|s| !s.is_empty()),
-            ignore_eos: stop.ignore_eos,
-            repeat_penalty: sampling.repetition_penalty,
-            presence_penalty: sampling.presence_penalty,
-            frequency_penalty: sampling.frequency_penalty,
-            // OpenAI's `logprobs: 0` still asks for the sampled token's log probability.
-            n_probs: request.output_options.logprobs.map(|n| n.max(1)),
-        })
+        Built::json(
+            &Body {
+                model: Some(target.model).filter(|m| !m.is_empty()),
+                prompt: &request.token_ids,
+                n_predict: target.max_tokens,
+                stream: true,
+                return_tokens: true,
+                cache_prompt: true,
+                temperature: sampling.temperature,
+                top_p: sampling.top_p,
+                top_k: sampling.top_k,
+                min_p: sampling.min_p,
+                seed: sampling.seed,
+                stop: stop.stop.as_deref().filter(|s| !s.is_empty()),
+                ignore_eos: stop.ignore_eos,
+                repeat_penalty: sampling.repetition_penalty,
+                presence_penalty: sampling.presence_penalty,
+                frequency_penalty: sampling.frequency_penalty,
+                // OpenAI's `logprobs: 0` still asks for the sampled token's log probability.
+                n_probs: request.output_options.logprobs.map(|n| n.max(1)),
+            },
+            request,
+        )
     }
 
     fn parser(&self, request: &PreprocessedRequest) -> Box<dyn StreamParser> {

@@ -31,7 +31,7 @@ impl Dialect for Openai {
         request: &PreprocessedRequest,
         target: &Target<'_>,
     ) -> Result<Built, EngineError> {
-        Built::json(&Body::new(Flavor::Openai, request, target))
+        Built::json(&Body::new(Flavor::Openai, request, target), request)
     }
 
     fn parser(&self, request: &PreprocessedRequest) -> Box<dyn StreamParser> {

@@ -109,38 +109,41 @@ impl Dialect for Sglang {
         let sampling = &request.sampling_options;
         let logprobs = request.output_options.logprobs;
         let bootstrap = request.bootstrap_info.as_ref();
-        Built::json(&Body {
-            input_ids: &request.token_ids,
-            sampling_params: SamplingParams {
-                max_new_tokens: target.max_tokens,
-                min_new_tokens: stop.min_tokens,
-                stop: stop.stop.as_deref().filter(|s| !s.is_empty()),
-                stop_token_ids: stop_token_ids(request),
-                ignore_eos: stop.ignore_eos,
-                no_stop_trim: sampling.include_stop_str_in_output,
-                temperature: sampling.temperature,
-                top_p: sampling.top_p,
-                top_k: sampling.top_k,
-                min_p: sampling.min_p,
-                frequency_penalty: sampling.frequency_penalty,
-                presence_penalty: sampling.presence_penalty,
-                repetition_penalty: sampling.repetition_penalty,
-                sampling_seed: sampling.seed,
-                skip_special_tokens: request.output_options.skip_special_tokens,
+        Built::json(
+            &Body {
+                input_ids: &request.token_ids,
+                sampling_params: SamplingParams {
+                    max_new_tokens: target.max_tokens,
+                    min_new_tokens: stop.min_tokens,
+                    stop: stop.stop.as_deref().filter(|s| !s.is_empty()),
+                    stop_token_ids: stop_token_ids(request),
+                    ignore_eos: stop.ignore_eos,
+                    no_stop_trim: sampling.include_stop_str_in_output,
+                    temperature: sampling.temperature,
+                    top_p: sampling.top_p,
+                    top_k: sampling.top_k,
+                    min_p: sampling.min_p,
+                    frequency_penalty: sampling.frequency_penalty,
+                    presence_penalty: sampling.presence_penalty,
+                    repetition_penalty: sampling.repetition_penalty,
+                    sampling_seed: sampling.seed,
+                    skip_special_tokens: request.output_options.skip_special_tokens,
+                },
+                stream: true,
+                return_logprob: logprobs.map(|_| true),
+                top_logprobs_num: logprobs.filter(|&n| n > 0),
+                routed_dp_rank: request
+                    .routing
+                    .as_ref()
+                    .and_then(|r| r.dp_rank)
+                    .filter(|&r| r != u32::MAX),
+                cache_salt: request.cache_salt(),
+                bootstrap_host: bootstrap.map(|b| b.bootstrap_host.as_str()),
+                bootstrap_port: bootstrap.map(|b| b.bootstrap_port),
+                bootstrap_room: bootstrap.map(|b| b.bootstrap_room),
             },
-            stream: true,
-            return_logprob: logprobs.map(|_| true),
-            top_logprobs_num: logprobs.filter(|&n| n > 0),
-            routed_dp_rank: request
-                .routing
-                .as_ref()
-                .and_then(|r| r.dp_rank)
-                .filter(|&r| r != u32::MAX),
-            cache_salt: request.cache_salt(),
-            bootstrap_host: bootstrap.map(|b| b.bootstrap_host.as_str()),
-            bootstrap_port: bootstrap.map(|b| b.bootstrap_port),
-            bootstrap_room: bootstrap.map(|b| b.bootstrap_room),
-        })
+            request,
+        )
     }
 
     fn parser(&self, request: &PreprocessedRequest) -> Box<dyn StreamParser> {

@@ -51,7 +51,7 @@ impl Dialect for Trtllm {
             }
             WorkerRole::Aggregated => false,
         };
-        let mut built = Built::json(&body)?;
+        let mut built = Built::json(&body, request)?;
         built.whole = whole;
         Ok(built)
     }
