@@ -148,6 +148,13 @@ pub(crate) struct Args {
     /// measure how each router shares its cores with the fleet's bursts.
     #[arg(long)]
     pin: bool,
+    /// A kvroute binary to compare against, say the release build of the commit before a
+    /// change, copied aside: both kvroute configurations run from it too (`kvroute-base`,
+    /// `kvroute-approx-base`, added to --routers), in the same rounds, so that the change is
+    /// measured within one run; between separate runs this machine's drift is larger than
+    /// most changes.
+    #[arg(long, value_name = "PATH")]
+    baseline: Option<PathBuf>,
 }
 
 /// One row of the table: a workload on the simulated fleet, or the chats on llama.cpp with one
@@ -186,8 +193,38 @@ impl Args {
             EngineKind::Sim => parsed.sim_defaults()?,
             EngineKind::Llamacpp => parsed.llamacpp_defaults()?,
         }
+        parsed.add_baseline()?;
         parsed.check()?;
         Ok(parsed)
+    }
+
+    /// With `--baseline`, the baseline twin of each kvroute configuration chosen; without it,
+    /// none may be chosen.
+    fn add_baseline(&mut self) -> Result<()> {
+        let Some(path) = &self.baseline else {
+            if let Some(bad) = self.routers.iter().find(|c| c.is_baseline()) {
+                bail!(
+                    "`{}` runs the --baseline binary: give --baseline PATH",
+                    bad.label()
+                );
+            }
+            return Ok(());
+        };
+        if !path.is_file() {
+            bail!(
+                "--baseline {} is not a file; expected a kvroute binary",
+                path.display()
+            );
+        }
+        for (config, base) in [
+            (Config::Kvroute, Config::KvrouteBase),
+            (Config::KvrouteApprox, Config::KvrouteApproxBase),
+        ] {
+            if self.routers.contains(&config) && !self.routers.contains(&base) {
+                self.routers.push(base);
+            }
+        }
+        Ok(())
     }
 
     fn sim_defaults(&mut self) -> Result<()> {
@@ -371,6 +408,7 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
     let scratch = TempDir::new("kvroute-bench-peers")?;
     let mut binaries = Binaries {
         kvroute,
+        baseline: args.baseline.clone(),
         smg: bin_dir.join("smg"),
         vllm_router: bin_dir.join("vllm-router"),
         tokenizer: PathBuf::new(),

@@ -39,6 +39,10 @@ pub(crate) enum Config {
     VllmCacheAwareText,
     /// SGLang's Shepherd Model Gateway, `--policy round_robin`: the baseline.
     RoundRobin,
+    /// [`Config::Kvroute`] run from the `--baseline` binary (an earlier build).
+    KvrouteBase,
+    /// [`Config::KvrouteApprox`] run from the `--baseline` binary.
+    KvrouteApproxBase,
 }
 
 impl Config {
@@ -65,7 +69,10 @@ impl Config {
 
     /// Whether it reads the engines' KV events.
     pub(crate) fn uses_events(self) -> bool {
-        matches!(self, Config::Kvroute | Config::VllmKvAware)
+        matches!(
+            self,
+            Config::Kvroute | Config::KvrouteBase | Config::VllmKvAware
+        )
     }
 
     /// The column header.
@@ -79,18 +86,33 @@ impl Config {
             Config::VllmCacheAware => "vLLM router cache_aware",
             Config::VllmCacheAwareText => "vLLM router cache_aware (text)",
             Config::RoundRobin => "round-robin (SMG)",
+            Config::KvrouteBase => "kvroute (events, base)",
+            Config::KvrouteApproxBase => "kvroute (approx., base)",
         }
     }
 
-    /// `kvroute serve`, with the engines' events or without.
+    /// `kvroute serve`, with the engines' events or without, from either binary.
     pub(crate) fn is_kvroute(self) -> bool {
-        matches!(self, Config::Kvroute | Config::KvrouteApprox)
+        matches!(
+            self,
+            Config::Kvroute
+                | Config::KvrouteApprox
+                | Config::KvrouteBase
+                | Config::KvrouteApproxBase
+        )
+    }
+
+    /// Run from the `--baseline` binary.
+    pub(crate) fn is_baseline(self) -> bool {
+        matches!(self, Config::KvrouteBase | Config::KvrouteApproxBase)
     }
 }
 
 /// What the routers are started from.
 pub(crate) struct Binaries {
     pub(crate) kvroute: PathBuf,
+    /// The `--baseline` build of kvroute, if one was given.
+    pub(crate) baseline: Option<PathBuf>,
     pub(crate) smg: PathBuf,
     pub(crate) vllm_router: PathBuf,
     /// The model's tokenizer file (kvroute reads it; the peers route on text).
@@ -147,14 +169,19 @@ pub(crate) async fn start(
         let fleet = scratch.join(format!("fleet-{}.toml", std::process::id()));
         std::fs::write(
             &fleet,
-            fleet_file(engines, config == Config::Kvroute, bin.dialect),
+            fleet_file(engines, config.uses_events(), bin.dialect),
         )
         .with_context(|| format!("writing {}", fleet.display()))?;
         let mut model = format!("{MODEL},tokenizer={}", bin.tokenizer.display());
         if let Some(template) = &bin.chat_template {
             let _ = write!(model, ",chat_template={}", template.display());
         }
-        let mut cmd = bin.router_command(&bin.kvroute);
+        let program = match (config.is_baseline(), &bin.baseline) {
+            (false, _) => &bin.kvroute,
+            (true, Some(baseline)) => baseline,
+            (true, None) => bail!("{} needs --baseline", config.label()),
+        };
+        let mut cmd = bin.router_command(program);
         cmd.args(["serve", "--listen", "127.0.0.1:0"])
             .arg("--fleet")
             .arg(&fleet)
@@ -162,7 +189,7 @@ pub(crate) async fn start(
             .arg(model)
             .args(["--block-size", &BLOCK_SIZE.to_string()])
             .env("RUST_LOG", args.kvroute_log.as_deref().unwrap_or("warn"));
-        if config == Config::KvrouteApprox {
+        if matches!(config, Config::KvrouteApprox | Config::KvrouteApproxBase) {
             cmd.args(["--kv-mode", "approximate"]);
         }
         cmd.args(&args.kvroute_args);

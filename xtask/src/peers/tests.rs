@@ -42,6 +42,7 @@ fn a_pinned_router_starts_under_taskset_on_its_core() {
     assert!(args(&["--pin"]).expect("valid").pin);
     let mut bin = routers::Binaries {
         kvroute: PathBuf::from("/bin/kvroute"),
+        baseline: None,
         smg: PathBuf::from("/venv/bin/smg"),
         vllm_router: PathBuf::new(),
         tokenizer: PathBuf::new(),
@@ -69,6 +70,44 @@ fn bad_arguments_name_the_flag_and_the_range() {
     assert!(e.contains("--speedup must be 1 to 1000, got 0"), "{e}");
     let e = args(&["--routers", "kvroute,smg-cache-aware"]).expect("valid");
     assert_eq!(e.routers, vec![Config::Kvroute, Config::SmgCacheAware]);
+}
+
+#[test]
+fn a_baseline_binary_adds_the_twin_of_each_kvroute_configuration() {
+    let e = args(&["--routers", "kvroute-base"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("give --baseline PATH"), "{e}");
+    let e = args(&["--baseline", "/no/such/kvroute"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--baseline /no/such/kvroute is not a file"),
+        "{e}"
+    );
+    let file = std::env::current_exe().expect("the test binary");
+    let file = file.to_str().expect("a UTF-8 path");
+    let a = args(&[
+        "--routers",
+        "kvroute-approx,smg-cache-aware",
+        "--baseline",
+        file,
+    ])
+    .unwrap();
+    assert_eq!(
+        a.routers,
+        vec![
+            Config::KvrouteApprox,
+            Config::SmgCacheAware,
+            Config::KvrouteApproxBase
+        ]
+    );
+    assert!(Config::KvrouteBase.uses_events() && Config::KvrouteBase.is_kvroute());
+    assert!(!Config::KvrouteApproxBase.uses_events() && Config::KvrouteApproxBase.is_baseline());
+    // Against llama.cpp only the approximate twin, and the events one is refused as its model is.
+    let a = args(&["--engine", "llamacpp", "--baseline", file]).unwrap();
+    assert!(a.routers.contains(&Config::KvrouteApproxBase));
+    assert!(!a.routers.iter().any(|c| c.uses_events()));
 }
 
 fn shape(duration: f64) -> Shape {

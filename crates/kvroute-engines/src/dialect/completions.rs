@@ -303,8 +303,11 @@ impl StreamParser for Parser {
 /// cannot hold an unescaped `"`, so the quoted key found is a key, never text.
 pub(super) fn skip_prompt_token_ids(data: &mut String) {
     const KEY: &[u8] = b"\"prompt_token_ids\"";
+    // Built once: every chunk of every stream is searched.
+    static FINDER: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(KEY));
     let bytes = data.as_bytes();
-    let Some(at) = memchr::memmem::find(bytes, KEY) else {
+    let Some(at) = FINDER.find(bytes) else {
         return;
     };
     let mut i = at + KEY.len();
