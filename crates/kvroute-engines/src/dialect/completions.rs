@@ -172,6 +172,9 @@ impl<'a> Body<'a> {
 pub(super) struct Parser {
     flavor: Flavor,
     eos_token_ids: Vec<u32>,
+    /// No data event has come yet: vLLM echoes the prompt's ids in the first one only, so the
+    /// later ones (one a token) are not searched for it.
+    echo_pending: bool,
 }
 
 impl Parser {
@@ -179,6 +182,7 @@ impl Parser {
         Self {
             flavor,
             eos_token_ids: request.eos_token_ids.clone(),
+            echo_pending: true,
         }
     }
 
@@ -281,7 +285,9 @@ impl StreamParser for Parser {
             SseEvent::Error(raw) => Parsed::Failed(stream_error(self.flavor.name(), &raw)),
             SseEvent::Data(data) if data.trim() == "[DONE]" => Parsed::Done,
             SseEvent::Data(mut data) => match serde_json::from_str::<Chunk>({
-                skip_prompt_token_ids(&mut data);
+                if std::mem::take(&mut self.echo_pending) {
+                    skip_prompt_token_ids(&mut data);
+                }
                 &data
             }) {
                 Ok(chunk) => self.chunk(chunk),

@@ -482,9 +482,11 @@ fn the_echoed_prompt_ids_are_cut_out_before_parsing_and_nothing_else_is() {
         echo.join(",")
     );
     let plain = r#"{"choices":[{"index":0,"text":" Hi","token_ids":[11],"finish_reason":null}]}"#;
-    let mut parser = for_kind(EngineKind::Vllm).parser(&r);
-    let expect = parser.parse(SseEvent::Data(plain.to_owned()));
+    let expect = for_kind(EngineKind::Vllm)
+        .parser(&r)
+        .parse(SseEvent::Data(plain.to_owned()));
     assert!(matches!(expect, Parsed::Step(ref s) if s.token_ids == [11]));
+    let mut parser = for_kind(EngineKind::Vllm).parser(&r);
     assert_eq!(parser.parse(SseEvent::Data(with_echo)), expect);
     // A chunk that is not JSON is refused whether or not it holds the key.
     assert!(matches!(
