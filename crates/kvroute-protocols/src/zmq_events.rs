@@ -16,20 +16,26 @@
 //! on the request's first block only, prompt-embedding digests; published untagged, in that
 //! order) into [`BlockExtraKeys`], and SGLang's `cache_salt` (on every event of a salted request).
 //!
-//! Decoding walks an [`rmpv::Value`] read with a depth limit; it never panics, and its memory use
-//! is bounded by a small multiple of the payload size. An event that does not decode is reported
-//! in [`EngineEventBatch::errors`] and the batch's other events are kept, so one unknown or
-//! malformed event does not cost the router the rest of the batch.
+//! Decoding walks the msgpack bytes once, directly (with `rmp`'s markers), checking as it goes
+//! that they are whole msgpack nesting at most [`MAX_DEPTH`] deep: block hashes and token ids go
+//! straight from the bytes into their vectors, strings are borrowed until kept, and no value tree
+//! is built. It never panics, and its memory use is bounded by a small multiple of the payload
+//! size: a length read from the payload is never trusted for more than the bytes left. A payload
+//! that is not msgpack fails as a whole; an event that does not decode is reported in
+//! [`EngineEventBatch::errors`] and the batch's other events are kept, so one unknown or malformed
+//! event does not cost the router the rest of the batch.
 
 use std::fmt::{self, Display};
 
-use rmpv::Value;
+use rmp::Marker;
 
 use crate::DpRank;
 use crate::ProtocolError;
 use crate::kv_events::ExternalSequenceBlockHash;
 
-/// Maximum msgpack nesting accepted in a payload (real payloads nest six levels deep).
+/// Maximum msgpack nesting accepted in a payload, counted as `rmpv` counts it: a container costs
+/// two, a scalar one, bytes two, a string three. Real payloads need 15 (a multimodal identifier,
+/// a string in a pair in a block's entry of `extra_keys` in an event in the events of the batch).
 pub const MAX_DEPTH: usize = 32;
 
 /// One decoded ZMQ message.
@@ -182,16 +188,303 @@ pub fn decode_zmq_frames(
 
 /// Decodes one payload `msgpack([ts, [events], dp_rank])`.
 pub fn decode_event_batch(payload: &[u8]) -> Result<EngineEventBatch, ProtocolError> {
-    let mut rd = payload;
-    let value = rmpv::decode::read_value_with_max_depth(&mut rd, MAX_DEPTH)
-        .map_err(|e| err(format!("payload is not msgpack: {e}")))?;
-    if !rd.is_empty() {
-        return Err(err(format!(
+    let mut rd = Cursor::new(payload);
+    match batch(&mut rd) {
+        Ok(batch) if rd.rest.is_empty() => Ok(batch),
+        Ok(_) => Err(batch_error(payload, None)),
+        Err(Failure::Malformed) => Err(batch_error(payload, None)),
+        Err(Failure::Batch(e)) => Err(batch_error(payload, Some(e))),
+    }
+}
+
+/// Which error a batch that did not decode gets: that it is not msgpack (anywhere in it), else
+/// that bytes trail it, else what was wrong with its shape. The walk stops at the first of these
+/// it meets, so the payload is checked again whole; only on this error path.
+#[cold]
+fn batch_error(payload: &[u8], shape: Option<ProtocolError>) -> ProtocolError {
+    let mut rd = Cursor::new(payload);
+    if rd.skip(MAX_DEPTH).is_err() {
+        return not_msgpack(payload);
+    }
+    if !rd.rest.is_empty() {
+        return err(format!(
             "{} trailing bytes after the msgpack batch",
-            rd.len()
+            rd.rest.len()
+        ));
+    }
+    // Not expected without a shape error: the walk fails only where the check above does.
+    shape.unwrap_or_else(|| not_msgpack(payload))
+}
+
+/// The error for a payload that is not whole msgpack (or nests too deep), with the message `rmpv`
+/// gives for the same bytes, as the decoder reported before it walked the bytes itself.
+#[cold]
+fn not_msgpack(payload: &[u8]) -> ProtocolError {
+    let mut rd = payload;
+    match rmpv::decode::read_value_with_max_depth(&mut rd, MAX_DEPTH) {
+        Err(e) => err(format!("payload is not msgpack: {e}")),
+        // Not expected: `Cursor::skip` rejects exactly what rmpv rejects.
+        Ok(_) => err(format!(
+            "payload is not msgpack: a value is cut short or nests deeper than {MAX_DEPTH}"
+        )),
+    }
+}
+
+fn err(message: String) -> ProtocolError {
+    ProtocolError::KvEvent(message)
+}
+
+/// Why the walk of a batch stopped.
+enum Failure {
+    /// The bytes are not whole msgpack.
+    Malformed,
+    /// The batch is not `[ts, [events], dp_rank]` (the rest of the payload is not read).
+    Batch(ProtocolError),
+}
+
+impl From<Malformed> for Failure {
+    fn from(_: Malformed) -> Self {
+        Failure::Malformed
+    }
+}
+
+fn batch(rd: &mut Cursor<'_>) -> Result<EngineEventBatch, Failure> {
+    let shape = |message| Failure::Batch(err(message));
+    let (head, depth) = rd.enter(MAX_DEPTH)?;
+    let Item::Array(len) = head else {
+        return Err(shape(format!(
+            "batch must be an array [ts, events, dp_rank], got {}",
+            head.kind()
+        )));
+    };
+    if len < 2 {
+        return Err(shape(format!(
+            "batch must have at least 2 elements [ts, events], got {len}"
         )));
     }
-    batch_from_value(&value)
+    let ts = match rd.whole(depth)? {
+        Item::F64(f) => f,
+        Item::F32(f) => f64::from(f),
+        Item::Int(i) => i.as_f64(),
+        other => {
+            return Err(shape(format!(
+                "batch ts must be a number, got {}",
+                other.kind()
+            )));
+        }
+    };
+    let (events_head, event_depth) = rd.enter(depth)?;
+    let Item::Array(count) = events_head else {
+        return Err(shape(format!(
+            "batch events must be an array, got {}",
+            events_head.kind()
+        )));
+    };
+    // Every event takes at least 18 bytes (`["AllBlocksCleared"]`), whatever the header claims.
+    let mut events = Vec::with_capacity(count.min(rd.rest.len() / 18));
+    let mut errors = Vec::new();
+    for index in 0..count {
+        match split_event(index, rd, event_depth)?.and_then(|(tag, f)| event(index, tag, f)) {
+            Ok(event) => events.push(event),
+            Err(error) => errors.push(error),
+        }
+    }
+    // `dp_rank` is read after the events, but a bad one fails the batch all the same.
+    let dp_rank = if len > 2 { rd.whole(depth)? } else { Item::Nil };
+    rd.skip_n(len.saturating_sub(3), depth)?;
+    let dp_rank = match dp_rank {
+        Item::Nil => None,
+        item => Some(uint::<DpRank>(item).map_err(|bad| Failure::Batch(bad.at(&"batch dp_rank")))?),
+    };
+    Ok(EngineEventBatch {
+        ts,
+        events,
+        dp_rank,
+        errors,
+    })
+}
+
+/// The fields we know, by name (map-encoded events) or position (array-encoded ones).
+#[derive(Clone, Copy)]
+enum Field {
+    BlockHashes,
+    ParentBlockHash,
+    TokenIds,
+    BlockSize,
+    LoraId,
+    Medium,
+    LoraName,
+    ExtraKeys,
+    CacheSalt,
+    GroupIdx,
+    KvCacheSpecKind,
+    KvCacheSpecSlidingWindow,
+    Locality,
+}
+
+impl Field {
+    fn named(key: &str) -> Option<Field> {
+        Some(match key {
+            "block_hashes" => Field::BlockHashes,
+            "parent_block_hash" => Field::ParentBlockHash,
+            "token_ids" => Field::TokenIds,
+            "block_size" => Field::BlockSize,
+            "lora_id" => Field::LoraId,
+            "medium" => Field::Medium,
+            "lora_name" => Field::LoraName,
+            "extra_keys" => Field::ExtraKeys,
+            "cache_salt" => Field::CacheSalt,
+            "group_idx" => Field::GroupIdx,
+            "kv_cache_spec_kind" => Field::KvCacheSpecKind,
+            "kv_cache_spec_sliding_window" => Field::KvCacheSpecSlidingWindow,
+            "locality" => Field::Locality,
+            // Unknown keys (session_id, ownership, lookahead_token_ids, whatever a newer engine
+            // adds) are ignored: forward compatible.
+            _ => return None,
+        })
+    }
+
+    /// The fields after an array-encoded event's tag: the declaration order of the engines'
+    /// msgspec structs. Fields past these (a newer engine's) are ignored.
+    fn positions(tag: &str) -> &'static [Field] {
+        match tag {
+            "BlockStored" => &[
+                Field::BlockHashes,
+                Field::ParentBlockHash,
+                Field::TokenIds,
+                Field::BlockSize,
+                Field::LoraId,
+                Field::Medium,
+                Field::LoraName,
+                Field::ExtraKeys,
+                Field::GroupIdx,
+                Field::KvCacheSpecKind,
+                Field::KvCacheSpecSlidingWindow,
+                Field::Locality,
+            ],
+            "BlockRemoved" => &[
+                Field::BlockHashes,
+                Field::Medium,
+                Field::GroupIdx,
+                Field::Locality,
+            ],
+            _ => &[],
+        }
+    }
+}
+
+/// A field, decoded as the walk meets it; its error is reported only if the event's type needs
+/// the field (and in the order the event's fields are checked in).
+type Decoded<T> = Option<Result<T, Bad>>;
+
+/// The fields of one event, whichever of the two encodings carried them. `None` is a field that
+/// is absent or nil. Block hashes and token ids are decoded as the walk meets them; the others are
+/// kept as their heads (a string's bytes are borrowed), `extra_keys` as its bytes, and read when
+/// the event is built.
+#[derive(Default)]
+struct Fields<'a> {
+    block_hashes: Decoded<Vec<ExternalSequenceBlockHash>>,
+    token_ids: Decoded<Vec<u32>>,
+    extra_keys: Option<&'a [u8]>,
+    parent_block_hash: Option<Item<'a>>,
+    block_size: Option<Item<'a>>,
+    lora_id: Option<Item<'a>>,
+    medium: Option<Item<'a>>,
+    lora_name: Option<Item<'a>>,
+    cache_salt: Option<Item<'a>>,
+    group_idx: Option<Item<'a>>,
+    kv_cache_spec_kind: Option<Item<'a>>,
+    kv_cache_spec_sliding_window: Option<Item<'a>>,
+    locality: Option<Item<'a>>,
+}
+
+impl<'a> Fields<'a> {
+    /// Reads one field's value off `rd` (the last of repeated keys wins), or skips it.
+    fn read(
+        &mut self,
+        field: Option<Field>,
+        rd: &mut Cursor<'a>,
+        depth: usize,
+    ) -> Result<(), Malformed> {
+        let slot = match field {
+            None => return rd.skip(depth),
+            Some(Field::BlockHashes) => {
+                self.block_hashes = hashes(rd, depth)?;
+                return Ok(());
+            }
+            Some(Field::TokenIds) => {
+                self.token_ids = tokens(rd, depth)?;
+                return Ok(());
+            }
+            Some(Field::ExtraKeys) => {
+                let raw = rd.value(depth)?;
+                self.extra_keys = (!is_nil(raw)).then_some(raw);
+                return Ok(());
+            }
+            Some(Field::ParentBlockHash) => &mut self.parent_block_hash,
+            Some(Field::BlockSize) => &mut self.block_size,
+            Some(Field::LoraId) => &mut self.lora_id,
+            Some(Field::Medium) => &mut self.medium,
+            Some(Field::LoraName) => &mut self.lora_name,
+            Some(Field::CacheSalt) => &mut self.cache_salt,
+            Some(Field::GroupIdx) => &mut self.group_idx,
+            Some(Field::KvCacheSpecKind) => &mut self.kv_cache_spec_kind,
+            Some(Field::KvCacheSpecSlidingWindow) => &mut self.kv_cache_spec_sliding_window,
+            Some(Field::Locality) => &mut self.locality,
+        };
+        *slot = Some(rd.whole(depth)?).filter(|item| !matches!(item, Item::Nil));
+        Ok(())
+    }
+}
+
+/// An event's tag and fields, or its own error (it has no tag), reported with the batch's others.
+type Split<'a> = Result<(&'a str, Fields<'a>), ProtocolError>;
+
+/// Reads one event off `rd`, all of it whatever it holds, and splits it into its tag and fields.
+fn split_event<'a>(
+    index: usize,
+    rd: &mut Cursor<'a>,
+    depth: usize,
+) -> Result<Split<'a>, Malformed> {
+    let mut f = Fields::default();
+    match rd.enter(depth)? {
+        (Item::Array(len), depth) => {
+            // The tag first: it says what the positions mean.
+            let tag = if len == 0 {
+                None
+            } else {
+                rd.whole(depth)?.as_str()
+            };
+            let Some(tag) = tag else {
+                rd.skip_n(len.saturating_sub(1), depth)?;
+                return Ok(Err(err(format!(
+                    "events[{index}] must start with its type name ({TAGS})"
+                ))));
+            };
+            let mut positions = Field::positions(tag).iter();
+            for _ in 1..len {
+                f.read(positions.next().copied(), rd, depth)?;
+            }
+            Ok(Ok((tag, f)))
+        }
+        (Item::Map(len), depth) => {
+            let mut tag = None;
+            for _ in 0..len {
+                match rd.whole(depth)?.as_str() {
+                    Some("type") => tag = rd.whole(depth)?.as_str(),
+                    Some(key) => f.read(Field::named(key), rd, depth)?,
+                    None => rd.skip(depth)?,
+                }
+            }
+            Ok(tag
+                .map(|tag| (tag, f))
+                .ok_or_else(|| err(format!("events[{index}] has no string \"type\" ({TAGS})"))))
+        }
+        (other, _) => Ok(Err(err(format!(
+            "events[{index}] must be an array or a map, got {}",
+            other.kind()
+        )))),
+    }
 }
 
 /// Where a field sits, for error messages: formatted only when one is made (decoding formats
@@ -209,165 +502,9 @@ impl Display for At {
     }
 }
 
-fn err(message: String) -> ProtocolError {
-    ProtocolError::KvEvent(message)
-}
-
-fn batch_from_value(value: &Value) -> Result<EngineEventBatch, ProtocolError> {
-    let Value::Array(items) = value else {
-        return Err(err(format!(
-            "batch must be an array [ts, events, dp_rank], got {}",
-            kind(value)
-        )));
-    };
-    if items.len() < 2 {
-        return Err(err(format!(
-            "batch must have at least 2 elements [ts, events], got {}",
-            items.len()
-        )));
-    }
-    let ts = match &items[0] {
-        Value::F64(f) => *f,
-        Value::F32(f) => f64::from(*f),
-        Value::Integer(i) => i.as_f64().unwrap_or(0.0),
-        other => {
-            return Err(err(format!(
-                "batch ts must be a number, got {}",
-                kind(other)
-            )));
-        }
-    };
-    let Value::Array(raw_events) = &items[1] else {
-        return Err(err(format!(
-            "batch events must be an array, got {}",
-            kind(&items[1])
-        )));
-    };
-    let dp_rank = match items.get(2) {
-        None | Some(Value::Nil) => None,
-        Some(v) => Some(uint::<DpRank>(v, &"batch dp_rank")?),
-    };
-    let mut events = Vec::with_capacity(raw_events.len());
-    let mut errors = Vec::new();
-    for (i, raw) in raw_events.iter().enumerate() {
-        match event_from_value(i, raw) {
-            Ok(event) => events.push(event),
-            Err(error) => errors.push(error),
-        }
-    }
-    Ok(EngineEventBatch {
-        ts,
-        events,
-        dp_rank,
-        errors,
-    })
-}
-
-/// The fields of one event, whichever of the two encodings carried them.
-#[derive(Default)]
-struct Fields<'a> {
-    block_hashes: Option<&'a Value>,
-    parent_block_hash: Option<&'a Value>,
-    token_ids: Option<&'a Value>,
-    block_size: Option<&'a Value>,
-    lora_id: Option<&'a Value>,
-    medium: Option<&'a Value>,
-    lora_name: Option<&'a Value>,
-    extra_keys: Option<&'a Value>,
-    cache_salt: Option<&'a Value>,
-    group_idx: Option<&'a Value>,
-    kv_cache_spec_kind: Option<&'a Value>,
-    kv_cache_spec_sliding_window: Option<&'a Value>,
-    locality: Option<&'a Value>,
-}
-
-impl<'a> Fields<'a> {
-    /// Positional fields: the declaration order of the engines' msgspec structs.
-    fn from_array(tag: &str, items: &'a [Value]) -> Self {
-        let slot = |i: usize| items.get(i);
-        let mut f = Fields::default();
-        match tag {
-            "BlockStored" => {
-                f.block_hashes = slot(1);
-                f.parent_block_hash = slot(2);
-                f.token_ids = slot(3);
-                f.block_size = slot(4);
-                f.lora_id = slot(5);
-                f.medium = slot(6);
-                f.lora_name = slot(7);
-                f.extra_keys = slot(8);
-                f.group_idx = slot(9);
-                f.kv_cache_spec_kind = slot(10);
-                f.kv_cache_spec_sliding_window = slot(11);
-                f.locality = slot(12);
-            }
-            "BlockRemoved" => {
-                f.block_hashes = slot(1);
-                f.medium = slot(2);
-                f.group_idx = slot(3);
-                f.locality = slot(4);
-            }
-            _ => {}
-        }
-        f
-    }
-
-    /// Named fields; returns the `"type"` tag too.
-    fn from_map(entries: &'a [(Value, Value)]) -> (Option<&'a str>, Self) {
-        let mut f = Fields::default();
-        let mut tag = None;
-        for (k, v) in entries {
-            match k.as_str() {
-                Some("type") => tag = v.as_str(),
-                Some("block_hashes") => f.block_hashes = Some(v),
-                Some("parent_block_hash") => f.parent_block_hash = Some(v),
-                Some("token_ids") => f.token_ids = Some(v),
-                Some("block_size") => f.block_size = Some(v),
-                Some("lora_id") => f.lora_id = Some(v),
-                Some("medium") => f.medium = Some(v),
-                Some("lora_name") => f.lora_name = Some(v),
-                Some("extra_keys") => f.extra_keys = Some(v),
-                Some("cache_salt") => f.cache_salt = Some(v),
-                Some("group_idx") => f.group_idx = Some(v),
-                Some("kv_cache_spec_kind") => f.kv_cache_spec_kind = Some(v),
-                Some("kv_cache_spec_sliding_window") => {
-                    f.kv_cache_spec_sliding_window = Some(v);
-                }
-                Some("locality") => f.locality = Some(v),
-                // Unknown keys (session_id, ownership, lookahead_token_ids, whatever a newer
-                // engine adds) are ignored: forward compatible.
-                _ => {}
-            }
-        }
-        (tag, f)
-    }
-}
-
-fn event_from_value(index: usize, value: &Value) -> Result<EngineKvEvent, ProtocolError> {
-    let (tag, f) = match value {
-        Value::Array(items) => {
-            let tag = items.first().and_then(Value::as_str).ok_or_else(|| {
-                err(format!(
-                    "events[{index}] must start with its type name ({TAGS})"
-                ))
-            })?;
-            (tag, Fields::from_array(tag, items))
-        }
-        Value::Map(entries) => {
-            let (tag, f) = Fields::from_map(entries);
-            let tag =
-                tag.ok_or_else(|| err(format!("events[{index}] has no string \"type\" ({TAGS})")))?;
-            (tag, f)
-        }
-        other => {
-            return Err(err(format!(
-                "events[{index}] must be an array or a map, got {}",
-                kind(other)
-            )));
-        }
-    };
+fn event(index: usize, tag: &str, f: Fields<'_>) -> Result<EngineKvEvent, ProtocolError> {
     match tag {
-        "BlockStored" => block_stored(index, &f).map(EngineKvEvent::BlockStored),
+        "BlockStored" => block_stored(index, f).map(EngineKvEvent::BlockStored),
         "BlockRemoved" => {
             let ctx = |field| At {
                 index,
@@ -375,13 +512,10 @@ fn event_from_value(index: usize, value: &Value) -> Result<EngineKvEvent, Protoc
                 field,
             };
             Ok(EngineKvEvent::BlockRemoved(BlockRemoved {
-                block_hashes: hashes(
-                    required(f.block_hashes, &ctx("block_hashes"))?,
-                    &ctx("block_hashes"),
-                )?,
-                medium: opt_string(f.medium, &ctx("medium"))?,
-                group_idx: opt_uint(f.group_idx, &ctx("group_idx"))?,
-                locality: opt_string(f.locality, &ctx("locality"))?,
+                block_hashes: required(f.block_hashes, &ctx("block_hashes"))?,
+                medium: read(f.medium, string, &ctx("medium"))?,
+                group_idx: read(f.group_idx, uint, &ctx("group_idx"))?,
+                locality: read(f.locality, string, &ctx("locality"))?,
             }))
         }
         "AllBlocksCleared" => Ok(EngineKvEvent::AllBlocksCleared),
@@ -391,36 +525,30 @@ fn event_from_value(index: usize, value: &Value) -> Result<EngineKvEvent, Protoc
     }
 }
 
-fn block_stored(index: usize, f: &Fields<'_>) -> Result<BlockStored, ProtocolError> {
+fn block_stored(index: usize, f: Fields<'_>) -> Result<BlockStored, ProtocolError> {
     let ctx = |field| At {
         index,
         event: "BlockStored",
         field,
     };
-    let block_size: u32 = uint(
-        required(f.block_size, &ctx("block_size"))?,
-        &ctx("block_size"),
-    )?;
-    let block_hashes = hashes(
-        required(f.block_hashes, &ctx("block_hashes"))?,
-        &ctx("block_hashes"),
-    )?;
-    let token_ids = tokens(required(f.token_ids, &ctx("token_ids"))?, &ctx("token_ids"))?;
+    let block_size: u32 = required(f.block_size.map(uint), &ctx("block_size"))?;
+    let block_hashes = required(f.block_hashes, &ctx("block_hashes"))?;
+    let token_ids = required(f.token_ids, &ctx("token_ids"))?;
     if block_size == 0 && !token_ids.is_empty() {
         return Err(err(format!(
             "{} must be at least 1 when token_ids are given, got 0",
             ctx("block_size")
         )));
     }
-    let lora_name = opt_string(f.lora_name, &ctx("lora_name"))?;
-    let extra_keys = match optional(f.extra_keys) {
+    let lora_name = read(f.lora_name, string, &ctx("lora_name"))?;
+    let extra_keys = match f.extra_keys {
         None => Vec::new(),
-        Some(v) => {
-            let keys = extra_keys(v, lora_name.as_deref(), &ctx("extra_keys"))?;
+        Some(raw) => {
+            let what = ctx("extra_keys");
+            let keys = extra_keys(raw, lora_name.as_deref()).map_err(|bad| bad.at(&what))?;
             if keys.len() != block_hashes.len() {
                 return Err(err(format!(
-                    "{} must have one entry per block hash ({}), got {}",
-                    ctx("extra_keys"),
+                    "{what} must have one entry per block hash ({}), got {}",
                     block_hashes.len(),
                     keys.len()
                 )));
@@ -430,206 +558,555 @@ fn block_stored(index: usize, f: &Fields<'_>) -> Result<BlockStored, ProtocolErr
     };
     Ok(BlockStored {
         block_hashes,
-        parent_block_hash: optional(f.parent_block_hash)
-            .map(|v| hash(v, &ctx("parent_block_hash")))
-            .transpose()?,
+        parent_block_hash: read(f.parent_block_hash, hash, &ctx("parent_block_hash"))?,
         token_ids,
         block_size,
-        lora_id: opt_uint(f.lora_id, &ctx("lora_id"))?,
-        medium: opt_string(f.medium, &ctx("medium"))?,
+        lora_id: read(f.lora_id, uint, &ctx("lora_id"))?,
+        medium: read(f.medium, string, &ctx("medium"))?,
         lora_name,
         extra_keys,
-        cache_salt: opt_string(f.cache_salt, &ctx("cache_salt"))?,
-        group_idx: opt_uint(f.group_idx, &ctx("group_idx"))?,
-        kv_cache_spec_kind: opt_string(f.kv_cache_spec_kind, &ctx("kv_cache_spec_kind"))?,
-        kv_cache_spec_sliding_window: opt_uint(
+        cache_salt: read(f.cache_salt, string, &ctx("cache_salt"))?,
+        group_idx: read(f.group_idx, uint, &ctx("group_idx"))?,
+        kv_cache_spec_kind: read(f.kv_cache_spec_kind, string, &ctx("kv_cache_spec_kind"))?,
+        kv_cache_spec_sliding_window: read(
             f.kv_cache_spec_sliding_window,
+            uint,
             &ctx("kv_cache_spec_sliding_window"),
         )?,
-        locality: opt_string(f.locality, &ctx("locality"))?,
+        locality: read(f.locality, string, &ctx("locality"))?,
     })
 }
 
-/// vLLM's `extra_keys`: one entry per block, nil or an array of untagged keys.
-fn extra_keys(
-    v: &Value,
-    lora_name: Option<&str>,
-    what: &dyn Display,
-) -> Result<Vec<BlockExtraKeys>, ProtocolError> {
-    let Value::Array(entries) = v else {
-        return Err(err(format!("{what} must be an array, got {}", kind(v))));
-    };
-    entries
-        .iter()
-        .enumerate()
-        .map(|(i, entry)| match entry {
-            Value::Nil => Ok(BlockExtraKeys::default()),
-            Value::Array(keys) => Ok(block_extra_keys(keys, lora_name)),
-            other => Err(err(format!(
-                "{what}[{i}] must be nil or an array, got {}",
-                kind(other)
-            ))),
-        })
-        .collect()
-}
-
-/// Interprets one block's untagged keys in vLLM's order: the LoRA name (when the event names a
-/// LoRA), `(identifier, offset)` pairs, the cache salt, prompt-embedding digests. Anything else
-/// is counted as unknown rather than rejected, so that the block is known to carry an identity
-/// this decoder cannot reproduce.
-fn block_extra_keys(keys: &[Value], lora_name: Option<&str>) -> BlockExtraKeys {
-    let mut out = BlockExtraKeys::default();
-    let mut rest = keys;
-    if let Some(lora) = lora_name
-        && let Some((first, tail)) = rest.split_first()
-        && matches!(first, Value::String(_))
-    {
-        if first.as_str() != Some(lora) {
-            out.unknown += 1;
-        }
-        rest = tail;
-    }
-    for key in rest {
-        match key {
-            Value::String(_) => match (key.as_str(), &out.cache_salt) {
-                (Some(salt), None) => out.cache_salt = Some(salt.to_owned()),
-                _ => out.unknown += 1,
-            },
-            Value::Array(pair) => match &pair[..] {
-                [Value::String(id), Value::Integer(offset)] => {
-                    match (id.as_str(), offset.as_i64()) {
-                        (Some(identifier), Some(offset)) => out.mm.push(MmExtraKey {
-                            identifier: identifier.to_owned(),
-                            offset,
-                        }),
-                        _ => out.unknown += 1,
-                    }
-                }
-                _ => out.unknown += 1,
-            },
-            Value::Binary(digest) => out.prompt_embeds.push(digest.clone()),
-            _ => out.unknown += 1,
-        }
-    }
-    out
-}
-
-/// A present, non-nil field.
-fn optional(v: Option<&Value>) -> Option<&Value> {
-    v.filter(|v| !v.is_nil())
-}
-
-fn required<'a>(v: Option<&'a Value>, what: &dyn Display) -> Result<&'a Value, ProtocolError> {
-    optional(v).ok_or_else(|| err(format!("{what} is missing")))
-}
-
-fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Nil => "nil",
-        Value::Boolean(_) => "a boolean",
-        Value::Integer(_) => "an integer",
-        Value::F32(_) | Value::F64(_) => "a float",
-        Value::String(_) => "a string",
-        Value::Binary(_) => "bytes",
-        Value::Array(_) => "an array",
-        Value::Map(_) => "a map",
-        Value::Ext(..) => "an extension value",
+/// A field the event's type requires.
+fn required<T>(field: Decoded<T>, what: &dyn Display) -> Result<T, ProtocolError> {
+    match field {
+        None => Err(err(format!("{what} is missing"))),
+        Some(decoded) => decoded.map_err(|bad| bad.at(what)),
     }
 }
 
-fn uint<T: TryFrom<u64>>(v: &Value, what: &dyn Display) -> Result<T, ProtocolError> {
-    let Value::Integer(i) = v else {
-        return Err(err(format!(
-            "{what} must be an unsigned integer, got {}",
-            kind(v)
-        )));
-    };
-    i.as_u64().and_then(|u| T::try_from(u).ok()).ok_or_else(|| {
-        err(format!(
-            "{what} must be an unsigned integer in range, got {i}"
-        ))
-    })
-}
-
-fn opt_uint<T: TryFrom<u64>>(
-    v: Option<&Value>,
+/// An optional scalar field, read from its head.
+fn read<T>(
+    field: Option<Item<'_>>,
+    typed: impl FnOnce(Item<'_>) -> Result<T, Bad>,
     what: &dyn Display,
 ) -> Result<Option<T>, ProtocolError> {
-    optional(v).map(|v| uint(v, what)).transpose()
+    field.map(typed).transpose().map_err(|bad| bad.at(what))
 }
 
-fn opt_string(v: Option<&Value>, what: &dyn Display) -> Result<Option<String>, ProtocolError> {
-    optional(v).map(|v| string(v, what)).transpose()
+/// What was wrong with a field (or its `element`-th element), formatted with the field's place
+/// only when reported.
+struct Bad {
+    element: Option<usize>,
+    problem: Problem,
 }
 
-fn string(v: &Value, what: &dyn Display) -> Result<String, ProtocolError> {
-    v.as_str()
-        .map(str::to_owned)
-        .ok_or_else(|| err(format!("{what} must be a UTF-8 string, got {}", kind(v))))
+enum Problem {
+    /// It `must be` something else than what it `got`.
+    Expected {
+        must_be: &'static str,
+        got: &'static str,
+    },
+    /// An integer that is negative or too large.
+    OutOfRange(Int),
+    /// Bytes that are not whole msgpack (not expected: a field's bytes are kept only once read
+    /// whole).
+    NotMsgpack,
 }
 
-fn hash(v: &Value, what: &dyn Display) -> Result<ExternalSequenceBlockHash, ProtocolError> {
-    let h = match v {
-        Value::Integer(i) => match (i.as_u64(), i.as_i64()) {
-            (Some(u), _) => u,
-            // Python sends negative hashes as signed; reinterpret the same 64 bits.
-            (None, Some(s)) => s as u64,
-            (None, None) => return Err(err(format!("{what} is out of 64-bit range: {i}"))),
-        },
-        Value::Binary(bytes) => fold_hash_bytes(bytes),
-        other => {
-            return Err(err(format!(
-                "{what} must be an integer or bytes, got {}",
-                kind(other)
-            )));
+impl Bad {
+    fn expected(must_be: &'static str, got: &Item<'_>) -> Self {
+        Bad {
+            element: None,
+            problem: Problem::Expected {
+                must_be,
+                got: got.kind(),
+            },
         }
+    }
+
+    fn out_of_range(i: Int) -> Self {
+        Bad {
+            element: None,
+            problem: Problem::OutOfRange(i),
+        }
+    }
+
+    fn element(self, i: usize) -> Self {
+        Bad {
+            element: Some(i),
+            ..self
+        }
+    }
+
+    #[cold]
+    fn at(&self, what: &dyn Display) -> ProtocolError {
+        let place = match self.element {
+            Some(i) => format!("{what}[{i}]"),
+            None => what.to_string(),
+        };
+        err(match &self.problem {
+            Problem::Expected { must_be, got } => format!("{place} must be {must_be}, got {got}"),
+            Problem::OutOfRange(i) => {
+                format!("{place} must be an unsigned integer in range, got {i}")
+            }
+            Problem::NotMsgpack => format!("{place} is not whole msgpack"),
+        })
+    }
+}
+
+fn uint<T: TryFrom<u64>>(item: Item<'_>) -> Result<T, Bad> {
+    let Item::Int(i) = item else {
+        return Err(Bad::expected("an unsigned integer", &item));
+    };
+    i.as_u64()
+        .and_then(|u| T::try_from(u).ok())
+        .ok_or(Bad::out_of_range(i))
+}
+
+fn string(item: Item<'_>) -> Result<String, Bad> {
+    item.as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| Bad::expected("a UTF-8 string", &item))
+}
+
+fn hash(item: Item<'_>) -> Result<ExternalSequenceBlockHash, Bad> {
+    let h = match item {
+        Item::Int(Int::Pos(u)) => u,
+        // Python sends negative hashes as signed; reinterpret the same 64 bits.
+        Item::Int(Int::Neg(s)) => s as u64,
+        Item::Bin(bytes) => fold_hash_bytes(bytes),
+        other => return Err(Bad::expected("an integer or bytes", &other)),
     };
     Ok(ExternalSequenceBlockHash(h))
 }
 
 /// The last (up to) 8 bytes of a byte hash, big-endian, as the reference folds them.
 fn fold_hash_bytes(bytes: &[u8]) -> u64 {
-    let tail = &bytes[bytes.len().saturating_sub(8)..];
-    let mut buf = [0u8; 8];
-    buf[8 - tail.len()..].copy_from_slice(tail);
-    u64::from_be_bytes(buf)
+    let tail = bytes
+        .get(bytes.len().saturating_sub(8)..)
+        .unwrap_or_default();
+    tail.iter().fold(0, |h, &b| (h << 8) | u64::from(b))
 }
 
-fn hashes(v: &Value, what: &dyn Display) -> Result<Vec<ExternalSequenceBlockHash>, ProtocolError> {
-    let Value::Array(items) = v else {
-        return Err(err(format!("{what} must be an array, got {}", kind(v))));
+/// Reads an array field off `rd` element by element with `element`, which reads one whole element
+/// at the depth it is given. The first element that does not decode is the field's error, and the
+/// rest of the array is skipped. Nil is an absent field.
+fn array_field<'a, T>(
+    rd: &mut Cursor<'a>,
+    depth: usize,
+    mut element: impl FnMut(&mut Cursor<'a>, usize) -> Result<Result<T, Bad>, Malformed>,
+) -> Result<Decoded<Vec<T>>, Malformed> {
+    let (len, depth) = match rd.enter(depth)? {
+        (Item::Nil, _) => return Ok(None),
+        (Item::Array(len), inner) => (len, inner),
+        (other, inner) => {
+            rd.finish(other, inner)?;
+            return Ok(Some(Err(Bad::expected("an array", &other))));
+        }
     };
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, h)| hash(h, &format_args!("{what}[{i}]")))
-        .collect()
+    // Each element takes at least a byte: the header cannot make this allocate more.
+    let mut out = Vec::with_capacity(len.min(rd.rest.len()));
+    for i in 0..len {
+        match element(rd, depth)? {
+            Ok(value) => out.push(value),
+            Err(bad) => {
+                rd.skip_n(len.saturating_sub(i).saturating_sub(1), depth)?;
+                return Ok(Some(Err(bad.element(i))));
+            }
+        }
+    }
+    Ok(Some(Ok(out)))
+}
+
+/// Block hashes: integers (signed or unsigned) or bytes.
+fn hashes(
+    rd: &mut Cursor<'_>,
+    depth: usize,
+) -> Result<Decoded<Vec<ExternalSequenceBlockHash>>, Malformed> {
+    array_field(rd, depth, |rd, depth| {
+        // The common case first (an integer needs a level of depth).
+        if depth > 0
+            && let Some(h) = rd.uint()
+        {
+            return Ok(Ok(ExternalSequenceBlockHash(h)));
+        }
+        Ok(hash(rd.whole(depth)?))
+    })
 }
 
 /// Token ids: a flat array of integers, or (SGLang with EAGLE speculative decoding) an array of
 /// `[token, next_token]` bigrams, one per token, read as their first tokens: SGLang sends one
 /// bigram per token of the page (`(raw[j], raw[j + 1])`), so the pages' tokens are the firsts.
-fn tokens(v: &Value, what: &dyn Display) -> Result<Vec<u32>, ProtocolError> {
-    let Value::Array(items) = v else {
-        return Err(err(format!("{what} must be an array, got {}", kind(v))));
+fn tokens(rd: &mut Cursor<'_>, depth: usize) -> Result<Decoded<Vec<u32>>, Malformed> {
+    // Bigrams when the field is an array whose first element is an array.
+    let bigrams = {
+        let mut ahead = *rd;
+        matches!(ahead.item(), Ok(Item::Array(_))) && matches!(ahead.item(), Ok(Item::Array(_)))
     };
-    let bigrams = matches!(items.first(), Some(Value::Array(_)));
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, item)| {
-            let at = format_args!("{what}[{i}]");
-            match item {
-                Value::Array(pair) if bigrams && pair.len() == 2 => {
-                    uint::<u32>(&pair[1], &at)?;
-                    uint(&pair[0], &at)
-                }
-                other if bigrams => Err(err(format!(
-                    "{at} must be a [token, token] pair, got {}",
-                    kind(other)
-                ))),
-                other => uint(other, &at),
+    array_field(rd, depth, |rd, depth| {
+        if !bigrams {
+            // The common case first (an integer needs a level of depth).
+            if depth > 0
+                && let Some(u) = rd.uint()
+            {
+                return Ok(u32::try_from(u).map_err(|_| Bad::out_of_range(Int::Pos(u))));
             }
+            return Ok(uint(rd.whole(depth)?));
+        }
+        let (item, inner) = rd.enter(depth)?;
+        if let Item::Array(2) = item {
+            let token = rd.whole(inner)?;
+            let next = rd.whole(inner)?;
+            return Ok(uint::<u32>(next).and_then(|_| uint(token)));
+        }
+        rd.finish(item, inner)?;
+        Ok(Err(Bad::expected("a [token, token] pair", &item)))
+    })
+}
+
+/// vLLM's `extra_keys` (its bytes, already checked whole): one entry per block, nil or an array
+/// of untagged keys.
+fn extra_keys(raw: &[u8], lora_name: Option<&str>) -> Result<Vec<BlockExtraKeys>, Bad> {
+    let mut rd = Cursor::new(raw);
+    // The bytes were checked at their depth in the payload; the limit only has to be no lower.
+    let walked = array_field(&mut rd, MAX_DEPTH, |rd, depth| match rd.enter(depth)? {
+        (Item::Nil, _) => Ok(Ok(BlockExtraKeys::default())),
+        (Item::Array(len), inner) => block_extra_keys(rd, len, inner, lora_name).map(Ok),
+        (other, inner) => {
+            rd.finish(other, inner)?;
+            Ok(Err(Bad::expected("nil or an array", &other)))
+        }
+    });
+    match walked {
+        Ok(Some(keys)) => keys,
+        // Neither is expected: the bytes are a whole, non-nil value.
+        Ok(None) | Err(Malformed) => Err(Bad {
+            element: None,
+            problem: Problem::NotMsgpack,
+        }),
+    }
+}
+
+/// Interprets one block's untagged keys (the `len` elements next on `rd`) in vLLM's order: the
+/// LoRA name (when the event names a LoRA), `(identifier, offset)` pairs, the cache salt,
+/// prompt-embedding digests. Anything else is counted as unknown rather than rejected, so that
+/// the block is known to carry an identity this decoder cannot reproduce.
+fn block_extra_keys(
+    rd: &mut Cursor<'_>,
+    len: usize,
+    depth: usize,
+    lora_name: Option<&str>,
+) -> Result<BlockExtraKeys, Malformed> {
+    let mut out = BlockExtraKeys::default();
+    for i in 0..len {
+        let (key, inner) = rd.enter(depth)?;
+        match key {
+            Item::Str(_) if i == 0 && lora_name.is_some() => {
+                if key.as_str() != lora_name {
+                    out.unknown = out.unknown.saturating_add(1);
+                }
+            }
+            Item::Str(_) => match (key.as_str(), &out.cache_salt) {
+                (Some(salt), None) => out.cache_salt = Some(salt.to_owned()),
+                _ => out.unknown = out.unknown.saturating_add(1),
+            },
+            Item::Array(2) => {
+                let identifier = rd.whole(inner)?;
+                let offset = rd.whole(inner)?;
+                match (identifier, offset) {
+                    (Item::Str(_), Item::Int(offset)) => {
+                        match (identifier.as_str(), offset.as_i64()) {
+                            (Some(identifier), Some(offset)) => out.mm.push(MmExtraKey {
+                                identifier: identifier.to_owned(),
+                                offset,
+                            }),
+                            _ => out.unknown = out.unknown.saturating_add(1),
+                        }
+                    }
+                    _ => out.unknown = out.unknown.saturating_add(1),
+                }
+            }
+            Item::Bin(digest) => out.prompt_embeds.push(digest.to_vec()),
+            other => {
+                rd.finish(other, inner)?;
+                out.unknown = out.unknown.saturating_add(1);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Whether a value's bytes are msgpack nil (rmpv reads the reserved marker 0xc1 as nil too).
+fn is_nil(raw: &[u8]) -> bool {
+    matches!(
+        raw.first().map(|&b| Marker::from_u8(b)),
+        Some(Marker::Null | Marker::Reserved)
+    )
+}
+
+/// Bytes that are not whole msgpack, or nest deeper than [`MAX_DEPTH`]; the message is made by
+/// [`not_msgpack`].
+struct Malformed;
+
+/// One msgpack value's head, as [`Cursor::item`] reads it.
+#[derive(Clone, Copy)]
+enum Item<'a> {
+    /// Nil, or the reserved marker 0xc1 (which rmpv reads as nil).
+    Nil,
+    Bool,
+    Int(Int),
+    F32(f32),
+    F64(f64),
+    /// A string's bytes (UTF-8 or not).
+    Str(&'a [u8]),
+    Bin(&'a [u8]),
+    Ext,
+    /// An array's length; its elements follow.
+    Array(usize),
+    /// A map's length in entries; its keys and values follow, alternating.
+    Map(usize),
+}
+
+impl<'a> Item<'a> {
+    /// What the value is, for error messages.
+    fn kind(&self) -> &'static str {
+        match self {
+            Item::Nil => "nil",
+            Item::Bool => "a boolean",
+            Item::Int(_) => "an integer",
+            Item::F32(_) | Item::F64(_) => "a float",
+            Item::Str(_) => "a string",
+            Item::Bin(_) => "bytes",
+            Item::Array(_) => "an array",
+            Item::Map(_) => "a map",
+            Item::Ext => "an extension value",
+        }
+    }
+
+    /// The string, if this is a UTF-8 string.
+    fn as_str(&self) -> Option<&'a str> {
+        match self {
+            Item::Str(bytes) => std::str::from_utf8(bytes).ok(),
+            _ => None,
+        }
+    }
+}
+
+/// A msgpack integer, as rmpv classifies it: non-negative whatever its encoding, or negative.
+#[derive(Clone, Copy)]
+enum Int {
+    Pos(u64),
+    Neg(i64),
+}
+
+impl Int {
+    fn signed(i: i64) -> Self {
+        u64::try_from(i).map_or(Int::Neg(i), Int::Pos)
+    }
+
+    fn as_u64(self) -> Option<u64> {
+        match self {
+            Int::Pos(u) => Some(u),
+            Int::Neg(_) => None,
+        }
+    }
+
+    fn as_i64(self) -> Option<i64> {
+        match self {
+            Int::Pos(u) => i64::try_from(u).ok(),
+            Int::Neg(i) => Some(i),
+        }
+    }
+
+    fn as_f64(self) -> f64 {
+        match self {
+            Int::Pos(u) => u as f64,
+            Int::Neg(i) => i as f64,
+        }
+    }
+}
+
+impl Display for Int {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Int::Pos(u) => u.fmt(f),
+            Int::Neg(i) => i.fmt(f),
+        }
+    }
+}
+
+/// Reads msgpack values off a byte slice without copying: strings and bytes are borrowed, a
+/// container's elements are read one by one after its header. Lengths are checked against the
+/// bytes left, never trusted for an allocation.
+///
+/// Depth is counted as rmpv counts it, so that exactly the payloads rmpv decoded within
+/// [`MAX_DEPTH`] are accepted: reading a value costs a level, a container's elements one more
+/// level, bytes one more, a string's or extension's contents two more.
+#[derive(Clone, Copy)]
+struct Cursor<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Cursor<'a> {
+    fn new(bytes: &'a [u8]) -> Self {
+        Cursor { rest: bytes }
+    }
+
+    fn byte(&mut self) -> Result<u8, Malformed> {
+        let (&b, rest) = self.rest.split_first().ok_or(Malformed)?;
+        self.rest = rest;
+        Ok(b)
+    }
+
+    fn be<const N: usize>(&mut self) -> Result<[u8; N], Malformed> {
+        let (bytes, rest) = self.rest.split_first_chunk::<N>().ok_or(Malformed)?;
+        self.rest = rest;
+        Ok(*bytes)
+    }
+
+    fn len8(&mut self) -> Result<usize, Malformed> {
+        self.byte().map(usize::from)
+    }
+
+    fn len16(&mut self) -> Result<usize, Malformed> {
+        self.be().map(|b| usize::from(u16::from_be_bytes(b)))
+    }
+
+    fn len32(&mut self) -> Result<usize, Malformed> {
+        usize::try_from(u32::from_be_bytes(self.be()?)).map_err(|_| Malformed)
+    }
+
+    fn bytes(&mut self, len: usize) -> Result<&'a [u8], Malformed> {
+        let (bytes, rest) = self.rest.split_at_checked(len).ok_or(Malformed)?;
+        self.rest = rest;
+        Ok(bytes)
+    }
+
+    /// An extension value: its type byte, then `len` bytes of data.
+    fn ext(&mut self, len: usize) -> Result<Item<'a>, Malformed> {
+        self.byte()?;
+        self.bytes(len)?;
+        Ok(Item::Ext)
+    }
+
+    /// Reads one value's head, whatever the depth: a scalar whole, a string's or bytes'
+    /// contents, a container's length (its elements are next).
+    fn item(&mut self) -> Result<Item<'a>, Malformed> {
+        let pos = |u: u64| Item::Int(Int::Pos(u));
+        let int = |i: i64| Item::Int(Int::signed(i));
+        Ok(match Marker::from_u8(self.byte()?) {
+            Marker::Null | Marker::Reserved => Item::Nil,
+            Marker::True | Marker::False => Item::Bool,
+            Marker::FixPos(u) => pos(u.into()),
+            Marker::FixNeg(i) => int(i.into()),
+            Marker::U8 => pos(self.byte()?.into()),
+            Marker::U16 => pos(u16::from_be_bytes(self.be()?).into()),
+            Marker::U32 => pos(u32::from_be_bytes(self.be()?).into()),
+            Marker::U64 => pos(u64::from_be_bytes(self.be()?)),
+            Marker::I8 => int(i8::from_be_bytes(self.be()?).into()),
+            Marker::I16 => int(i16::from_be_bytes(self.be()?).into()),
+            Marker::I32 => int(i32::from_be_bytes(self.be()?).into()),
+            Marker::I64 => int(i64::from_be_bytes(self.be()?)),
+            Marker::F32 => Item::F32(f32::from_be_bytes(self.be()?)),
+            Marker::F64 => Item::F64(f64::from_be_bytes(self.be()?)),
+            Marker::FixStr(len) => Item::Str(self.bytes(len.into())?),
+            Marker::Str8 => Item::Str(self.len8().and_then(|len| self.bytes(len))?),
+            Marker::Str16 => Item::Str(self.len16().and_then(|len| self.bytes(len))?),
+            Marker::Str32 => Item::Str(self.len32().and_then(|len| self.bytes(len))?),
+            Marker::Bin8 => Item::Bin(self.len8().and_then(|len| self.bytes(len))?),
+            Marker::Bin16 => Item::Bin(self.len16().and_then(|len| self.bytes(len))?),
+            Marker::Bin32 => Item::Bin(self.len32().and_then(|len| self.bytes(len))?),
+            Marker::FixExt1 => self.ext(1)?,
+            Marker::FixExt2 => self.ext(2)?,
+            Marker::FixExt4 => self.ext(4)?,
+            Marker::FixExt8 => self.ext(8)?,
+            Marker::FixExt16 => self.ext(16)?,
+            Marker::Ext8 => self.len8().and_then(|len| self.ext(len))?,
+            Marker::Ext16 => self.len16().and_then(|len| self.ext(len))?,
+            Marker::Ext32 => self.len32().and_then(|len| self.ext(len))?,
+            Marker::FixArray(len) => Item::Array(len.into()),
+            Marker::Array16 => Item::Array(self.len16()?),
+            Marker::Array32 => Item::Array(self.len32()?),
+            Marker::FixMap(len) => Item::Map(len.into()),
+            Marker::Map16 => Item::Map(self.len16()?),
+            Marker::Map32 => Item::Map(self.len32()?),
         })
-        .collect()
+    }
+
+    /// The next value if it is an unsigned integer (as most tokens and hashes are): the fast path
+    /// of [`Cursor::item`], which reads anything else. Depth is the caller's to check.
+    #[inline]
+    fn uint(&mut self) -> Option<u64> {
+        let (&marker, rest) = self.rest.split_first()?;
+        let (u, rest) = match marker {
+            0x00..=0x7f => (u64::from(marker), rest),
+            0xcc => rest.split_first().map(|(&b, rest)| (u64::from(b), rest))?,
+            0xcd => rest
+                .split_first_chunk()
+                .map(|(b, rest)| (u64::from(u16::from_be_bytes(*b)), rest))?,
+            0xce => rest
+                .split_first_chunk()
+                .map(|(b, rest)| (u64::from(u32::from_be_bytes(*b)), rest))?,
+            0xcf => rest
+                .split_first_chunk()
+                .map(|(b, rest)| (u64::from_be_bytes(*b), rest))?,
+            _ => return None,
+        };
+        self.rest = rest;
+        Some(u)
+    }
+
+    /// Reads one value's head at `depth`, checking the depth it needs; also returns the depth of
+    /// its elements, if it is a container.
+    fn enter(&mut self, depth: usize) -> Result<(Item<'a>, usize), Malformed> {
+        let depth = depth.checked_sub(1).ok_or(Malformed)?;
+        let item = self.item()?;
+        let needs = match item {
+            Item::Str(_) | Item::Ext => 2,
+            Item::Bin(_) | Item::Array(_) | Item::Map(_) => 1,
+            _ => 0,
+        };
+        Ok((item, depth.checked_sub(needs).ok_or(Malformed)?))
+    }
+
+    /// Skips the elements of a value whose head `enter` read (nothing, if it is not a container).
+    fn finish(&mut self, head: Item<'a>, depth: usize) -> Result<(), Malformed> {
+        match head {
+            Item::Array(len) => self.skip_n(len, depth),
+            // Overflow is fine: the bytes run out long before.
+            Item::Map(len) => self.skip_n(len.saturating_mul(2), depth),
+            _ => Ok(()),
+        }
+    }
+
+    /// Skips one whole value, checking that its bytes are all there and that it nests no deeper
+    /// than `depth`. Every value takes at least a byte, so a container claiming more elements
+    /// than there are bytes left fails at the end of the bytes.
+    fn skip(&mut self, depth: usize) -> Result<(), Malformed> {
+        let (head, inner) = self.enter(depth)?;
+        self.finish(head, inner)
+    }
+
+    fn skip_n(&mut self, n: usize, depth: usize) -> Result<(), Malformed> {
+        for _ in 0..n {
+            self.skip(depth)?;
+        }
+        Ok(())
+    }
+
+    /// Reads one whole value and returns its head (a container's elements skipped).
+    fn whole(&mut self, depth: usize) -> Result<Item<'a>, Malformed> {
+        let (head, inner) = self.enter(depth)?;
+        self.finish(head, inner)?;
+        Ok(head)
+    }
+
+    /// The bytes of one whole value.
+    fn value(&mut self, depth: usize) -> Result<&'a [u8], Malformed> {
+        let start = self.rest;
+        self.skip(depth)?;
+        let len = start.len().checked_sub(self.rest.len()).ok_or(Malformed)?;
+        start.get(..len).ok_or(Malformed)
+    }
 }
