@@ -24,6 +24,10 @@
 //! | SGLang (`--enable-metrics`) | `sglang:num_running_reqs` | `sglang:num_queue_reqs` + `sglang:num_grammar_queue_reqs` | `sglang:kv_used_tokens` (or `sglang:num_used_tokens`) | `dp_rank` label |
 //! | llama.cpp (`--metrics`) | `llamacpp:requests_processing` | `llamacpp:requests_deferred` | not stated (`None`) | one |
 //!
+//! The KV capacity, in the same blocks: vLLM's `num_gpu_blocks - 1` (one engine only, as above),
+//! SGLang's `sglang:max_total_num_tokens`; the router credits cached blocks only as far as it
+//! lets a worker keep them.
+//!
 //! TensorRT-LLM and plain OpenAI servers publish no request gauges to read: [`LoadError::Unsupported`].
 //!
 //! This crate holds no routing policy (it serves whatever request reaches its worker) and no

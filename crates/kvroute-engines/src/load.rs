@@ -11,7 +11,8 @@
 //!   `vllm:gpu_cache_usage_perc`, deprecated by vllm-project/vllm#18354) is
 //!   `1 - free / (num_gpu_blocks - 1)` (the null block aside), and `vllm:cache_config_info`
 //!   states `num_gpu_blocks` and `block_size` as labels, so the blocks in use are
-//!   `usage * (num_gpu_blocks - 1)`, rounded to the nearest whole block. A server fronting
+//!   `usage * (num_gpu_blocks - 1)`, rounded to the nearest whole block, of
+//!   `num_gpu_blocks - 1` in all. A server fronting
 //!   several engines states the SUM of their blocks there (`core_client.py`), so each engine's
 //!   own total, and its blocks in use, cannot be known: the KV figure is then `None`.
 //! - SGLang (`--enable-metrics`): `sglang:num_running_reqs`, `sglang:num_queue_reqs` plus
@@ -27,7 +28,8 @@
 //!   `priority=""` (the others are per priority). Only one scheduler per rank reports unless
 //!   `--enable-metrics-for-all-schedulers`, whose extra series are copies: the one with the
 //!   lowest `pp_rank`, then `tp_rank`, is read. KV: `sglang:kv_used_tokens` (token slots held
-//!   by running requests; older SGLang: `sglang:num_used_tokens`).
+//!   by running requests; older SGLang: `sglang:num_used_tokens`), of
+//!   `sglang:max_total_num_tokens` in all.
 //! - llama.cpp (`llama-server --metrics`): `llamacpp:requests_processing` (busy slots) and
 //!   `llamacpp:requests_deferred` (requests waiting for a slot); one rank. It states no KV use.
 //! - TensorRT-LLM (`trtllm-serve`) and plain OpenAI servers publish no Prometheus request gauges
@@ -56,6 +58,9 @@ pub struct EngineLoad {
     /// [`crate::HttpEngine::load`] (tokens rounded up to whole blocks); `None` when the engine
     /// does not state it exactly.
     pub kv_used_blocks: Option<u64>,
+    /// KV cache blocks the rank has in all, in the same blocks (rounded down); `None` when the
+    /// engine does not state it for this rank alone.
+    pub kv_total_blocks: Option<u64>,
 }
 
 impl EngineLoad {
@@ -64,8 +69,12 @@ impl EngineLoad {
         let report = WorkerLoadReport::new(worker_id)
             .with_dp_rank(self.dp_rank)
             .with_requests(self.requests_running, self.requests_waiting);
-        match self.kv_used_blocks {
+        let report = match self.kv_used_blocks {
             Some(blocks) => report.with_kv_used_blocks(blocks),
+            None => report,
+        };
+        match self.kv_total_blocks {
+            Some(blocks) => report.with_kv_total_blocks(blocks),
             None => report,
         }
     }
@@ -217,6 +226,13 @@ impl Reader<'_, '_> {
                     .get(rank)
                     .and_then(|&usage| blocks_in_use(usage, info.num_gpu_blocks))
                     .map(|used| rebase(used, info.block_size, block_size));
+                // vLLM's null block is never handed out: `num_gpu_blocks - 1` are usable.
+                load.kv_total_blocks = info
+                    .num_gpu_blocks
+                    .checked_sub(1)
+                    .filter(|&n| n > 0)
+                    .map(|usable| rebase_down(usable, info.block_size, block_size))
+                    .filter(|&n| n > 0);
             }
         }
         Ok(loads.into_values().collect())
@@ -239,11 +255,18 @@ impl Reader<'_, '_> {
             "sglang:num_used_tokens",
             &Ranks::SglangDpRank,
         );
+        let total = self.values("sglang:max_total_num_tokens", &Ranks::SglangDpRank);
+        let total = total.unwrap_or_default();
         for (rank, load) in &mut loads {
             load.kv_used_blocks = used
                 .get(rank)
                 .and_then(|&tokens| whole(tokens))
                 .map(|tokens| tokens.div_ceil(u64::from(block_size.get())));
+            load.kv_total_blocks = total
+                .get(rank)
+                .and_then(|&tokens| whole(tokens))
+                .map(|tokens| tokens / u64::from(block_size.get()))
+                .filter(|&blocks| blocks > 0);
         }
         Ok(loads.into_values().collect())
     }
@@ -294,6 +317,7 @@ impl Reader<'_, '_> {
                         requests_running,
                         requests_waiting,
                         kv_used_blocks: None,
+                        kv_total_blocks: None,
                     },
                 ))
             })
@@ -445,6 +469,11 @@ fn blocks_in_use(usage: f64, num_gpu_blocks: u64) -> Option<u64> {
     #[allow(clippy::cast_precision_loss)]
     let used = (usage * usable as f64).round();
     whole(used).map(|used| used.min(usable))
+}
+
+/// `blocks` of `from` tokens each, as whole blocks of `to` tokens (rounded down: a capacity).
+fn rebase_down(blocks: u64, from: NonZeroU32, to: NonZeroU32) -> u64 {
+    blocks.saturating_mul(u64::from(from.get())) / u64::from(to.get())
 }
 
 /// `blocks` of `from` tokens each, as blocks of `to` tokens (rounded up).

@@ -150,22 +150,23 @@ impl LiveMocker {
 
     /// The engine's own load now, as its worker reports it: requests in the running batch,
     /// requests waiting (queued, preempted, or fetching their prompt's KV from a prefill
-    /// worker), and KV blocks referenced by a sequence or a session.
+    /// worker), KV blocks referenced by a sequence or a session, and the blocks it has in all.
     pub fn load_report(&self) -> WorkerLoadReport {
         let shared = &self.shared;
-        let (running, waiting, used) = {
+        let (running, waiting, usage) = {
             let state = shared.state.lock();
             (
                 state.engine.num_running(),
                 state.engine.num_waiting(),
-                state.engine.kv_usage().used,
+                state.engine.kv_usage(),
             )
         };
         let waiting = waiting + shared.fetching.load(Ordering::Relaxed);
         WorkerLoadReport::new(shared.publisher.worker_id())
             .with_dp_rank(shared.dp_rank)
             .with_requests(running as u64, waiting as u64)
-            .with_kv_used_blocks(used as u64)
+            .with_kv_used_blocks(usage.used as u64)
+            .with_kv_total_blocks(usage.capacity as u64)
     }
 
     fn now(&self) -> Duration {

@@ -29,16 +29,22 @@ pub struct WorkerLoadReport {
     /// Requests the engine holds in its queue, not yet running.
     #[serde(default)]
     pub requests_waiting: Option<u64>,
+    /// KV cache blocks this rank has in all (its capacity), in the same blocks. The router's cost
+    /// credits a worker's cached blocks only as far as this capacity lets it keep them. Last,
+    /// since bincode writes the fields in order (request-plane protocol version 5).
+    #[serde(default)]
+    pub kv_total_blocks: Option<u64>,
 }
 
 impl Serialize for WorkerLoadReport {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let mut w = WireStruct::new(serializer, "WorkerLoadReport", 5)?;
+        let mut w = WireStruct::new(serializer, "WorkerLoadReport", 6)?;
         w.field("worker_id", &self.worker_id)?;
         w.field("dp_rank", &self.dp_rank)?;
         w.opt("kv_used_blocks", &self.kv_used_blocks)?;
         w.opt("requests_running", &self.requests_running)?;
         w.opt("requests_waiting", &self.requests_waiting)?;
+        w.opt("kv_total_blocks", &self.kv_total_blocks)?;
         w.end()
     }
 }
@@ -51,6 +57,7 @@ impl WorkerLoadReport {
             worker_id,
             dp_rank: 0,
             kv_used_blocks: None,
+            kv_total_blocks: None,
             requests_running: None,
             requests_waiting: None,
         }
@@ -75,6 +82,12 @@ impl WorkerLoadReport {
         self
     }
 
+    /// The same report with a capacity of `blocks` KV blocks in all.
+    pub const fn with_kv_total_blocks(mut self, blocks: u64) -> Self {
+        self.kv_total_blocks = Some(blocks);
+        self
+    }
+
     /// The (worker, dp rank) the report is about.
     pub const fn worker(&self) -> WorkerWithDpRank {
         WorkerWithDpRank::new(self.worker_id, self.dp_rank)
@@ -94,14 +107,34 @@ impl WorkerLoadReport {
     }
 
     /// Checks that the report says something (at least one figure), that the request counts
-    /// come as a pair, and that their sum fits in a `u64`.
+    /// come as a pair, that their sum fits in a `u64`, and that a stated capacity is at least
+    /// one block and at least the blocks in use.
     pub fn validate(&self) -> Result<(), ProtocolError> {
+        if let Some(total) = self.kv_total_blocks {
+            if total == 0 {
+                return Err(ProtocolError::invalid(
+                    "kv_total_blocks",
+                    "at least 1",
+                    total,
+                ));
+            }
+            if let Some(used) = self.kv_used_blocks.filter(|&used| used > total) {
+                return Err(ProtocolError::invalid(
+                    "kv_used_blocks",
+                    format!("at most kv_total_blocks ({total})"),
+                    used,
+                ));
+            }
+        }
         match (self.requests_running, self.requests_waiting) {
-            (None, None) if self.kv_used_blocks.is_none() => Err(ProtocolError::invalid(
-                "worker load report",
-                "at least one of kv_used_blocks, requests_running + requests_waiting",
-                "no figure",
-            )),
+            (None, None) if self.kv_used_blocks.is_none() && self.kv_total_blocks.is_none() => {
+                Err(ProtocolError::invalid(
+                    "worker load report",
+                    "at least one of kv_used_blocks, kv_total_blocks, requests_running + \
+                     requests_waiting",
+                    "no figure",
+                ))
+            }
             (None, None) => Ok(()),
             (Some(running), Some(waiting)) => match running.checked_add(waiting) {
                 Some(_) => Ok(()),

@@ -486,8 +486,25 @@ fn load_reports_decode_with_defaults_and_validate() {
     );
     check_load_report(
         r#"{"worker_id": 7}"#,
-        "error: worker load report must be at least one of kv_used_blocks, \
+        "error: worker load report must be at least one of kv_used_blocks, kv_total_blocks, \
          requests_running + requests_waiting, got no figure",
+    );
+    // A capacity: alone it is a figure; it must be at least 1 and at least the blocks in use.
+    check_load_report(
+        r#"{"worker_id": 7, "kv_total_blocks": 3125}"#,
+        r#"{"worker_id":7,"dp_rank":0,"kv_total_blocks":3125} requests=None"#,
+    );
+    check_load_report(
+        r#"{"worker_id": 7, "kv_used_blocks": 40, "kv_total_blocks": 3125}"#,
+        r#"{"worker_id":7,"dp_rank":0,"kv_used_blocks":40,"kv_total_blocks":3125} requests=None"#,
+    );
+    check_load_report(
+        r#"{"worker_id": 7, "kv_total_blocks": 0}"#,
+        "error: kv_total_blocks must be at least 1, got 0",
+    );
+    check_load_report(
+        r#"{"worker_id": 7, "kv_used_blocks": 41, "kv_total_blocks": 40}"#,
+        "error: kv_used_blocks must be at most kv_total_blocks (40), got 41",
     );
     check_load_report(
         r#"{"worker_id": 7, "requests_running": 3}"#,

@@ -24,8 +24,9 @@ use crate::error::RequestError;
 /// unknown-kind error mid-session; 3 added the `EngineUnavailable` error code (an engine adapter
 /// whose HTTP engine went away), which a version-2 client could not decode; 4 added the fleet
 /// secret's proofs (a nonce in the hello, a nonce and proof in the acknowledgement, the client's
-/// `Auth` frame).
-pub const PROTOCOL_VERSION: u16 = 4;
+/// `Auth` frame); 5 added the worker's KV capacity (`kv_total_blocks`) to the load reports it
+/// streams, which bincode writes positionally.
+pub const PROTOCOL_VERSION: u16 = 5;
 
 /// The magic bytes that open a client's hello frame.
 pub(crate) const MAGIC: [u8; 4] = *b"KVRT";

@@ -194,6 +194,16 @@ pub struct CostWeights {
     /// balanced, as a fraction of the mean (1.0: up to twice the mean); see
     /// [`Self::balanced_decode_weight`].
     pub decode_tolerance: f64,
+    /// Whether a worker's cached blocks are credited only as far as its KV capacity lets it keep
+    /// them until it admits the prompt (for workers whose capacity is known:
+    /// [`WorkerSpec::with_kv_capacity`](crate::WorkerSpec::with_kv_capacity), or an engine's
+    /// load report). The blocks the prompt needs beyond what the worker's active requests leave
+    /// of its capacity come out of its idle cached prefix, which then earns no credit
+    /// ([`CandidateCost::unkept_blocks`](crate::CandidateCost::unkept_blocks)). Without it a
+    /// worker that holds a prefix is credited for it even when the long prompts routed there
+    /// just before will have evicted it by the time this one is admitted, and a run of them
+    /// queues on one worker behind blocks it no longer has.
+    pub capacity_credit: bool,
     /// Whether the prefill term counts at all (the reference's `track_prefill_tokens`).
     pub track_prefill_tokens: bool,
     /// Whether prompt blocks already active on a worker are counted once (the reference's
@@ -222,6 +232,7 @@ impl CostWeights {
             overlap_credit_decay: 0.0,
             balanced_decode_weight: 1.0,
             decode_tolerance: 0.0,
+            capacity_credit: false,
             track_prefill_tokens: true,
             assume_kv_reuse: true,
         }
@@ -265,6 +276,7 @@ impl CostWeights {
             overlap_credit_decay: 0.0,
             balanced_decode_weight: 0.25,
             decode_tolerance: 1.0,
+            capacity_credit: true,
             track_prefill_tokens: true,
             assume_kv_reuse: true,
         }
@@ -291,6 +303,7 @@ impl CostWeights {
             overlap_credit_decay: 0.0,
             balanced_decode_weight: 1.0,
             decode_tolerance: 0.0,
+            capacity_credit: false,
             track_prefill_tokens: true,
             assume_kv_reuse: true,
         }
@@ -318,6 +331,9 @@ impl CostWeights {
         }
         if let Some(d) = t.decode_tolerance {
             self.decode_tolerance = d;
+        }
+        if let Some(c) = t.capacity_credit {
+            self.capacity_credit = c;
         }
         self
     }
@@ -419,6 +435,8 @@ pub struct CostTuning {
     pub balanced_decode_weight: Option<f64>,
     /// [`CostWeights::decode_tolerance`].
     pub decode_tolerance: Option<f64>,
+    /// [`CostWeights::capacity_credit`].
+    pub capacity_credit: Option<bool>,
 }
 
 /// When a worker counts as loaded; `None` disables a check. Used both for the busy filter and

@@ -92,6 +92,10 @@ pub struct CandidateCost {
     pub worker: WorkerWithDpRank,
     /// Prompt blocks cached there in device memory.
     pub overlap_blocks: u32,
+    /// Of `overlap_blocks`, those the worker cannot keep until it admits the prompt, for want of
+    /// KV capacity ([`CostWeights::capacity_credit`]); they earn no credit. 0 when the weights
+    /// do not ask, or the worker's capacity is unknown.
+    pub unkept_blocks: u32,
     /// Prompt blocks cached in host memory right after the device prefix.
     pub host_blocks: u32,
     /// Prompt blocks cached on disk or external storage right after the host run.
@@ -106,9 +110,9 @@ pub struct CandidateCost {
     pub credit: f64,
     /// Outstanding prefill plus this prompt, in blocks (0 when prefill is not tracked).
     pub prefill_blocks: f64,
-    /// `max(prefill_blocks - (credit * overlap_blocks + weighted_overlap_blocks -
-    /// overlap_blocks), 0)`: the device blocks credited at `credit`, the slower tiers' at their
-    /// weights.
+    /// `max(prefill_blocks - (credit * (overlap_blocks - unkept_blocks) +
+    /// weighted_overlap_blocks - overlap_blocks), 0)`: the device blocks the worker keeps
+    /// credited at `credit`, the slower tiers' at their weights.
     pub credited_prefill_blocks: f64,
     /// Active decode blocks plus this prompt's blocks not already active there.
     pub decode_blocks: f64,
@@ -144,6 +148,9 @@ impl fmt::Display for CandidateCost {
             self.overlap_blocks,
             self.credit,
         )?;
+        if self.unkept_blocks > 0 {
+            write!(f, ", {} unkept for want of capacity", self.unkept_blocks)?;
+        }
         if self.host_blocks > 0 || self.disk_blocks > 0 {
             write!(
                 f,

@@ -179,6 +179,7 @@ impl Requests {
                 0 => {
                     state.exclusive += 1;
                     load.exclusive_weighted += state.fraction;
+                    load.held_blocks += 1;
                 }
                 1 => {
                     // The block stops being exclusive to its single holder.
@@ -247,6 +248,7 @@ impl Requests {
         state.output_blocks = blocks_now;
         state.exclusive += new_blocks;
         load.exclusive_weighted += new_blocks * state.fraction;
+        load.held_blocks += new_blocks;
 
         if let Some(expected) = state.expected_output_tokens.filter(|&e| e > 0) {
             let done = u128::from(state.output_tokens.min(u64::from(expected)));
@@ -286,6 +288,7 @@ impl Requests {
         load.active_requests -= 1;
         load.prefill_tokens -= state.prefill_tokens;
         load.exclusive_weighted -= state.output_blocks * state.fraction;
+        load.held_blocks -= state.output_blocks;
         state.exclusive -= state.output_blocks;
         let prompt = std::mem::take(&mut state.prompt);
         for &h in prompt.iter() {
@@ -302,6 +305,7 @@ impl Requests {
                 0 => {
                     state.exclusive -= 1;
                     load.exclusive_weighted -= state.fraction;
+                    load.held_blocks -= 1;
                     holders.swap_remove(at);
                     if holders.is_empty() {
                         self.holders.remove(&h);

@@ -192,6 +192,31 @@ impl Scheduler {
         Ok(freed)
     }
 
+    /// Sets the KV capacity of one (worker, dp rank), in blocks, as its engine states it (a load
+    /// report); `None` forgets it. Read by the busy threshold on decode blocks and by
+    /// [`CostWeights::capacity_credit`](crate::CostWeights::capacity_credit).
+    pub fn set_kv_capacity(
+        &mut self,
+        worker: WorkerWithDpRank,
+        blocks: Option<u64>,
+    ) -> Result<(), LoadError> {
+        let slot = self
+            .workers
+            .slot_of
+            .get(&worker)
+            .copied()
+            .and_then(|idx| self.workers.slot_mut(idx))
+            .ok_or(LoadError::UnknownWorker(worker))?;
+        slot.kv_capacity_blocks = blocks;
+        Ok(())
+    }
+
+    /// The KV capacity of one (worker, dp rank), in blocks, when it is known.
+    pub fn kv_capacity(&self, worker: WorkerWithDpRank) -> Option<u64> {
+        let idx = *self.workers.slot_of.get(&worker)?;
+        self.workers.slot(idx)?.kv_capacity_blocks
+    }
+
     /// Number of active requests across all workers.
     pub fn active_requests(&self) -> usize {
         self.requests.len()

@@ -455,13 +455,19 @@ impl CostTerms<'_> {
         };
         let excess =
             slot.load.prefill_tokens.saturating_sub(self.floor_prefill) as f64 / block_size;
-        let credit = w.credit(overlap_blocks, req.block_hashes.len())
+        let unkept = if w.capacity_credit {
+            unkept_blocks(slot, req.block_hashes.len() as u64, overlap_blocks, active)
+        } else {
+            0
+        };
+        let kept = overlap_blocks - unkept;
+        let credit = w.credit(kept, req.block_hashes.len())
             * w.credit_decay_at(excess, req.block_hashes.len());
         // Exactly 0.0 without lower-tier blocks (or with zero weights), so the cost is then
         // bit for bit the device-only one.
         let lower_credit = tiers.host * f64::from(mark.host) + tiers.disk * f64::from(mark.disk);
         let credited_prefill_blocks =
-            (prefill_blocks - (credit * f64::from(overlap_blocks) + lower_credit)).max(0.0);
+            (prefill_blocks - (credit * f64::from(kept) + lower_credit)).max(0.0);
         let already_active = f64::from(active).min(prompt_blocks);
         let decode_blocks = slot.load.decode_blocks() + (prompt_blocks - already_active);
         let taint_multiplier = if self.has_preferences {
@@ -481,6 +487,7 @@ impl CostTerms<'_> {
         CandidateCost {
             worker: slot.key,
             overlap_blocks,
+            unkept_blocks: unkept,
             host_blocks: mark.host,
             disk_blocks: mark.disk,
             weighted_overlap_blocks: f64::from(overlap_blocks) + lower_credit,
@@ -493,6 +500,29 @@ impl CostTerms<'_> {
             cost,
         }
     }
+}
+
+/// How many of a prompt's `overlap` cached blocks on `slot` the engine cannot keep until it
+/// admits the prompt, judged against the worker's KV capacity (0 when it is unknown).
+///
+/// Admitting the prompt, the engine holds every block of it that its active requests do not
+/// already hold (`prompt - active`): the cached ones it reuses and the new ones it computes.
+/// What its active requests leave of the capacity (`room`, counting the requests routed there
+/// but not yet admitted, whose blocks the engine will hold by then) must take all of them; the
+/// blocks short of that are found by evicting idle cached blocks, or by waiting until running
+/// requests finish while their decodes and other admissions evict. Either way this prompt's
+/// own idle cached prefix (`overlap - active`) is what stands to go, up to the shortfall.
+#[inline]
+fn unkept_blocks(slot: &Slot, prompt: u64, overlap: u32, active: u32) -> u32 {
+    let Some(capacity) = slot.kv_capacity_blocks else {
+        return 0;
+    };
+    let active = active.min(overlap);
+    let need = prompt.saturating_sub(u64::from(active));
+    let room = capacity.saturating_sub(slot.load.held_blocks);
+    let shortfall = need.saturating_sub(room);
+    // At most `overlap - active`, a u32.
+    shortfall.min(u64::from(overlap - active)) as u32
 }
 
 /// Index of the cheapest candidate; ties broken uniformly (reservoir sampling over the ties).
@@ -560,3 +590,4 @@ impl fmt::Display for CandidateList<'_> {
         Ok(())
     }
 }
+

@@ -18,6 +18,9 @@ pub struct WorkerLoad {
     /// Active decode blocks: shared blocks plus single-owner blocks weighted by their owner's
     /// remaining fraction.
     pub decode_blocks: f64,
+    /// KV blocks the active requests hold, unweighted: their distinct prompt blocks plus their
+    /// whole output blocks (what the engine must keep in memory for them).
+    pub held_blocks: u64,
 }
 
 /// What one slot's active requests add up to, kept in the worker table and updated by the active
@@ -29,6 +32,8 @@ pub(crate) struct SlotLoad {
     pub(crate) shared_blocks: u64,
     /// Sum over requests of `exclusive blocks * fraction`, in units of `1 / FRACTION_ONE`.
     pub(crate) exclusive_weighted: u64,
+    /// Distinct prompt blocks held plus whole output blocks, unweighted.
+    pub(crate) held_blocks: u64,
 }
 
 impl SlotLoad {
@@ -43,6 +48,7 @@ impl SlotLoad {
             prefill_tokens: self.prefill_tokens,
             shared_blocks: self.shared_blocks,
             decode_blocks: self.decode_blocks(),
+            held_blocks: self.held_blocks,
         }
     }
 }

@@ -84,6 +84,7 @@ fn costs(values: &[f64]) -> Vec<CandidateCost> {
         .map(|(i, &cost)| CandidateCost {
             worker: WorkerWithDpRank::from_worker_id(i as u64),
             overlap_blocks: 0,
+            unkept_blocks: 0,
             host_blocks: 0,
             disk_blocks: 0,
             weighted_overlap_blocks: 0.0,

@@ -113,6 +113,11 @@ pub(crate) struct ReplayArgs {
     /// it (default 0; kv-locality scores with 1: up to twice the mean).
     #[arg(long, value_name = "X")]
     decode_tolerance: Option<f64>,
+    /// Policy kv credits a worker's cached blocks only as far as its KV capacity lets it keep
+    /// them until the prompt is admitted (default false, the reference's; kv-locality scores
+    /// with true).
+    #[arg(long, value_name = "BOOL")]
+    capacity_credit: Option<bool>,
     /// Replay speed: 2.0 makes requests arrive twice as fast as the trace says.
     #[arg(long, default_value_t = 1.0, value_name = "X")]
     speed: f64,
@@ -295,6 +300,7 @@ impl Plan {
             cached_share_exponent: args.cached_share_exponent,
             balanced_decode_weight: args.balanced_decode_weight,
             decode_tolerance: args.decode_tolerance,
+            capacity_credit: args.capacity_credit,
         };
         validate_kv_weights(&kv_weights, asked)?;
         // A policy named twice would only print the same row twice.

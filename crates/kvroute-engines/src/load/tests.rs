@@ -7,13 +7,17 @@ fn bs(n: u32) -> NonZeroU32 {
 }
 
 /// Reads `text` as a `kind` engine's metrics with blocks of `block_size`, and renders each rank
-/// as `rank R: running N, waiting M, kv B` (`kv -` for `None`), one a line, or the error.
+/// as `rank R: running N, waiting M, kv B of T` (`kv -` for `None`, no `of T` without a
+/// total), one a line, or the error.
 fn check(kind: EngineKind, block_size: u32, text: &str, expect: &str) {
     let got = match read(kind, text, bs(block_size), URL) {
         Ok(loads) => loads
             .iter()
             .map(|l| {
-                let kv = l.kv_used_blocks.map_or("-".to_owned(), |b| b.to_string());
+                let mut kv = l.kv_used_blocks.map_or("-".to_owned(), |b| b.to_string());
+                if let Some(total) = l.kv_total_blocks {
+                    kv = format!("{kv} of {total}");
+                }
                 format!(
                     "rank {}: running {}, waiting {}, kv {kv}",
                     l.dp_rank, l.requests_running, l.requests_waiting
@@ -39,20 +43,20 @@ fn vllm_one_engine_states_its_blocks_in_use() {
         EngineKind::Vllm,
         16,
         VLLM_SINGLE,
-        "rank 0: running 3, waiting 3, kv 37",
+        "rank 0: running 3, waiting 3, kv 37 of 999",
     );
     // 37 blocks of 16 = 592 tokens = 18.5 blocks of 32, 74 of 8.
     check(
         EngineKind::Vllm,
         32,
         VLLM_SINGLE,
-        "rank 0: running 3, waiting 3, kv 19",
+        "rank 0: running 3, waiting 3, kv 19 of 499",
     );
     check(
         EngineKind::Vllm,
         8,
         VLLM_SINGLE,
-        "rank 0: running 3, waiting 3, kv 74",
+        "rank 0: running 3, waiting 3, kv 74 of 1998",
     );
 }
 
@@ -74,7 +78,7 @@ fn older_vllm_names_its_usage_gpu_cache_usage_perc() {
         EngineKind::Vllm,
         16,
         &text,
-        "rank 0: running 3, waiting 3, kv 37",
+        "rank 0: running 3, waiting 3, kv 37 of 999",
     );
 }
 
@@ -104,25 +108,25 @@ fn vllm_kv_is_unknown_without_its_total_or_with_an_odd_usage() {
         EngineKind::Vllm,
         16,
         &format!("{usage}vllm:kv_cache_usage_perc 0.5\n"),
-        "rank 0: running 1, waiting 0, kv 50",
+        "rank 0: running 1, waiting 0, kv 50 of 100",
     );
     check(
         EngineKind::Vllm,
         16,
         &format!("{usage}vllm:kv_cache_usage_perc NaN\n"),
-        "rank 0: running 1, waiting 0, kv -",
+        "rank 0: running 1, waiting 0, kv - of 100",
     );
     check(
         EngineKind::Vllm,
         16,
         &format!("{usage}vllm:kv_cache_usage_perc 1.5\n"),
-        "rank 0: running 1, waiting 0, kv -",
+        "rank 0: running 1, waiting 0, kv - of 100",
     );
     check(
         EngineKind::Vllm,
         16,
         usage,
-        "rank 0: running 1, waiting 0, kv -",
+        "rank 0: running 1, waiting 0, kv - of 100",
     );
 }
 
@@ -194,18 +198,18 @@ fn a_rank_label_that_is_not_a_number_is_malformed() {
 
 #[test]
 fn sglang_states_used_tokens() {
-    // 5 running, 3 queued, 1500 token slots in use = 93.75 blocks of 16.
+    // 5 running, 3 queued, 1500 token slots in use = 93.75 blocks of 16, of 100,000 in all.
     check(
         EngineKind::Sglang,
         16,
         SGLANG_SINGLE,
-        "rank 0: running 5, waiting 3, kv 94",
+        "rank 0: running 5, waiting 3, kv 94 of 6250",
     );
     check(
         EngineKind::Sglang,
         1,
         SGLANG_SINGLE,
-        "rank 0: running 5, waiting 3, kv 1500",
+        "rank 0: running 5, waiting 3, kv 1500 of 100000",
     );
 }
 
@@ -215,7 +219,7 @@ fn sglang_reads_totals_per_dp_rank_not_per_priority() {
         EngineKind::Sglang,
         16,
         SGLANG_DP2,
-        "rank 0: running 4, waiting 2, kv 44\nrank 1: running 1, waiting 6, kv 3",
+        "rank 0: running 4, waiting 2, kv 44 of 6250\nrank 1: running 1, waiting 6, kv 3 of 6250",
     );
 }
 
@@ -231,7 +235,7 @@ fn sglang_before_kv_used_tokens_states_num_used_tokens() {
         EngineKind::Sglang,
         1,
         &text,
-        "rank 0: running 5, waiting 3, kv 1700",
+        "rank 0: running 5, waiting 3, kv 1700 of 100000",
     );
 }
 
@@ -334,6 +338,7 @@ fn a_load_becomes_a_valid_report() {
         requests_running: 2,
         requests_waiting: 3,
         kv_used_blocks: Some(4),
+        kv_total_blocks: Some(10),
     };
     let report = load.report(7);
     assert_eq!(
@@ -342,13 +347,15 @@ fn a_load_becomes_a_valid_report() {
             .with_dp_rank(1)
             .with_requests(2, 3)
             .with_kv_used_blocks(4)
+            .with_kv_total_blocks(10)
     );
     assert_eq!(report.validate(), Ok(()));
     let report = EngineLoad {
         kv_used_blocks: None,
+        kv_total_blocks: None,
         ..load
     }
     .report(7);
-    assert_eq!(report.kv_used_blocks, None);
+    assert_eq!((report.kv_used_blocks, report.kv_total_blocks), (None, None));
     assert_eq!(report.validate(), Ok(()));
 }

@@ -35,6 +35,15 @@ fn load(dp_rank: u32, running: u64, waiting: u64, kv: Option<u64>) -> EngineLoad
         requests_running: running,
         requests_waiting: waiting,
         kv_used_blocks: kv,
+        kv_total_blocks: None,
+    }
+}
+
+/// The same load with a capacity of `total` blocks.
+fn of(load: EngineLoad, total: u64) -> EngineLoad {
+    EngineLoad {
+        kv_total_blocks: Some(total),
+        ..load
     }
 }
 
@@ -53,7 +62,7 @@ async fn each_engine_s_metrics_are_read_per_rank() {
         (
             EngineKind::Vllm,
             "vllm_single.txt",
-            vec![load(0, 3, 3, Some(37))],
+            vec![of(load(0, 3, 3, Some(37)), 999)],
         ),
         (
             EngineKind::Vllm,
@@ -63,12 +72,15 @@ async fn each_engine_s_metrics_are_read_per_rank() {
         (
             EngineKind::Sglang,
             "sglang_single.txt",
-            vec![load(0, 5, 3, Some(94))],
+            vec![of(load(0, 5, 3, Some(94)), 6250)],
         ),
         (
             EngineKind::Sglang,
             "sglang_dp2_priority.txt",
-            vec![load(0, 4, 2, Some(44)), load(1, 1, 6, Some(3))],
+            vec![
+                of(load(0, 4, 2, Some(44)), 6250),
+                of(load(1, 1, 6, Some(3)), 6250),
+            ],
         ),
         (
             EngineKind::Llamacpp,
@@ -101,7 +113,7 @@ async fn the_api_key_and_a_path_prefix_are_applied() {
     let engine = HttpEngine::new(config).unwrap();
     assert_eq!(
         engine.load(BLOCK_SIZE).await,
-        Ok(vec![load(0, 3, 3, Some(37))])
+        Ok(vec![of(load(0, 3, 3, Some(37)), 999)])
     );
     let got = mock.request().await;
     assert_eq!(got.path, "/engine-a/metrics");

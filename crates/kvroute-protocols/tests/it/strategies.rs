@@ -477,13 +477,22 @@ pub(crate) fn worker_load_report() -> impl Strategy<Value = WorkerLoadReport> {
         of(any::<u64>()),
         of(any::<u64>()),
         of(any::<u64>()),
+        of(any::<u64>()),
     )
         .prop_map(
-            |(worker_id, dp_rank, kv_used_blocks, requests_running, requests_waiting)| {
+            |(
+                worker_id,
+                dp_rank,
+                kv_used_blocks,
+                kv_total_blocks,
+                requests_running,
+                requests_waiting,
+            )| {
                 WorkerLoadReport {
                     worker_id,
                     dp_rank,
                     kv_used_blocks,
+                    kv_total_blocks,
                     requests_running,
                     requests_waiting,
                 }

@@ -22,6 +22,9 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// excess, and returned. A request this core
     /// routed is never freed here, whatever the report says: its guard ends it.
     ///
+    /// A report that states the rank's KV capacity (`kv_total_blocks`) sets it for the cost
+    /// ([`CostWeights::capacity_credit`](kvroute_scheduler::CostWeights::capacity_credit)).
+    ///
     /// A report that does not validate is an error and changes nothing; one from a (worker,
     /// dp rank) not registered here is skipped and counted (like its events).
     pub fn on_load_report(
@@ -37,6 +40,13 @@ impl<S: AffinityStore> KvRouterCore<S> {
         }
         self.stats.load_reports_applied += 1;
         self.reports.insert(worker, (*report, now));
+        if let Some(total) = report.kv_total_blocks
+            && self.scheduler.kv_capacity(worker) != Some(total)
+        {
+            // Registered just above, so this cannot fail.
+            let _ = self.scheduler.set_kv_capacity(worker, Some(total));
+            tracing::debug!(%worker, blocks = total, "worker states its KV capacity");
+        }
         let Some(reported) = report.requests() else {
             return Ok(Vec::new());
         };

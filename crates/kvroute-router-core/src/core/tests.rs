@@ -538,6 +538,11 @@ fn load_reports_without_counts_are_recorded_bad_ones_refused_unknown_ones_skippe
     }
     assert_eq!(core.stats().load_reports_unregistered, 2);
     assert_eq!(core.stats().load_reports_applied, 1);
+    // A stated capacity reaches the scheduler's cost.
+    assert_eq!(core.scheduler().kv_capacity(w(1)), None);
+    let capacity = WorkerLoadReport::new(1).with_kv_total_blocks(3125);
+    assert_eq!(core.on_load_report(&capacity, later), Ok(vec![]));
+    assert_eq!(core.scheduler().kv_capacity(w(1)), Some(3125));
     // Removing the worker forgets its report.
     assert_eq!(core.remove_worker(1), vec![RequestId(10)]);
     assert_eq!(core.reported_load(w(1)), None);

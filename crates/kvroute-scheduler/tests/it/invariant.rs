@@ -101,11 +101,13 @@ fn model_load(reqs: &BTreeMap<u64, ModelReq>, worker: u64) -> WorkerLoad {
         let exclusive = exclusive_prompt + r.out_tokens / u64::from(BS);
         weighted += exclusive * r.fraction();
     }
+    let output_blocks: u64 = mine.iter().map(|(_, r)| r.out_tokens / u64::from(BS)).sum();
     WorkerLoad {
         active_requests: mine.len() as u64,
         prefill_tokens: mine.iter().map(|(_, r)| r.prefill).sum(),
         shared_blocks: shared,
         decode_blocks: shared as f64 + weighted as f64 / ONE as f64,
+        held_blocks: holders.len() as u64 + output_blocks,
     }
 }
 

@@ -842,3 +842,79 @@ fn avoided_workers_are_skipped_while_another_can_serve_and_chosen_when_none_can(
         w(1)
     );
 }
+
+#[test]
+fn cached_blocks_a_full_worker_cannot_keep_earn_no_credit() {
+    // Prefill weighs 4 decode blocks; both workers hold 20 blocks of KV in all.
+    let weights = |capacity_credit| CostWeights {
+        prefill_load_scale: 4.0,
+        loaded_prefill_load_scale: 4.0,
+        capacity_credit,
+        ..CostWeights::reference()
+    };
+    let fleet = |capacity_credit, capacity: Option<u64>| {
+        let mut config = SchedulerConfig::new(BS);
+        config.cost = weights(capacity_credit);
+        let specs = (0..2).map(move |id| match capacity {
+            Some(blocks) => WorkerSpec::new(id).with_kv_capacity(blocks),
+            None => WorkerSpec::new(id),
+        });
+        let mut s = scheduler_with(config, specs);
+        // Worker 1 runs an unrelated 16-block prompt, past its prefill: 4 blocks of room left.
+        add(&mut s, 1, w(1), &blocks(500, 16));
+        s.mark_prefill_completed(RequestId(1)).expect("active");
+        assert_eq!(s.worker_load(w(1)).map(|l| l.held_blocks), Some(16));
+        s
+    };
+    // A 10-block prompt with 8 blocks cached on worker 1.
+    let prompt = blocks(100, 10);
+    let overlaps = [(w(1), 8)];
+    let req = SelectRequest::new(160, &prompt, &overlaps);
+
+    let mut s = fleet(true, Some(20));
+    let d = s.select(&req, &mut rng()).expect("selected");
+    // Admitting it, worker 1 must hold all 10 of its blocks in 4 blocks of room: 6 of the 8
+    // cached ones go. Prefill 10 - 1.0 * 2 kept = 8, decode 16 + 10: 4 * 8 + 26 = 58.
+    let c1 = cost_of(d.candidates, w(1));
+    assert_eq!(
+        (c1.overlap_blocks, c1.unkept_blocks, c1.credited_prefill_blocks, c1.cost),
+        (8, 6, 8.0, 58.0)
+    );
+    // The idle worker: 4 * 10 + 10 = 50.
+    assert_eq!(cost_of(d.candidates, w(0)).cost, 50.0);
+    assert_eq!(d.chosen.worker, w(0));
+    assert!(!d.chosen.to_string().contains("unkept"), "{}", d.chosen);
+    assert!(c1.to_string().contains("6 unkept for want of capacity"), "{c1}");
+
+    // The reference's cost, a worker of unknown capacity, or one with room: all 8 credited.
+    for (capacity_credit, capacity) in [(false, Some(20)), (true, None), (true, Some(26))] {
+        let mut s = fleet(capacity_credit, capacity);
+        let d = s.select(&req, &mut rng()).expect("selected");
+        let c1 = cost_of(d.candidates, w(1));
+        // Prefill 10 - 8 = 2, decode 26: 4 * 2 + 26 = 34.
+        assert_eq!(
+            (c1.unkept_blocks, c1.cost, d.chosen.worker),
+            (0, 34.0, w(1)),
+            "capacity_credit {capacity_credit}, capacity {capacity:?}"
+        );
+    }
+
+    // Prompt blocks the worker already holds for another request need no room.
+    let mut s = fleet(true, Some(20));
+    let shared: Vec<u64> = blocks(500, 8).into_iter().chain(blocks(900, 2)).collect();
+    let d = s
+        .select(&SelectRequest::new(160, &shared, &[(w(1), 8)]), &mut rng())
+        .expect("selected");
+    assert_eq!(cost_of(d.candidates, w(1)).unkept_blocks, 0);
+}
+
+#[test]
+fn a_reported_capacity_is_set_and_read_back() {
+    let mut s = scheduler(1);
+    assert_eq!(s.kv_capacity(w(0)), None);
+    s.set_kv_capacity(w(0), Some(3125)).expect("registered");
+    assert_eq!(s.kv_capacity(w(0)), Some(3125));
+    assert!(s.set_kv_capacity(w(9), Some(1)).is_err());
+    s.set_kv_capacity(w(0), None).expect("registered");
+    assert_eq!(s.kv_capacity(w(0)), None);
+}

@@ -122,8 +122,8 @@ impl ReplayPolicy {
 /// `kvroute serve --policy kv` takes the same): each finite and at least 0, a balanced decode
 /// weight at most 1, and policy kv among `policies`, since no other policy would read them.
 /// `kv-locality` is `kv` with an overlap credit of 1.5, a prefill load scale of 4 rising to 8
-/// under backlog, a cached share exponent of 2 and a balanced decode weight of 0.25 within a
-/// decode tolerance of 1.
+/// under backlog, a cached share exponent of 2, a balanced decode weight of 0.25 within a
+/// decode tolerance of 1, and the capacity credit on.
 pub(crate) fn validate_kv_weights(
     weights: &CostTuning,
     policies: &[ReplayPolicy],
@@ -139,6 +139,12 @@ pub(crate) fn validate_kv_weights(
         ("--balanced-decode-weight", weights.balanced_decode_weight),
         ("--decode-tolerance", weights.decode_tolerance),
     ];
+    if weights.capacity_credit.is_some() && !policies.contains(&ReplayPolicy::Kv) {
+        anyhow::bail!(
+            "--capacity-credit sets a weight of policy kv, which is not replayed: add --policy \
+             kv (the other policies score with fixed weights)"
+        );
+    }
     for (flag, value) in given {
         let Some(v) = value else { continue };
         if !(v.is_finite() && v >= 0.0) {
@@ -189,6 +195,7 @@ mod tests {
             cached_share_exponent: Some(2.0),
             balanced_decode_weight: Some(0.25),
             decode_tolerance: Some(1.0),
+            capacity_credit: Some(true),
         };
         let kv = ReplayPolicy::Kv.router_config(16, &weights);
         let locality = ReplayPolicy::KvLocality.router_config(16, &weights);
@@ -209,6 +216,17 @@ mod tests {
             error.to_string().contains("--prefill-load-scale must be"),
             "{error}"
         );
+        let capacity = CostTuning {
+            capacity_credit: Some(false),
+            ..CostTuning::default()
+        };
+        let error = validate_kv_weights(&capacity, &[ReplayPolicy::KvLocality]).unwrap_err();
+        assert!(error.to_string().contains("--capacity-credit"), "{error}");
+        let kv = ReplayPolicy::Kv.router_config(16, &CostTuning {
+            capacity_credit: Some(true),
+            ..CostTuning::default()
+        });
+        assert!(kv.scheduler.cost.capacity_credit && !plain.scheduler.cost.capacity_credit);
     }
 
     #[test]

@@ -159,6 +159,11 @@ pub(crate) struct RouterOptions {
     /// kv-locality scores with 2).
     #[arg(long, allow_negative_numbers = true)]
     pub(crate) cached_share_exponent: Option<f64>,
+    /// Whether policy kv credits a worker's cached blocks only as far as its KV capacity (as its
+    /// engine reports it) lets it keep them until the prompt is admitted (default false, the
+    /// reference's; kv-locality scores with true).
+    #[arg(long, value_name = "BOOL")]
+    pub(crate) capacity_credit: Option<bool>,
     /// Credit per cached block found on a worker's host (CPU) tier, continuing its device
     /// prefix, against a device block's 1 (default 0.75, as the reference).
     #[arg(long, allow_negative_numbers = true)]
@@ -460,6 +465,7 @@ impl ServeOptions {
                 balanced_decode_weight: pick(r.balanced_decode_weight, fr.balanced_decode_weight),
                 decode_tolerance: pick(r.decode_tolerance, fr.decode_tolerance),
                 cached_share_exponent: pick(r.cached_share_exponent, fr.cached_share_exponent),
+                capacity_credit: pick(r.capacity_credit, fr.capacity_credit),
                 host_cache_hit_weight: pick(r.host_cache_hit_weight, fr.host_cache_hit_weight),
                 disk_cache_hit_weight: pick(r.disk_cache_hit_weight, fr.disk_cache_hit_weight),
                 max_migrations: pick(r.max_migrations, fr.max_migrations),

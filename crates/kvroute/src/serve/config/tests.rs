@@ -652,6 +652,11 @@ fn policy_kv_takes_the_locality_weights_one_by_one_and_the_presets_refuse_them()
         &[],
         Err("no cached share exponent with policy kv-adaptive"),
     );
+    check(
+        "",
+        &["--capacity-credit", "false"],
+        Err("no capacity credit setting with policy kv-locality"),
+    );
     let options = ServeOptions::from_toml(
         "[router]\npolicy = \"kv\"\nprefill_load_scale = 16.0\noverlap_credit = 1.5\n\
          cached_share_exponent = 2.0\n",
@@ -696,7 +701,7 @@ fn policy_kv_takes_every_weight_of_kv_locality_and_scores_as_it() {
     let options = ServeOptions::from_toml(
         "[router]\npolicy = \"kv\"\noverlap_credit = 1.5\nprefill_load_scale = 4.0\n\
          loaded_prefill_load_scale = 8.0\ncached_share_exponent = 2.0\n\
-         balanced_decode_weight = 0.25\ndecode_tolerance = 1.0\n",
+         balanced_decode_weight = 0.25\ndecode_tolerance = 1.0\ncapacity_credit = true\n",
     )
     .expect("toml")
     .validate()

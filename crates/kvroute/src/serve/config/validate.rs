@@ -392,6 +392,19 @@ fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(
             ));
         }
     }
+    if let Some(v) = r.capacity_credit
+        && policy.cost_weights().is_some()
+    {
+        return Err(invalid(
+            "router.capacity_credit",
+            "capacity-credit",
+            &format!(
+                "no capacity credit setting with policy {policy}, whose weights are fixed (it \
+                 applies to policy kv: set policy = \"kv\" to tune the cost's weights)"
+            ),
+            v,
+        ));
+    }
     *cost = cost.with_tuning(&CostTuning {
         overlap_credit: r.overlap_credit,
         prefill_load_scale: r.prefill_load_scale,
@@ -399,6 +412,7 @@ fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(
         cached_share_exponent: r.cached_share_exponent,
         balanced_decode_weight: r.balanced_decode_weight,
         decode_tolerance: r.decode_tolerance,
+        capacity_credit: r.capacity_credit,
     });
     let weights = &mut router.core.scheduler.cache_hit_weights;
     for (value, key, flag, slot) in [
