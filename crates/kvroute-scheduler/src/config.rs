@@ -142,7 +142,8 @@ impl CacheHitWeights {
 /// [`CostWeights::locality`] (the router's default policy, `kv-locality`) weighs prefill 4 to 1
 /// against decode blocks (up to 8 to 1 as the prefill backlog builds), a decode block a quarter
 /// while the worker's decode load is within twice the mean, and credits a mostly cached prompt's
-/// blocks 1.5 times, falling with the square of the cached share;
+/// blocks 1.5 times, falling with the square of the cached share, and only the blocks the
+/// worker's KV capacity lets it keep;
 /// [`CostWeights::load_adaptive`] raises the prefill scale from 1 to 8 as the fleet's prefill
 /// backlog builds. Blocks continuing the prefix in slower tiers add
 /// [`SchedulerConfig::cache_hit_weights`] to the credit under every preset.
@@ -242,7 +243,8 @@ impl CostWeights {
     /// backlog fills a batch on every worker), a decode block weighs a quarter on a worker
     /// whose decode load is within twice the eligible workers' mean (and 1 above that), and a
     /// cached block credits up to 1.5 blocks of prefill, `1.5 * share^2` where `share` is the
-    /// cached share of the prompt.
+    /// cached share of the prompt, if the worker can keep it until the prompt is admitted
+    /// ([`Self::capacity_credit`]).
     ///
     /// Time to first token is mostly prefill: under the reference's own engine timing a block
     /// of prefill costs a hundred times more time than a block of decode adds to a step, so
@@ -261,7 +263,10 @@ impl CostWeights {
     /// tolerance does on a balanced fleet what a fixed 16 would (a prompt is not moved off its
     /// cache for a few hundred more decode blocks that slow nobody's first token), while a
     /// worker that decodes over twice the mean is spread at the full weight, which keeps most
-    /// of light `multi-turn`'s E2E (+8% against +35%).
+    /// of light `multi-turn`'s E2E (+8% against +35%). The capacity credit stops a run of long
+    /// prompts from queueing on one worker for a prefix that the first of them will have
+    /// evicted (on the peers bench's `agentic` cells in virtual time, where capacity binds, TTFT
+    /// p99 fell up to 7x); where capacity does not bind it changes nothing.
     ///
     /// Measured in docs/benchmarks.md ("The default policy against the reference"): on every
     /// workload of the evaluation set, light and saturated, it beats the reference's router on

@@ -16,7 +16,10 @@
 //! blocks in slower tiers continuing its device prefix, credited by the
 //! [`CacheHitWeights`](crate::CacheHitWeights) (0.75 and 0.25 by default); `decode_cost` weighs
 //! decode blocks lightly while the worker's decode load is within a tolerance of the eligible
-//! workers' mean, when the weights ask for it ([`CostWeights::decode_cost`]).
+//! workers' mean, when the weights ask for it ([`CostWeights::decode_cost`]). With
+//! [`CostWeights::capacity_credit`], `overlap_blocks` counts only the cached blocks the worker can
+//! keep until it admits the prompt, given its KV capacity and the blocks its active requests hold
+//! (`unkept_blocks`).
 
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -590,4 +593,3 @@ impl fmt::Display for CandidateList<'_> {
         Ok(())
     }
 }
-

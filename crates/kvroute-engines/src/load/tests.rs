@@ -356,6 +356,9 @@ fn a_load_becomes_a_valid_report() {
         ..load
     }
     .report(7);
-    assert_eq!((report.kv_used_blocks, report.kv_total_blocks), (None, None));
+    assert_eq!(
+        (report.kv_used_blocks, report.kv_total_blocks),
+        (None, None)
+    );
     assert_eq!(report.validate(), Ok(()));
 }

@@ -877,14 +877,22 @@ fn cached_blocks_a_full_worker_cannot_keep_earn_no_credit() {
     // cached ones go. Prefill 10 - 1.0 * 2 kept = 8, decode 16 + 10: 4 * 8 + 26 = 58.
     let c1 = cost_of(d.candidates, w(1));
     assert_eq!(
-        (c1.overlap_blocks, c1.unkept_blocks, c1.credited_prefill_blocks, c1.cost),
+        (
+            c1.overlap_blocks,
+            c1.unkept_blocks,
+            c1.credited_prefill_blocks,
+            c1.cost
+        ),
         (8, 6, 8.0, 58.0)
     );
     // The idle worker: 4 * 10 + 10 = 50.
     assert_eq!(cost_of(d.candidates, w(0)).cost, 50.0);
     assert_eq!(d.chosen.worker, w(0));
     assert!(!d.chosen.to_string().contains("unkept"), "{}", d.chosen);
-    assert!(c1.to_string().contains("6 unkept for want of capacity"), "{c1}");
+    assert!(
+        c1.to_string().contains("6 unkept for want of capacity"),
+        "{c1}"
+    );
 
     // The reference's cost, a worker of unknown capacity, or one with room: all 8 credited.
     for (capacity_credit, capacity) in [(false, Some(20)), (true, None), (true, Some(26))] {

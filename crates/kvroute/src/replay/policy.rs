@@ -222,10 +222,13 @@ mod tests {
         };
         let error = validate_kv_weights(&capacity, &[ReplayPolicy::KvLocality]).unwrap_err();
         assert!(error.to_string().contains("--capacity-credit"), "{error}");
-        let kv = ReplayPolicy::Kv.router_config(16, &CostTuning {
-            capacity_credit: Some(true),
-            ..CostTuning::default()
-        });
+        let kv = ReplayPolicy::Kv.router_config(
+            16,
+            &CostTuning {
+                capacity_credit: Some(true),
+                ..CostTuning::default()
+            },
+        );
         assert!(kv.scheduler.cost.capacity_credit && !plain.scheduler.cost.capacity_credit);
     }
 
