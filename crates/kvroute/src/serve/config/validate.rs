@@ -314,6 +314,21 @@ fn parse_policy(given: Option<&str>) -> Result<Policy, InvalidOption> {
 }
 
 /// `[router]`'s cost model: temperature, overlap credit and the lower tiers' cache-hit weights.
+/// The refusal of a cost weight given with a policy whose weights are fixed.
+fn fixed_weights(
+    policy: impl std::fmt::Display,
+    key: &'static str,
+    flag: &'static str,
+    what: &str,
+    got: impl std::fmt::Debug,
+) -> InvalidOption {
+    let expected = format!(
+        "no {what} with policy {policy}, whose weights are fixed (it applies to policy kv: set \
+         policy = \"kv\" to tune the cost's weights)"
+    );
+    invalid(key, flag, &expected, got)
+}
+
 fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(), InvalidOption> {
     if let Some(t) = r.temperature {
         if !(t.is_finite() && t >= 0.0) {
@@ -381,27 +396,18 @@ fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(
             ));
         }
         if policy.cost_weights().is_some() {
-            return Err(invalid(
-                key,
-                flag,
-                &format!(
-                    "no {what} with policy {policy}, whose weights are fixed (it applies to \
-                     policy kv: set policy = \"kv\" to tune the cost's weights)"
-                ),
-                v,
-            ));
+            return Err(fixed_weights(policy, key, flag, what, v));
         }
     }
     if let Some(v) = r.capacity_credit
         && policy.cost_weights().is_some()
     {
-        return Err(invalid(
+        let what = "capacity credit setting";
+        return Err(fixed_weights(
+            policy,
             "router.capacity_credit",
             "capacity-credit",
-            &format!(
-                "no capacity credit setting with policy {policy}, whose weights are fixed (it \
-                 applies to policy kv: set policy = \"kv\" to tune the cost's weights)"
-            ),
+            what,
             v,
         ));
     }
