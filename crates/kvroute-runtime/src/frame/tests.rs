@@ -58,10 +58,10 @@ fn encoded_frames_round_trip_and_respect_the_limit() {
 fn hellos_are_checked() {
     assert_eq!(check_hello(&hello_body(&[7; 16])), Ok([7; 16]));
     assert_eq!(PROTOCOL_VERSION, 5);
-    assert!(check_hello(b"KVRT\x04\x00").unwrap_err().contains("nonce"));
+    assert!(check_hello(b"KVRT\x05\x00").unwrap_err().contains("nonce"));
     for (older_or_newer, named) in [
-        (b"KVRT\x03\x00", "version 3"),
-        (b"KVRT\x05\x00", "version 5"),
+        (b"KVRT\x04\x00", "version 4"),
+        (b"KVRT\x06\x00", "version 6"),
     ] {
         assert!(
             check_hello(older_or_newer).unwrap_err().contains(named),
