@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_indexer::{
-    ApproxConfig, ApproxIndex, ConcurrentIndex, FastMap, GapTracker, KvIndex, Learnt, OverlapScores,
+    ApproxIndex, ConcurrentIndex, FastMap, GapTracker, KvIndex, Learnt, OverlapScores,
 };
 use kvroute_protocols::kv_events::LocalBlockHash;
 use kvroute_protocols::{WorkerId, WorkerLoadReport, WorkerWithDpRank};
@@ -24,6 +24,7 @@ use crate::policy::Policy;
 use crate::request::{
     PhaseTimings, PreparedRoute, RoutePreparer, RouteRequest, RouteSource, Routed, hash_prompt,
 };
+use inflight::Inflight;
 
 /// The KV router as a sans-IO state machine: apply KV events, route requests, track their load
 /// until they end, keep sessions sticky.
@@ -46,7 +47,7 @@ pub struct KvRouterCore<S: AffinityStore = InMemoryAffinityStore> {
     approx: ApproxIndex,
     /// Prompts routed to event workers whose events have not come yet
     /// ([`RouterConfig::inflight_ttl`]).
-    inflight: ApproxIndex,
+    inflight: Inflight,
     modes: FastMap<WorkerId, KvMode>,
     /// Event ids per worker: the runtime's publisher numbers one sequence per worker, over all
     /// of its dp ranks, so gaps are detected per worker rather than per rank.
@@ -109,6 +110,9 @@ pub struct Expired {
 #[derive(Debug)]
 struct Active {
     worker: WorkerWithDpRank,
+    /// Its prompt's blocks from this one on are credited in flight on `worker` until its prefill
+    /// is done ([`Inflight::release`]).
+    inflight_from: Option<usize>,
     pending_open: Option<SessionCommand>,
     after_response: Vec<SessionCommand>,
     rollback: Option<Rollback>,
@@ -119,6 +123,9 @@ struct Scratch {
     local: Vec<LocalBlockHash>,
     seq: Vec<u64>,
     overlaps: Vec<(WorkerWithDpRank, u32)>,
+    /// The event workers' overlaps as the exact index alone shows them (`overlaps` before the
+    /// in-flight blocks extend them).
+    exact: Vec<(WorkerWithDpRank, u32)>,
     /// Runs of prompt blocks in slower tiers continuing each worker's device prefix.
     lower: Vec<TierOverlap>,
 }
@@ -147,10 +154,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
         Ok(Self {
             index: Arc::new(ConcurrentIndex::new()),
             approx: ApproxIndex::new(config.approx),
-            inflight: ApproxIndex::new(ApproxConfig {
-                ttl: config.inflight_ttl,
-                ..config.approx
-            }),
+            inflight: Inflight::new(config.inflight_ttl, config.approx.max_blocks),
             modes: FastMap::default(),
             gaps: GapTracker::new(),
             origin: FastMap::default(),
@@ -311,13 +315,23 @@ impl<S: AffinityStore> KvRouterCore<S> {
             }
             return Err(e.into());
         }
+        let mut inflight_from = None;
         if self.modes.get(&routed.worker.worker_id) == Some(&KvMode::Approximate) {
             self.approx
                 .record_request(routed.worker, &self.scratch.local, now, Some(req.id.0));
             self.last_prediction = Some(req.id);
-        } else if !self.config.inflight_ttl.is_zero() {
-            self.inflight
-                .record(routed.worker, &self.scratch.local, now);
+        } else {
+            // What the exact index already shows there needs no prediction.
+            let from = self
+                .scratch
+                .exact
+                .iter()
+                .find(|(w, _)| *w == routed.worker)
+                .map_or(0, |&(_, blocks)| blocks as usize);
+            inflight_from = self
+                .inflight
+                .record(routed.worker, &self.scratch.seq, from, now)
+                .then_some(from);
         }
         if round_robin {
             self.rr_next = self.rr_next.wrapping_add(1);
@@ -327,6 +341,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
             req.id,
             Active {
                 worker: routed.worker,
+                inflight_from,
                 pending_open: plan.before_send,
                 after_response: plan.after_response,
                 rollback: plan.rollback,
@@ -476,6 +491,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// (device prefixes, and their runs in slower tiers) and from predictions for the others.
     fn find_matches(&mut self, exact: Option<OverlapScores>) {
         self.scratch.overlaps.clear();
+        self.scratch.exact.clear();
         self.scratch.lower.clear();
         if self.scratch.local.is_empty() {
             return;
@@ -500,19 +516,14 @@ impl<S: AffinityStore> KvRouterCore<S> {
                     blocks: t.blocks,
                 }),
         );
-        if self.inflight.live_blocks() > 0 {
+        self.scratch.exact.clone_from(&self.scratch.overlaps);
+        if !self.inflight.is_empty() {
             // A prompt still in flight on an event worker: its blocks count as cached there
-            // until its events arrive (the larger of the two overlaps).
-            let inflight = self.inflight.find_matches(&self.scratch.local);
-            for (&w, &s) in inflight.scores.iter() {
-                if modes.get(&w.worker_id) == Some(&KvMode::Approximate) {
-                    continue;
-                }
-                match self.scratch.overlaps.iter_mut().find(|(o, _)| *o == w) {
-                    Some((_, blocks)) => *blocks = (*blocks).max(s),
-                    None => self.scratch.overlaps.push((w, s)),
-                }
-            }
+            // until its events arrive, continuing what the index shows.
+            self.inflight
+                .extend(&self.scratch.seq, &mut self.scratch.overlaps, |w| {
+                    modes.get(&w.worker_id) == Some(&KvMode::Approximate)
+                });
         }
         if self.approx.live_blocks() > 0 {
             let predicted = self.approx.find_matches(&self.scratch.local);
@@ -575,14 +586,34 @@ impl<S: AffinityStore> KvRouterCore<S> {
         Ok(())
     }
 
-    /// The request's first token arrived: its prompt no longer counts as prefill load.
+    /// The request's first token arrived: its prompt no longer counts as prefill load, nor as
+    /// cached in flight on its worker (its events say that now).
     pub fn on_first_token(&mut self, id: RequestId) -> Result<(), LoadError> {
+        self.release_inflight(id);
         self.scheduler.mark_prefill_completed(id)
     }
 
     /// The request generated `tokens` more output tokens (implies its prefill completed).
     pub fn on_output_tokens(&mut self, id: RequestId, tokens: u64) -> Result<(), LoadError> {
+        self.release_inflight(id);
         self.scheduler.add_output_tokens(id, tokens)
+    }
+
+    /// The request's prefill is done or will not be: its engine has published its prompt's
+    /// blocks (or never will), so they are no longer credited in flight and the events alone
+    /// say what its worker holds.
+    fn release_inflight(&mut self, id: RequestId) {
+        let Some(from) = self
+            .active
+            .get_mut(&id)
+            .and_then(|a| a.inflight_from.take())
+        else {
+            return;
+        };
+        if let Some((worker, prompt)) = self.scheduler.request_prompt(id) {
+            self.inflight
+                .release(worker, prompt.get(from..).unwrap_or_default());
+        }
     }
 
     /// The engine serving request `id` reported `reported` of its prompt's tokens found in its
@@ -616,6 +647,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// The request's response ended normally: frees its load and returns the deferred session
     /// commands (the engine-session `close`) to run now. Unknown ids return nothing.
     pub fn on_finished(&mut self, id: RequestId) -> Vec<SessionCommand> {
+        self.release_inflight(id);
         let _ = self.scheduler.free(id);
         self.approx.forget(id.0);
         self.active
@@ -628,6 +660,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// session binding it made, and returns the session commands to run (closing an engine
     /// session it opened, and its deferred close). Unknown ids return nothing.
     pub fn on_failed(&mut self, id: RequestId) -> Vec<SessionCommand> {
+        self.release_inflight(id);
         let _ = self.scheduler.free(id);
         self.approx.forget(id.0);
         let Some(active) = self.active.remove(&id) else {
@@ -737,6 +770,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
 }
 
 mod events;
+mod inflight;
 mod load;
 pub(crate) mod snapshot;
 

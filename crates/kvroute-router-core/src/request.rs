@@ -167,12 +167,17 @@ pub struct Routed {
 impl Routed {
     /// The prompt tokens predicted to be served from cache on the chosen worker: its device-tier
     /// overlap plus its lower-tier continuation, weighted by the cache-hit weights (as the
-    /// reference estimates them), capped at the prompt's length.
+    /// reference estimates them), less the cached blocks it cannot keep for want of KV capacity
+    /// until it admits the prompt ([`CandidateCost::unkept_blocks`]; the engine evicts an idle
+    /// prefix from its tail), capped at the prompt's length.
     pub fn predicted_cached_tokens(&self, block_size: u32) -> u64 {
-        let device = u64::from(self.overlap_blocks) * u64::from(block_size);
+        let block = u64::from(block_size);
+        let unkept = u64::from(self.cost.unkept_blocks) * block;
+        let device = u64::from(self.overlap_blocks) * block;
         self.cost
             .cached_tokens(block_size)
             .max(device)
+            .saturating_sub(unkept)
             .min(self.isl_tokens)
     }
 

@@ -272,6 +272,17 @@ impl Requests {
         })
     }
 
+    /// The worker of active request `id` and its prompt's sequence hashes, borrowed.
+    pub(crate) fn prompt_of(
+        &self,
+        workers: &Workers,
+        id: RequestId,
+    ) -> Option<(WorkerWithDpRank, &[u64])> {
+        let ri = *self.by_id.get(&id)?;
+        let state = self.slab[ri as usize].as_ref()?;
+        Some((workers.slot(state.slot)?.key, &state.prompt))
+    }
+
     pub(crate) fn free(&mut self, workers: &mut Workers, id: RequestId) -> Result<(), LoadError> {
         let ri = self
             .by_id

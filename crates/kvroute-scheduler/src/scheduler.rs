@@ -124,6 +124,12 @@ impl Scheduler {
         self.requests.load_of(&self.workers, id)
     }
 
+    /// Where the active request `id` runs and its prompt's sequence hashes, without copying
+    /// them as [`Self::request_load`] does (`None` when it is not active).
+    pub fn request_prompt(&self, id: RequestId) -> Option<(WorkerWithDpRank, &[u64])> {
+        self.requests.prompt_of(&self.workers, id)
+    }
+
     /// The request ended (success, error, cancellation): all of its load is released.
     pub fn free(&mut self, id: RequestId) -> Result<(), LoadError> {
         self.requests.free(&mut self.workers, id)?;
