@@ -211,8 +211,9 @@ fn the_engines_cached_tokens_are_compared_with_the_prediction_per_worker() {
     run(async {
         let fleet = Fleet::start(0).await;
         // The engine says 4 of the prompt's 9 tokens were cached. The router has seen no KV
-        // event: it predicts none for the first request, and for the second the first's two
-        // full blocks, still in flight (or just served) on this worker.
+        // event: it predicts none for the first request, nor for the second, sent once the first
+        // was served (a prompt counts as cached in flight only until its first token; after
+        // that the worker's events alone say what it holds).
         let engine = UsageEngine {
             last: Some(4),
             ..UsageEngine::default()
@@ -232,13 +233,13 @@ fn the_engines_cached_tokens_are_compared_with_the_prediction_per_worker() {
         assert_openmetrics(&text);
         for expected in [
             "kvroute_router_prediction_error_tokens_count{worker=\"7\"} 2\n",
-            // Reported minus predicted: +4, then 4 - 8 = -4.
-            "kvroute_router_prediction_error_tokens_sum{worker=\"7\"} 0.0\n",
-            "kvroute_router_prediction_error_tokens_bucket{le=\"-4.0\",worker=\"7\"} 1\n",
-            "kvroute_router_prediction_error_tokens_bucket{le=\"1.0\",worker=\"7\"} 1\n",
+            // Reported minus predicted: +4, twice.
+            "kvroute_router_prediction_error_tokens_sum{worker=\"7\"} 8.0\n",
+            "kvroute_router_prediction_error_tokens_bucket{le=\"-4.0\",worker=\"7\"} 0\n",
+            "kvroute_router_prediction_error_tokens_bucket{le=\"1.0\",worker=\"7\"} 0\n",
             "kvroute_router_prediction_error_tokens_bucket{le=\"4.0\",worker=\"7\"} 2\n",
             "kvroute_router_cache_report_prompt_tokens_total{worker=\"7\"} 18\n",
-            "kvroute_router_cache_report_predicted_tokens_total{worker=\"7\"} 8\n",
+            "kvroute_router_cache_report_predicted_tokens_total{worker=\"7\"} 0\n",
             "kvroute_router_cache_report_reported_tokens_total{worker=\"7\"} 8\n",
         ] {
             assert!(text.contains(expected), "missing {expected:?} in\n{text}");
