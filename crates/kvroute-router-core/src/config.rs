@@ -28,11 +28,12 @@ pub struct RouterConfig {
     /// disappear): the worker stopped reporting. Workers repeat their reports every second by
     /// default (kvroute-runtime's `DEFAULT_REPORT_HEARTBEAT`).
     pub report_ttl: Duration,
-    /// How long a prompt routed to a worker that publishes KV events counts as cached there
-    /// before its events say so (the time of its prefill and of the events' trip): a burst of
-    /// requests sharing a new prefix (a document, a system prompt) follows the first one instead
-    /// of spreading over the fleet and prefilling it everywhere. The events, once they come,
-    /// are the truth; zero turns this off.
+    /// How long at most a prompt routed to a worker that publishes KV events counts as cached
+    /// there before its events say so (the time of its prefill and of the events' trip): a
+    /// burst of requests sharing a new prefix (a document, a system prompt) follows the first
+    /// one instead of spreading over the fleet and prefilling it everywhere. The claim ends
+    /// sooner when the request's first token (or its end) comes: its engine has published the
+    /// blocks by then, and the events are the truth. Zero turns this off.
     pub inflight_ttl: Duration,
 }
 
