@@ -1,5 +1,7 @@
-//! Prompts routed to workers that publish KV events, counted as cached there until their events
-//! have had time to come ([`crate::RouterConfig::inflight_ttl`]).
+//! Prompts routed to workers that publish KV events, counted as cached there until their
+//! request's first token (or its end) comes, by when its engine has published their blocks, or at
+//! most for [`crate::RouterConfig::inflight_ttl`]: from then on the events alone say what the
+//! worker holds, so a block it evicts is not credited on.
 //!
 //! Only what the exact index did not already show on the chosen worker is recorded: the prompt's
 //! blocks from that worker's exact overlap on, each under its sequence hash, which names the
