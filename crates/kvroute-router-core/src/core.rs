@@ -627,10 +627,11 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// were dropped (0 when nothing was wrong, or the worker publishes events, or the request
     /// is unknown).
     pub fn on_cache_report(&mut self, id: RequestId, reported: u64) -> usize {
-        let Some(load) = self.scheduler.request_load(id) else {
+        // Borrowed, not copied: every response of an approximate worker reports.
+        let Some((worker, prompt)) = self.scheduler.request_prompt(id) else {
             return 0;
         };
-        if self.modes.get(&load.worker.worker_id) != Some(&KvMode::Approximate) {
+        if self.modes.get(&worker.worker_id) != Some(&KvMode::Approximate) {
             return 0;
         }
         let block = u64::from(self.config.block_size());
@@ -641,7 +642,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
         if learnt != Learnt::Lost {
             return 0;
         }
-        self.approx.retain_worker(load.worker, &load.block_hashes)
+        self.approx.retain_worker(worker, prompt)
     }
 
     /// The request's response ended normally: frees its load and returns the deferred session
