@@ -522,6 +522,20 @@ impl ApproxIndex {
         scores
     }
 
+    /// Every worker rank with the blocks predicted held there, appended to `out`: its live
+    /// predictions, at most the capacity in blocks learnt for it (older ones are predicted
+    /// evicted; a rank whose engine forgets whole requests is not cut).
+    pub fn block_counts(&self, out: &mut Vec<(WorkerWithDpRank, u64)>) {
+        let start = out.len();
+        self.index.block_counts(StorageTier::Device, out);
+        for (worker, blocks) in &mut out[start..] {
+            if let Some(Retention::Blocks(limit)) = self.retention(*worker) {
+                // A capacity learnt from reports is finite and non-negative.
+                *blocks = (*blocks).min(limit.ceil() as u64);
+            }
+        }
+    }
+
     /// Predicted blocks currently live, over all workers.
     pub fn live_blocks(&self) -> usize {
         self.deadlines.len()

@@ -18,7 +18,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use kvroute_protocols::kv_events::{KvCacheEventData, LocalBlockHash, RouterEvent};
+use kvroute_protocols::kv_events::{KvCacheEventData, LocalBlockHash, RouterEvent, StorageTier};
 use kvroute_protocols::{WorkerId, WorkerWithDpRank};
 
 use crate::error::ErrorCounts;
@@ -225,6 +225,14 @@ impl ConcurrentIndex {
     pub fn read_shard<R>(&self, shard: usize, f: impl FnOnce(&KvIndex) -> R) -> R {
         let guard = self.shards[shard].read();
         f(&guard)
+    }
+
+    /// Every worker rank with the blocks it holds in device memory, appended to `out` (see
+    /// [`KvIndex::block_counts`]; a rank is on one shard).
+    pub fn device_block_counts(&self, out: &mut Vec<(WorkerWithDpRank, u64)>) {
+        for shard in &*self.shards {
+            shard.read().block_counts(StorageTier::Device, out);
+        }
     }
 
     /// Size of the index, summed over its shards (a prefix that workers of two shards hold is

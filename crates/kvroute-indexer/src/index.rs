@@ -534,6 +534,15 @@ impl KvIndex {
         })
     }
 
+    /// Every worker rank known to the index with the blocks it holds in `tier`, appended to
+    /// `out` (one pass over the ranks, no lookup).
+    pub fn block_counts(&self, tier: StorageTier, out: &mut Vec<(WorkerWithDpRank, u64)>) {
+        out.extend(self.slots.iter().filter_map(|s| {
+            s.worker
+                .map(|w| (w, s.lanes[tier.index()].blocks.len() as u64))
+        }));
+    }
+
     /// Every worker rank known to the index (it sent an event and was not removed).
     pub fn workers(&self) -> impl Iterator<Item = WorkerWithDpRank> + '_ {
         self.slots.iter().filter_map(|s| s.worker)

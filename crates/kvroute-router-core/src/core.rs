@@ -128,6 +128,9 @@ struct Scratch {
     exact: Vec<(WorkerWithDpRank, u32)>,
     /// Runs of prompt blocks in slower tiers continuing each worker's device prefix.
     lower: Vec<TierOverlap>,
+    /// Blocks each worker holds, from the exact index for event workers and from predictions
+    /// for the others; filled only when the policy charges for evictions.
+    resident: Vec<(WorkerWithDpRank, u64)>,
 }
 
 /// A decision before it is committed.
@@ -378,7 +381,20 @@ impl<S: AffinityStore> KvRouterCore<S> {
     /// Hashes prompts and matches them against this core's exact index, from any thread and
     /// without the core (see [`Self::route_prepared`]).
     pub fn preparer(&self) -> RoutePreparer {
-        RoutePreparer::new(Arc::clone(&self.index), self.config.block_size())
+        RoutePreparer::new(
+            Arc::clone(&self.index),
+            self.config.block_size(),
+            self.charges_evictions(),
+        )
+    }
+
+    /// Whether the policy's cost charges for evictions, and so reads every worker's block
+    /// count ([`kvroute_scheduler::CostWeights::eviction_weight`]).
+    fn charges_evictions(&self) -> bool {
+        let policy = self.config.policy;
+        let weights = policy.cost_weights().unwrap_or(self.config.scheduler.cost);
+        weights.eviction_weight > 0.0
+            && !matches!(policy, Policy::RoundRobin | Policy::Random | Policy::Direct)
     }
 
     fn decide<R: Rng + ?Sized>(
@@ -392,19 +408,19 @@ impl<S: AffinityStore> KvRouterCore<S> {
         self.last_prediction = None;
         let mut timings = PhaseTimings::default();
         let prepared = prepared.filter(|p| p.fits(req));
-        let exact = match prepared {
+        let (exact, resident) = match prepared {
             Some(p) => {
                 self.scratch.local = p.local;
                 self.scratch.seq = p.seq;
                 timings.hashing = p.hashing;
                 timings.find_matches = p.find_matches;
-                Some(p.exact)
+                (Some(p.exact), p.resident)
             }
             None => {
                 let t = Instant::now();
                 self.hash(req);
                 timings.hashing = t.elapsed();
-                None
+                (None, None)
             }
         };
 
@@ -424,12 +440,14 @@ impl<S: AffinityStore> KvRouterCore<S> {
 
         let t = Instant::now();
         self.find_matches(exact);
+        self.count_resident(resident);
         timings.find_matches += t.elapsed();
 
         let t = Instant::now();
         let isl_tokens = req.tokens.len() as u64;
         let mut select = SelectRequest::new(isl_tokens, &self.scratch.seq, &self.scratch.overlaps);
         select.lower_tiers = &self.scratch.lower;
+        select.resident_blocks = &self.scratch.resident;
         select.request_id = Some(req.id);
         select.avoided_worker_ids = req.avoided;
         if let Some(h) = req.hints {
@@ -535,6 +553,33 @@ impl<S: AffinityStore> KvRouterCore<S> {
                     .map(|(&w, &s)| (w, s)),
             );
         }
+    }
+
+    /// Fills `scratch.resident` when the policy charges for evictions: every event worker's
+    /// device blocks (`prepared`, counted outside the lock, when the request was prepared) and
+    /// every approximate worker's predicted ones.
+    fn count_resident(&mut self, prepared: Option<Vec<(WorkerWithDpRank, u64)>>) {
+        self.scratch.resident.clear();
+        if !self.charges_evictions() {
+            return;
+        }
+        match prepared {
+            Some(counts) => self.scratch.resident = counts,
+            None => self.index.device_block_counts(&mut self.scratch.resident),
+        }
+        let exact = self.scratch.resident.len();
+        if self.approx.live_blocks() > 0 {
+            self.approx.block_counts(&mut self.scratch.resident);
+        }
+        // Each worker's count comes from the index of its mode: what the exact index holds of an
+        // approximate worker is from before it changed mode, and the reverse.
+        let modes = &self.modes;
+        let mut i = 0;
+        self.scratch.resident.retain(|(w, _)| {
+            let predicted = i >= exact;
+            i += 1;
+            (modes.get(&w.worker_id) == Some(&KvMode::Approximate)) == predicted
+        });
     }
 
     /// The session's stickiness for this request; a query only peeks (no TTL refresh, no

@@ -231,11 +231,17 @@ pub(crate) fn hash_prompt(
 pub struct RoutePreparer {
     index: Arc<ConcurrentIndex>,
     block_size: u32,
+    /// Whether the policy charges for evictions, and so reads every worker's block count.
+    resident: bool,
 }
 
 impl RoutePreparer {
-    pub(crate) fn new(index: Arc<ConcurrentIndex>, block_size: u32) -> Self {
-        Self { index, block_size }
+    pub(crate) fn new(index: Arc<ConcurrentIndex>, block_size: u32, resident: bool) -> Self {
+        Self {
+            index,
+            block_size,
+            resident,
+        }
     }
 
     /// The request's block hashes and what the exact index holds of them now, for
@@ -252,12 +258,18 @@ impl RoutePreparer {
         } else {
             self.index.find_matches(&local)
         };
+        let resident = self.resident.then(|| {
+            let mut counts = Vec::new();
+            self.index.device_block_counts(&mut counts);
+            counts
+        });
         PreparedRoute {
             id: req.id,
             tokens: req.tokens.len(),
             local,
             seq,
             exact,
+            resident,
             hashing,
             find_matches: t.elapsed(),
         }
@@ -273,6 +285,8 @@ pub struct PreparedRoute {
     pub(crate) local: Vec<LocalBlockHash>,
     pub(crate) seq: Vec<u64>,
     pub(crate) exact: OverlapScores,
+    /// Every event worker's device blocks, when the policy charges for evictions.
+    pub(crate) resident: Option<Vec<(WorkerWithDpRank, u64)>>,
     pub(crate) hashing: Duration,
     pub(crate) find_matches: Duration,
 }

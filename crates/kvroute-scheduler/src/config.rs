@@ -205,12 +205,30 @@ pub struct CostWeights {
     /// just before will have evicted it by the time this one is admitted, and a run of them
     /// queues on one worker behind blocks it no longer has.
     pub capacity_credit: bool,
+    /// Blocks of prefill charged per block of other prompts' idle cache that placing this
+    /// prompt on a worker would evict, beyond what placing it on the eligible worker with the
+    /// most free KV capacity would (0.0, the reference's presets: no charge).
+    ///
+    /// A worker's free capacity is its KV capacity less the blocks it holds
+    /// ([`SelectRequest::resident_blocks`](crate::SelectRequest::resident_blocks), or the
+    /// blocks of its active requests where that is more); the prompt's uncached blocks must be
+    /// allocated there, and what does not fit evicts the least recently used of the blocks it
+    /// caches for other prompts: the next turns of other conversations, recomputed later. The
+    /// charge is relative to the roomiest eligible worker, so it is silent while every worker
+    /// has room for the prompt and once every worker is full alike (then every placement evicts
+    /// as much), and speaks only when one worker would evict what another has room for: it
+    /// keeps new conversations from piling onto a worker that a shared preamble draws them to
+    /// until their histories outgrow its cache. Workers of unknown capacity are never charged.
+    pub eviction_weight: f64,
     /// Whether the prefill term counts at all (the reference's `track_prefill_tokens`).
     pub track_prefill_tokens: bool,
     /// Whether prompt blocks already active on a worker are counted once (the reference's
     /// `assume_kv_reuse`); when false every prompt block adds to the decode term.
     pub assume_kv_reuse: bool,
 }
+
+/// [`CostWeights::eviction_weight`] of the locality cost.
+pub(crate) const LOCALITY_EVICTION_WEIGHT: f64 = 1.0;
 
 /// The batch budget assumed for a worker that did not report `max_num_batched_tokens` (vLLM's
 /// chunked-prefill default on large GPUs).
@@ -234,6 +252,7 @@ impl CostWeights {
             balanced_decode_weight: 1.0,
             decode_tolerance: 0.0,
             capacity_credit: false,
+            eviction_weight: 0.0,
             track_prefill_tokens: true,
             assume_kv_reuse: true,
         }
@@ -282,6 +301,7 @@ impl CostWeights {
             balanced_decode_weight: 0.25,
             decode_tolerance: 1.0,
             capacity_credit: true,
+            eviction_weight: LOCALITY_EVICTION_WEIGHT,
             track_prefill_tokens: true,
             assume_kv_reuse: true,
         }
@@ -309,6 +329,7 @@ impl CostWeights {
             balanced_decode_weight: 1.0,
             decode_tolerance: 0.0,
             capacity_credit: false,
+            eviction_weight: 0.0,
             track_prefill_tokens: true,
             assume_kv_reuse: true,
         }
@@ -340,6 +361,9 @@ impl CostWeights {
         if let Some(c) = t.capacity_credit {
             self.capacity_credit = c;
         }
+        if let Some(e) = t.eviction_weight {
+            self.eviction_weight = e;
+        }
         self
     }
 
@@ -370,7 +394,8 @@ impl CostWeights {
         check_weight("cached_share_exponent", self.cached_share_exponent)?;
         check_weight("overlap_score_credit_decay", self.overlap_credit_decay)?;
         check_unit("balanced_decode_weight", self.balanced_decode_weight)?;
-        check_weight("decode_tolerance", self.decode_tolerance)
+        check_weight("decode_tolerance", self.decode_tolerance)?;
+        check_weight("eviction_weight", self.eviction_weight)
     }
 
     /// The prefill scale at `backlog` (outstanding prefill over batch budget, clamped to 0..=1).
@@ -442,6 +467,8 @@ pub struct CostTuning {
     pub decode_tolerance: Option<f64>,
     /// [`CostWeights::capacity_credit`].
     pub capacity_credit: Option<bool>,
+    /// [`CostWeights::eviction_weight`].
+    pub eviction_weight: Option<f64>,
 }
 
 /// When a worker counts as loaded; `None` disables a check. Used both for the busy filter and

@@ -28,6 +28,9 @@ pub struct SelectRequest<'a> {
     /// worker's device prefix (the indexer's lower-tier scores); credited by the configured
     /// [`CacheHitWeights`](crate::CacheHitWeights). Empty by default.
     pub lower_tiers: &'a [TierOverlap],
+    /// Blocks each worker holds in device memory (cached and active), from the indexer, for
+    /// [`CostWeights::eviction_weight`]; absent workers hold none. Empty by default.
+    pub resident_blocks: &'a [(WorkerWithDpRank, u64)],
     /// When set, only these workers are considered.
     pub allowed_worker_ids: Option<&'a [WorkerId]>,
     /// Workers to route around (the router's passive health ejects failing workers): skipped
@@ -119,9 +122,14 @@ pub struct CandidateCost {
     /// What the decode blocks weigh in the cost ([`CostWeights::decode_cost`]): `decode_blocks`
     /// itself unless the weights weigh a balanced worker's decode blocks lightly.
     pub weighted_decode_blocks: f64,
+    /// Blocks of other prompts' idle cache this placement would evict beyond what the eligible
+    /// worker with the most free capacity would ([`CostWeights::eviction_weight`]); 0 when the
+    /// weights do not ask, or the worker's capacity is unknown.
+    pub evicted_blocks: u64,
     /// Preferred-taint multiplier (1.0 without preferences).
     pub taint_multiplier: f64,
-    /// `(scale * credited_prefill_blocks + weighted_decode_blocks) * taint_multiplier`, `scale` being
+    /// `(scale * (credited_prefill_blocks + eviction_weight * evicted_blocks) +
+    /// weighted_decode_blocks) * taint_multiplier`, `scale` being
     /// [`Decision::prefill_load_scale`].
     pub cost: f64,
 }
@@ -160,9 +168,13 @@ impl fmt::Display for CandidateCost {
         }
         write!(
             f,
-            ") decode={:.3}->{:.3} x{:.3}",
-            self.decode_blocks, self.weighted_decode_blocks, self.taint_multiplier
-        )
+            ") decode={:.3}->{:.3}",
+            self.decode_blocks, self.weighted_decode_blocks
+        )?;
+        if self.evicted_blocks > 0 {
+            write!(f, " evicts {}", self.evicted_blocks)?;
+        }
+        write!(f, " x{:.3}", self.taint_multiplier)
     }
 }
 

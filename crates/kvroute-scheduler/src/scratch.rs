@@ -27,6 +27,8 @@ pub(crate) struct Mark {
     pub(crate) host: u32,
     pub(crate) disk: u32,
     pub(crate) active: u32,
+    /// Blocks the worker holds ([`crate::SelectRequest::resident_blocks`]).
+    pub(crate) resident: u64,
 }
 
 impl Mark {

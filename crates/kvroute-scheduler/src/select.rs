@@ -19,7 +19,10 @@
 //! workers' mean, when the weights ask for it ([`CostWeights::decode_cost`]). With
 //! [`CostWeights::capacity_credit`], `overlap_blocks` counts only the cached blocks the worker can
 //! keep until it admits the prompt, given its KV capacity and the blocks its active requests hold
-//! (`unkept_blocks`).
+//! (`unkept_blocks`). With [`CostWeights::eviction_weight`], `scale * eviction_weight *
+//! evicted_blocks` is added, where `evicted_blocks` is how many more blocks of other prompts' idle
+//! cache the prompt's uncached blocks would evict there than on the eligible worker with the most
+//! free KV capacity (`evicted_blocks`).
 
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -305,6 +308,7 @@ impl Scheduler {
             scale,
             floor_prefill: floor_prefill(workers, &s.eligible, w),
             mean_decode: mean_decode(workers, &s.eligible, w),
+            max_room: max_room(workers, &s.eligible, &s.marks, generation, w),
         };
         s.candidates.clear();
         for &idx in &s.eligible {
@@ -353,6 +357,13 @@ impl Scheduler {
                         mark.disk = mark.disk.saturating_add(t.blocks);
                     }
                     StorageTier::Device => {}
+                }
+            }
+        }
+        if w.eviction_weight > 0.0 {
+            for (worker, blocks) in req.resident_blocks {
+                if let Some(&idx) = workers.slot_of.get(worker) {
+                    marks[idx as usize].current(generation).resident = *blocks;
                 }
             }
         }
@@ -414,6 +425,39 @@ fn mean_decode(workers: &Workers, eligible: &[u32], w: &CostWeights) -> f64 {
     sum / f64::from(n.max(1))
 }
 
+/// The most free KV capacity of an eligible worker whose capacity is known (`None` when none
+/// is), only when the weights charge for evictions ([`CostWeights::eviction_weight`]).
+#[inline]
+fn max_room(
+    workers: &Workers,
+    eligible: &[u32],
+    marks: &[Mark],
+    generation: u32,
+    w: &CostWeights,
+) -> Option<u64> {
+    if w.eviction_weight == 0.0 {
+        return None;
+    }
+    eligible
+        .iter()
+        .filter_map(|&i| {
+            let slot = workers.slot(i)?;
+            let mark = marks.get(i as usize).filter(|m| m.generation == generation);
+            room(slot, mark.map_or(0, |m| m.resident))
+        })
+        .max()
+}
+
+/// The KV capacity `slot` has free: its capacity less the blocks it holds, `resident` as the
+/// indexer counts them or the blocks of its active requests where those are more (requests
+/// routed there whose blocks the engine has not stored yet). `None` when the capacity is
+/// unknown.
+#[inline]
+fn room(slot: &Slot, resident: u64) -> Option<u64> {
+    let capacity = slot.kv_capacity_blocks?;
+    Some(capacity.saturating_sub(resident.max(slot.load.held_blocks)))
+}
+
 /// The eligible workers' least outstanding prefill, only when the credit decays with it.
 #[inline]
 fn floor_prefill(workers: &Workers, eligible: &[u32], w: &CostWeights) -> u64 {
@@ -442,6 +486,8 @@ struct CostTerms<'a> {
     scale: f64,
     floor_prefill: u64,
     mean_decode: f64,
+    /// The most free KV capacity of an eligible worker, when evictions are charged.
+    max_room: Option<u64>,
 }
 
 impl CostTerms<'_> {
@@ -485,8 +531,18 @@ impl CostTerms<'_> {
             1.0
         };
         let weighted_decode_blocks = w.decode_cost(decode_blocks, self.mean_decode);
-        let cost =
-            (self.scale * credited_prefill_blocks + weighted_decode_blocks) * taint_multiplier;
+        let evicted = match (self.max_room, room(slot, mark.resident)) {
+            (Some(best), Some(here)) => {
+                let new_blocks =
+                    (req.block_hashes.len() as u64).saturating_sub(overlap_blocks.into());
+                evicted_blocks(new_blocks, here, best)
+            }
+            _ => 0,
+        };
+        // Exactly 0.0 without a charge, so the cost is then bit for bit the one before it.
+        let eviction = w.eviction_weight * evicted as f64;
+        let cost = (self.scale * (credited_prefill_blocks + eviction) + weighted_decode_blocks)
+            * taint_multiplier;
         CandidateCost {
             worker: slot.key,
             overlap_blocks,
@@ -499,10 +555,20 @@ impl CostTerms<'_> {
             credited_prefill_blocks,
             decode_blocks,
             weighted_decode_blocks,
+            evicted_blocks: evicted,
             taint_multiplier,
             cost,
         }
     }
+}
+
+/// How many more blocks of idle cache allocating `new_blocks` evicts on a worker with `room` free
+/// blocks than on one with `best_room` (at least `room`): what does not fit evicts, up to the
+/// whole allocation.
+#[inline]
+fn evicted_blocks(new_blocks: u64, room: u64, best_room: u64) -> u64 {
+    let evicts = |free: u64| new_blocks.saturating_sub(free);
+    evicts(room).saturating_sub(evicts(best_room))
 }
 
 /// How many of a prompt's `overlap` cached blocks on `slot` the engine cannot keep until it

@@ -93,6 +93,7 @@ fn costs(values: &[f64]) -> Vec<CandidateCost> {
             credited_prefill_blocks: 0.0,
             decode_blocks: cost,
             weighted_decode_blocks: cost,
+            evicted_blocks: 0,
             taint_multiplier: 1.0,
             cost,
         })

@@ -118,6 +118,11 @@ pub(crate) struct ReplayArgs {
     /// with true).
     #[arg(long, value_name = "BOOL")]
     capacity_credit: Option<bool>,
+    /// Policy kv's charge, in blocks of prefill, per block of other prompts' idle cache a
+    /// placement would evict beyond what the eligible worker with the most free KV capacity
+    /// would (default 0, the reference's; kv-locality scores with 1).
+    #[arg(long, value_name = "X")]
+    eviction_weight: Option<f64>,
     /// Replay speed: 2.0 makes requests arrive twice as fast as the trace says.
     #[arg(long, default_value_t = 1.0, value_name = "X")]
     speed: f64,
@@ -301,6 +306,7 @@ impl Plan {
             balanced_decode_weight: args.balanced_decode_weight,
             decode_tolerance: args.decode_tolerance,
             capacity_credit: args.capacity_credit,
+            eviction_weight: args.eviction_weight,
         };
         validate_kv_weights(&kv_weights, asked)?;
         // A policy named twice would only print the same row twice.

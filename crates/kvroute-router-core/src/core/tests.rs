@@ -1033,3 +1033,72 @@ fn a_request_sent_away_from_its_cached_prefix_counts_the_tokens_it_forgoes() {
     }
     assert_idle(&core);
 }
+
+/// A core over two workers of `mode` holding 20 blocks of KV each, whose cost is the default's
+/// with or without its eviction charge.
+fn two_workers_of_20_blocks(mode: KvMode, eviction_weight: f64) -> KvRouterCore {
+    let mut config = RouterConfig::new(BS).with_policy(Policy::Kv);
+    config.scheduler.cost = kvroute_scheduler::CostWeights {
+        eviction_weight,
+        ..kvroute_scheduler::CostWeights::locality()
+    };
+    let mut core = KvRouterCore::new(config).unwrap();
+    for id in [1, 2] {
+        let spec = WorkerSpec::new(id).with_kv_capacity(20);
+        core.add_worker(&spec, mode).unwrap();
+    }
+    core
+}
+
+#[test]
+fn a_new_conversation_goes_where_it_evicts_nothing_rather_than_to_its_preamble() {
+    // Worker 1 holds an 18-block conversation that opened with a 2-block preamble: 2 of its 20
+    // blocks are free. A new 10-block conversation over the same preamble would evict 6 of the
+    // old conversation's blocks there, and nothing on the empty worker 2.
+    let preamble = prompt(8);
+    let old: Vec<u32> = preamble.iter().copied().chain(100..164).collect();
+    let new: Vec<u32> = preamble.iter().copied().chain(500..532).collect();
+    for mode in [KvMode::Events, KvMode::Approximate] {
+        let chosen = |eviction_weight: f64, prepare: bool| {
+            let mut core = two_workers_of_20_blocks(mode, eviction_weight);
+            if mode == KvMode::Events {
+                assert_eq!(core.apply_event(&stored(1, 0, &old)), None);
+            } else {
+                // The router's own decision is what predicts it there.
+                let hints = RoutingHints {
+                    backend_instance_id: Some(1),
+                    ..RoutingHints::default()
+                };
+                let req = RouteRequest::new(RequestId(1), &old).with_hints(&hints);
+                assert_eq!(core.route(&req, T0, &mut rng()).unwrap().worker, w(1));
+                assert!(core.on_finished(RequestId(1)).is_empty());
+            }
+            let req = RouteRequest::new(RequestId(2), &new);
+            let routed = if prepare {
+                let prepared = core.preparer().prepare(&req);
+                core.route_prepared(&req, prepared, T0, &mut rng())
+            } else {
+                core.route(&req, T0, &mut rng())
+            }
+            .unwrap();
+            let on_1 = routed
+                .candidates
+                .iter()
+                .find(|c| c.worker == w(1))
+                .copied()
+                .unwrap();
+            assert!(core.on_finished(RequestId(2)).is_empty());
+            assert_idle(&core);
+            (routed.worker, on_1.overlap_blocks, on_1.evicted_blocks)
+        };
+        // Without the charge the preamble's credit draws it to worker 1.
+        assert_eq!(chosen(0.0, false), (w(1), 2, 0), "{mode:?}");
+        for prepare in [false, true] {
+            assert_eq!(
+                chosen(1.0, prepare),
+                (w(2), 2, 6),
+                "{mode:?}, prepared {prepare}"
+            );
+        }
+    }
+}

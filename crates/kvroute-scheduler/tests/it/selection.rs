@@ -917,6 +917,80 @@ fn cached_blocks_a_full_worker_cannot_keep_earn_no_credit() {
 }
 
 #[test]
+fn a_placement_is_charged_for_the_idle_cache_it_evicts_beyond_the_roomiest_workers() {
+    // Prefill weighs 4 decode blocks; each worker's KV holds 100 blocks.
+    let fleet = |eviction_weight| {
+        let mut config = SchedulerConfig::new(BS);
+        config.cost = CostWeights {
+            prefill_load_scale: 4.0,
+            loaded_prefill_load_scale: 4.0,
+            eviction_weight,
+            ..CostWeights::reference()
+        };
+        scheduler_with(
+            config,
+            (0..3).map(|id| WorkerSpec::new(id).with_kv_capacity(100)),
+        )
+    };
+    // A new 10-block prompt whose first 2 blocks (a shared preamble) worker 0 caches. Worker 0
+    // caches 95 blocks (5 free), worker 1 caches 40 (60 free), worker 2 nothing (the indexer
+    // shows no block of it: 100 free).
+    let prompt = blocks(100, 10);
+    let overlaps = [(w(0), 2)];
+    let resident = [(w(0), 95), (w(1), 40)];
+    let mut req = SelectRequest::new(160, &prompt, &overlaps);
+    req.resident_blocks = &resident;
+
+    let mut s = fleet(1.0);
+    let d = s.select(&req, &mut rng()).expect("selected");
+    // Worker 0 allocates 8 new blocks in 5 free: 3 evicted, where worker 2 (100 free) evicts
+    // none. Prefill 10 - 2 = 8, decode 10: 4 * (8 + 1.0 * 3) + 10 = 54.
+    let c0 = cost_of(d.candidates, w(0));
+    assert_eq!((c0.evicted_blocks, c0.cost), (3, 54.0));
+    assert!(c0.to_string().contains("evicts 3"), "{c0}");
+    // Worker 1 has room for all 10: no charge, 4 * 10 + 10 = 50, as worker 2.
+    let c1 = cost_of(d.candidates, w(1));
+    assert_eq!((c1.evicted_blocks, c1.cost), (0, 50.0));
+    assert_eq!(cost_of(d.candidates, w(2)).cost, 50.0);
+    assert_ne!(d.chosen.worker, w(0));
+    assert!(!c1.to_string().contains("evicts"), "{c1}");
+
+    // Without the charge the preamble draws the prompt to worker 0: 4 * 8 + 10 = 42.
+    let mut s = fleet(0.0);
+    let d = s.select(&req, &mut rng()).expect("selected");
+    assert_eq!(
+        (cost_of(d.candidates, w(0)).cost, d.chosen.worker),
+        (42.0, w(0))
+    );
+
+    // Every worker full alike: each evicts all it allocates, so none is charged, and the
+    // preamble draws the prompt as without the charge.
+    let full = [(w(0), 100), (w(1), 100), (w(2), 100)];
+    req.resident_blocks = &full;
+    let mut s = fleet(1.0);
+    let d = s.select(&req, &mut rng()).expect("selected");
+    assert!(d.candidates.iter().all(|c| c.evicted_blocks == 0));
+    assert_eq!(d.chosen.worker, w(0));
+
+    // Blocks routed to a worker but not yet stored count against its room too: 60 held by a
+    // request in flight on worker 2, which the indexer does not show yet.
+    req.resident_blocks = &resident;
+    let mut s = fleet(1.0);
+    add(&mut s, 1, w(2), &blocks(500, 60));
+    s.mark_prefill_completed(RequestId(1)).expect("active");
+    let d = s.select(&req, &mut rng()).expect("selected");
+    // The roomiest is worker 1 (60 free) and worker 2 has 40: neither evicts for 10 blocks,
+    // worker 0 still evicts 3 more than they do.
+    assert_eq!(
+        d.candidates
+            .iter()
+            .map(|c| c.evicted_blocks)
+            .collect::<Vec<_>>(),
+        [3, 0, 0]
+    );
+}
+
+#[test]
 fn a_reported_capacity_is_set_and_read_back() {
     let mut s = scheduler(1);
     assert_eq!(s.kv_capacity(w(0)), None);

@@ -138,6 +138,7 @@ pub(crate) fn validate_kv_weights(
         ("--cached-share-exponent", weights.cached_share_exponent),
         ("--balanced-decode-weight", weights.balanced_decode_weight),
         ("--decode-tolerance", weights.decode_tolerance),
+        ("--eviction-weight", weights.eviction_weight),
     ];
     if weights.capacity_credit.is_some() && !policies.contains(&ReplayPolicy::Kv) {
         anyhow::bail!(

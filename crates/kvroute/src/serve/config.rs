@@ -164,6 +164,11 @@ pub(crate) struct RouterOptions {
     /// reference's; kv-locality scores with true).
     #[arg(long, value_name = "BOOL")]
     pub(crate) capacity_credit: Option<bool>,
+    /// Blocks of prefill policy kv charges per block of other prompts' idle cache a placement
+    /// would evict beyond what the eligible worker with the most free KV capacity would
+    /// (default 0, the reference's; kv-locality scores with 1).
+    #[arg(long, allow_negative_numbers = true)]
+    pub(crate) eviction_weight: Option<f64>,
     /// Credit per cached block found on a worker's host (CPU) tier, continuing its device
     /// prefix, against a device block's 1 (default 0.75, as the reference).
     #[arg(long, allow_negative_numbers = true)]
@@ -466,6 +471,7 @@ impl ServeOptions {
                 decode_tolerance: pick(r.decode_tolerance, fr.decode_tolerance),
                 cached_share_exponent: pick(r.cached_share_exponent, fr.cached_share_exponent),
                 capacity_credit: pick(r.capacity_credit, fr.capacity_credit),
+                eviction_weight: pick(r.eviction_weight, fr.eviction_weight),
                 host_cache_hit_weight: pick(r.host_cache_hit_weight, fr.host_cache_hit_weight),
                 disk_cache_hit_weight: pick(r.disk_cache_hit_weight, fr.disk_cache_hit_weight),
                 max_migrations: pick(r.max_migrations, fr.max_migrations),

@@ -382,6 +382,12 @@ fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(
             "decode-tolerance",
             "decode tolerance",
         ),
+        (
+            r.eviction_weight,
+            "router.eviction_weight",
+            "eviction-weight",
+            "eviction weight",
+        ),
     ] {
         let Some(v) = value else { continue };
         if !(v.is_finite() && v >= 0.0) {
@@ -419,6 +425,7 @@ fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(
         balanced_decode_weight: r.balanced_decode_weight,
         decode_tolerance: r.decode_tolerance,
         capacity_credit: r.capacity_credit,
+        eviction_weight: r.eviction_weight,
     });
     let weights = &mut router.core.scheduler.cache_hit_weights;
     for (value, key, flag, slot) in [
