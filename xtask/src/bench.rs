@@ -6,7 +6,7 @@ use std::path::Path;
 
 use anyhow::Result;
 
-use crate::cmd::{cargo, run_command};
+use crate::cmd::{cargo_command, run_command};
 use crate::{epp_bench, frontend_vs_reference, peers, replay_vs_reference};
 
 /// Bench binaries (harness = false) that print figures; `cargo xtask bench NAME` runs them in
@@ -45,7 +45,7 @@ pub(crate) fn run(root: &Path, which: &str, args: &[String]) -> Result<()> {
     }
     if let Some((_, dir, bench)) = OWN_WORKSPACE_BENCHES.iter().find(|(n, _, _)| *n == which) {
         let manifest = root.join(dir).join("Cargo.toml");
-        let mut cmd = std::process::Command::new(cargo());
+        let mut cmd = cargo_command();
         cmd.current_dir(root)
             .args(["bench", "--quiet", "--locked", "--manifest-path"])
             .arg(manifest)
@@ -70,7 +70,7 @@ pub(crate) fn run(root: &Path, which: &str, args: &[String]) -> Result<()> {
             known.join(", ")
         );
     };
-    let mut cmd = std::process::Command::new(cargo());
+    let mut cmd = cargo_command();
     cmd.current_dir(root)
         .args(["bench", "--quiet", "-p", package, "--bench", bench, "--"])
         .args(args);

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::cmd::{cargo, cargo_cmd, run_command};
+use crate::cmd::{cargo_cmd, cargo_command, run_command};
 use crate::{examples, fuzz, package, python, tidy};
 
 /// Options of `cargo xtask ci`.
@@ -153,7 +153,7 @@ fn run_tests(root: &Path, python: &Path) -> Result<()> {
         cmd.args(args).env(python::PYTHON_ENV, python);
         run_command(&mut cmd)
     };
-    let has_nextest = Command::new(cargo())
+    let has_nextest = cargo_command()
         .args(["nextest", "--version"])
         .output()
         .is_ok_and(|o| o.status.success());

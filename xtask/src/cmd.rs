@@ -12,9 +12,36 @@ pub(crate) fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
 }
 
-/// `cargo` with `root` as its working directory.
-pub(crate) fn cargo_cmd(root: &Path) -> Command {
+/// The cargo that invoked us, without the variables `cargo run` sets for xtask itself.
+///
+/// `cargo xtask` is `cargo run -p xtask`, which hands xtask `CARGO_MANIFEST_DIR`,
+/// `CARGO_PKG_NAME` and the like (xtask's). Build scripts that watch those variables in cargo's
+/// environment (ring's does) then see other values than in a plain `cargo build`, so every build
+/// made from xtask and every plain one rebuilt ring, rustls and what depends on them for the other.
+pub(crate) fn cargo_command() -> Command {
     let mut cmd = Command::new(cargo());
+    for (key, _) in std::env::vars_os() {
+        let Some(key) = key.to_str() else { continue };
+        if key.starts_with("CARGO_PKG_")
+            || matches!(
+                key,
+                "CARGO_MANIFEST_DIR"
+                    | "CARGO_MANIFEST_PATH"
+                    | "CARGO_MANIFEST_LINKS"
+                    | "CARGO_CRATE_NAME"
+                    | "CARGO_BIN_NAME"
+                    | "CARGO_PRIMARY_PACKAGE"
+            )
+        {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
+}
+
+/// `cargo` with `root` as its working directory ([`cargo_command`]).
+pub(crate) fn cargo_cmd(root: &Path) -> Command {
+    let mut cmd = cargo_command();
     cmd.current_dir(root);
     cmd
 }
@@ -59,7 +86,7 @@ pub(crate) fn project_root() -> PathBuf {
 pub(crate) fn build_kvroute(root: &Path, release: bool) -> Result<PathBuf> {
     let profile = if release { "release" } else { "debug" };
     eprintln!("building kvroute ({profile})");
-    let mut build = Command::new(cargo());
+    let mut build = cargo_command();
     build
         .current_dir(root)
         .args(["build", "--locked", "-p", "kvroute"]);

@@ -24,7 +24,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use serde_json::Value;
 
-use crate::cmd::{cargo, home_cache, run_command};
+use crate::cmd::{cargo_command, home_cache, run_command};
 use crate::procs::{Proc, TempDir, block_on_interruptible};
 use crate::python;
 use load::{Figures, Pacing, Scenario, Window, Workload};
@@ -199,7 +199,7 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
     })?;
 
     eprintln!("building kvroute (release)");
-    run_command(Command::new(cargo()).current_dir(root).args([
+    run_command(cargo_command().current_dir(root).args([
         "build",
         "--release",
         "--locked",

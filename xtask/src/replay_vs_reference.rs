@@ -16,7 +16,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use serde_json::Value;
 
-use crate::cmd::{cargo, home_cache, run_command};
+use crate::cmd::{cargo_command, home_cache, run_command};
 use crate::python;
 
 /// The bench's name after `cargo xtask bench`.
@@ -117,7 +117,7 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
     let python = python::ensure_reference(&venv)?;
 
     eprintln!("building kvroute (release)");
-    run_command(Command::new(cargo()).current_dir(root).args([
+    run_command(cargo_command().current_dir(root).args([
         "build",
         "--release",
         "--locked",

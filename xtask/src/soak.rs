@@ -15,7 +15,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 
-use crate::cmd::{cargo, run_command};
+use crate::cmd::{cargo_command, run_command};
 use crate::{python, table};
 
 /// The longest soak `cargo xtask soak` runs (4 hours).
@@ -76,7 +76,7 @@ pub(crate) fn run(
 /// Runs the soak test in release mode for `minutes` minutes (bounded by [`MAX_SOAK_MINUTES`]).
 fn mock(root: &Path, minutes: u64) -> Result<()> {
     check_minutes(minutes)?;
-    let mut cmd = Command::new(cargo());
+    let mut cmd = cargo_command();
     cmd.current_dir(root)
         .env("KVROUTE_SOAK_SECONDS", (minutes * 60).to_string())
         .args([
@@ -109,7 +109,7 @@ fn chaos(root: &Path, minutes: u64, seed: u64) -> Result<()> {
     }
     let python = python::ensure(root, &python::venv_dir(root))?;
     eprintln!("building kvroute (release)");
-    run_command(Command::new(cargo()).current_dir(root).args([
+    run_command(cargo_command().current_dir(root).args([
         "build",
         "--release",
         "--locked",

@@ -197,6 +197,7 @@ mod tests {
             balanced_decode_weight: Some(0.25),
             decode_tolerance: Some(1.0),
             capacity_credit: Some(true),
+            eviction_weight: Some(1.0),
         };
         let kv = ReplayPolicy::Kv.router_config(16, &weights);
         let locality = ReplayPolicy::KvLocality.router_config(16, &weights);

@@ -701,7 +701,8 @@ fn policy_kv_takes_every_weight_of_kv_locality_and_scores_as_it() {
     let options = ServeOptions::from_toml(
         "[router]\npolicy = \"kv\"\noverlap_credit = 1.5\nprefill_load_scale = 4.0\n\
          loaded_prefill_load_scale = 8.0\ncached_share_exponent = 2.0\n\
-         balanced_decode_weight = 0.25\ndecode_tolerance = 1.0\ncapacity_credit = true\n",
+         balanced_decode_weight = 0.25\ndecode_tolerance = 1.0\ncapacity_credit = true\n\
+         eviction_weight = 1.0\n",
     )
     .expect("toml")
     .validate()
@@ -725,6 +726,16 @@ fn policy_kv_takes_every_weight_of_kv_locality_and_scores_as_it() {
         "",
         &["--decode-tolerance", "2"],
         Err("no decode tolerance with policy kv-locality"),
+    );
+    check(
+        "[router]\npolicy = \"kv\"\n",
+        &["--eviction-weight", "-0.5"],
+        Err("router.eviction_weight"),
+    );
+    check(
+        "[router]\neviction_weight = 0.5\n",
+        &[],
+        Err("no eviction weight with policy kv-locality"),
     );
 }
 
