@@ -522,9 +522,10 @@ impl ApproxIndex {
         scores
     }
 
-    /// Every worker rank with the blocks predicted held there, appended to `out`: its live
-    /// predictions, at most the capacity in blocks learnt for it (older ones are predicted
-    /// evicted; a rank whose engine forgets whole requests is not cut).
+    /// Every worker rank ever predicted (and not removed) with the blocks predicted held there,
+    /// appended to `out`: its live predictions (0 once they all expired), at most the capacity in
+    /// blocks learnt for it (older ones are predicted evicted; a rank whose engine forgets whole
+    /// requests is not cut).
     pub fn block_counts(&self, out: &mut Vec<(WorkerWithDpRank, u64)>) {
         let start = out.len();
         self.index.block_counts(StorageTier::Device, out);

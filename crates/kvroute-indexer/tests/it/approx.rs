@@ -142,6 +142,42 @@ fn matches_stop_at_the_first_block_older_than_the_capacity() {
 }
 
 #[test]
+fn block_counts_are_the_live_predictions_at_most_the_learnt_capacity() {
+    let (a, b) = (
+        WorkerWithDpRank::from_worker_id(1),
+        WorkerWithDpRank::from_worker_id(2),
+    );
+    let mut approx = ApproxIndex::new(ApproxConfig {
+        ttl: secs(10),
+        ..ApproxConfig::default()
+    });
+    let long: Vec<u64> = (0..10).collect();
+    approx.record(a, &blocks(&long), secs(0));
+    approx.record(a, &blocks(&[700, 701, 702, 703, 704]), secs(1));
+    approx.record(a, &blocks(&[800, 801, 802, 803, 804]), secs(1));
+    approx.record(b, &blocks(&[1, 2, 3]), secs(1));
+    let counts = |approx: &ApproxIndex| {
+        let mut out = vec![(WorkerWithDpRank::from_worker_id(9), 99)];
+        approx.block_counts(&mut out);
+        out.sort();
+        out
+    };
+    // Appended after what `out` held, one entry a worker.
+    let stray = (WorkerWithDpRank::from_worker_id(9), 99);
+    assert_eq!(counts(&approx), [(a, 20), (b, 3), stray]);
+    // The 700s are 5 blocks old and gone: a learnt capacity of 5 blocks, so the engine holds at
+    // most that many of the 20 predicted.
+    approx.record_request(a, &blocks(&[700, 701, 702, 703, 704]), secs(2), Some(5));
+    assert_eq!(approx.on_report(5, 0), Learnt::Lowered(5.0));
+    assert_eq!(counts(&approx), [(a, 5), (b, 3), stray]);
+    // Expired predictions count no more; a worker once predicted stays, at 0.
+    approx.expire(secs(11));
+    assert_eq!(counts(&approx), [(a, 5), (b, 0), stray]);
+    approx.expire(secs(12));
+    assert_eq!(counts(&approx), [(a, 0), (b, 0), stray]);
+}
+
+#[test]
 fn a_report_above_the_cut_raises_the_capacity() {
     let w = WorkerWithDpRank::from_worker_id(1);
     let mut approx = ApproxIndex::new(ApproxConfig::default());
