@@ -388,15 +388,6 @@ impl<S: AffinityStore> KvRouterCore<S> {
         )
     }
 
-    /// Whether the policy's cost charges for evictions, and so reads every worker's block
-    /// count ([`kvroute_scheduler::CostWeights::eviction_weight`]).
-    fn charges_evictions(&self) -> bool {
-        let policy = self.config.policy;
-        let weights = policy.cost_weights().unwrap_or(self.config.scheduler.cost);
-        weights.eviction_weight > 0.0
-            && !matches!(policy, Policy::RoundRobin | Policy::Random | Policy::Direct)
-    }
-
     fn decide<R: Rng + ?Sized>(
         &mut self,
         req: &RouteRequest<'_>,
@@ -553,33 +544,6 @@ impl<S: AffinityStore> KvRouterCore<S> {
                     .map(|(&w, &s)| (w, s)),
             );
         }
-    }
-
-    /// Fills `scratch.resident` when the policy charges for evictions: every event worker's
-    /// device blocks (`prepared`, counted outside the lock, when the request was prepared) and
-    /// every approximate worker's predicted ones.
-    fn count_resident(&mut self, prepared: Option<Vec<(WorkerWithDpRank, u64)>>) {
-        self.scratch.resident.clear();
-        if !self.charges_evictions() {
-            return;
-        }
-        match prepared {
-            Some(counts) => self.scratch.resident = counts,
-            None => self.index.device_block_counts(&mut self.scratch.resident),
-        }
-        let exact = self.scratch.resident.len();
-        if self.approx.live_blocks() > 0 {
-            self.approx.block_counts(&mut self.scratch.resident);
-        }
-        // Each worker's count comes from the index of its mode: what the exact index holds of an
-        // approximate worker is from before it changed mode, and the reverse.
-        let modes = &self.modes;
-        let mut i = 0;
-        self.scratch.resident.retain(|(w, _)| {
-            let predicted = i >= exact;
-            i += 1;
-            (modes.get(&w.worker_id) == Some(&KvMode::Approximate)) == predicted
-        });
     }
 
     /// The session's stickiness for this request; a query only peeks (no TTL refresh, no
@@ -818,6 +782,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
 mod events;
 mod inflight;
 mod load;
+mod resident;
 pub(crate) mod snapshot;
 
 #[cfg(test)]

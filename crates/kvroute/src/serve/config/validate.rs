@@ -427,6 +427,15 @@ fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(
         capacity_credit: r.capacity_credit,
         eviction_weight: r.eviction_weight,
     });
+    validate_cache_hit_weights(r, router)
+}
+
+/// `[router] host_cache_hit_weight` and `disk_cache_hit_weight`: each in 0..=1; every policy's
+/// cost uses them.
+fn validate_cache_hit_weights(
+    r: &RouterOptions,
+    router: &mut KvPushRouterConfig,
+) -> Result<(), InvalidOption> {
     let weights = &mut router.core.scheduler.cache_hit_weights;
     for (value, key, flag, slot) in [
         (
