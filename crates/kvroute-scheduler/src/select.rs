@@ -531,14 +531,11 @@ impl CostTerms<'_> {
             1.0
         };
         let weighted_decode_blocks = w.decode_cost(decode_blocks, self.mean_decode);
-        let evicted = match (self.max_room, room(slot, mark.resident)) {
-            (Some(best), Some(here)) => {
-                let new_blocks =
-                    (req.block_hashes.len() as u64).saturating_sub(overlap_blocks.into());
-                evicted_blocks(new_blocks, here, best)
-            }
-            _ => 0,
-        };
+        // Without a charge (`max_room` is `None`) no candidate's room is read.
+        let evicted = self.max_room.map_or(0, |best| {
+            let new_blocks = (req.block_hashes.len() as u64).saturating_sub(overlap_blocks.into());
+            room(slot, mark.resident).map_or(0, |here| evicted_blocks(new_blocks, here, best))
+        });
         // Exactly 0.0 without a charge, so the cost is then bit for bit the one before it.
         let eviction = w.eviction_weight * evicted as f64;
         let cost = (self.scale * (credited_prefill_blocks + eviction) + weighted_decode_blocks)
