@@ -6,13 +6,15 @@
 //! it would from NATS. Loss is repaired where it always is: a consumer that sees a gap in a
 //! worker's event ids asks the worker for the range (or a dump). The bridge resumes a dropped
 //! stream from the id after the last one it forwarded, so a reconnect loses nothing the worker
-//! still holds. With a real broker the workers publish there themselves and no bridge runs.
+//! still holds. With a real broker the workers publish there themselves and no bridge runs; an
+//! engine adapter in the consumer's own process forwards its publisher to the plane directly,
+//! and the bridge leaves it out ([`KvEventBridge::start_except`]).
 //!
 //! A worker whose metadata states [`LOAD_REPORTS_METADATA`] `= "true"` also has its load
 //! reports followed (`subscribe_load_reports`) and republished as JSON on
 //! [`LOAD_REPORT_SUBJECT`]; they need no repair, since the worker repeats them every heartbeat.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -71,8 +73,21 @@ impl KvEventBridge {
         plane: Arc<dyn EventPlane>,
         config: KvEventBridgeConfig,
     ) -> Self {
+        Self::start_except(instances, plane, config, HashSet::new())
+    }
+
+    /// Like [`KvEventBridge::start`], but leaves out the workers in `local`: those whose KV
+    /// events and load reports already reach `plane` without the request plane (an engine
+    /// adapter in this process whose publisher forwards there, see
+    /// [`crate::KvEventPublisher::forward_to`]). Their servers keep answering ranges and dumps.
+    pub fn start_except(
+        instances: watch::Receiver<InstanceSet>,
+        plane: Arc<dyn EventPlane>,
+        config: KvEventBridgeConfig,
+        local: HashSet<WorkerId>,
+    ) -> Self {
         Self {
-            task: tokio::spawn(follow(instances, plane, Arc::new(config))),
+            task: tokio::spawn(follow(instances, plane, Arc::new(config), local)),
         }
     }
 }
@@ -98,6 +113,7 @@ async fn follow(
     mut instances: watch::Receiver<InstanceSet>,
     plane: Arc<dyn EventPlane>,
     config: Arc<KvEventBridgeConfig>,
+    local: HashSet<WorkerId>,
 ) {
     let mut feeds: HashMap<WorkerId, Feed> = HashMap::new();
     let mut known = InstanceSet::default();
@@ -108,6 +124,7 @@ async fn follow(
                 DiscoveryEvent::Removed(id) => {
                     feeds.remove(&id);
                 }
+                DiscoveryEvent::Added(info) if local.contains(&info.id) => {}
                 DiscoveryEvent::Added(info) => {
                     let publishes = info
                         .metadata

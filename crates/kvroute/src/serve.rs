@@ -153,16 +153,26 @@ pub(crate) async fn start(config: &mut ServeConfig) -> anyhow::Result<Started> {
         tls: fleet_tls.as_ref(),
         bridge: &bridge_config,
     };
-    let workers = Workers::find(config, &security).await?;
+    let mut workers = Workers::find(config, &security).await?;
     let instances = workers.instances.clone();
     // With NATS the workers publish their KV events to JetStream themselves; otherwise the
-    // bridge subscribes to each worker and feeds an in-process plane.
+    // bridge subscribes to each worker and feeds an in-process plane, but for the engines this
+    // process fronts, which forward to that plane directly.
     let (plane, bridge): (Arc<dyn EventPlane>, _) = match &workers.nats {
         Some(shared) => (Arc::new(shared.plane.clone()), None),
         None => {
-            let plane = Arc::new(InProcessEventPlane::default());
-            let bridge =
-                KvEventBridge::start(instances.clone(), plane.clone(), bridge_config.clone());
+            let plane: Arc<dyn EventPlane> = Arc::new(InProcessEventPlane::default());
+            let local = workers
+                .static_fleet
+                .as_mut()
+                .map(|fleet| fleet.forward_local(&plane))
+                .unwrap_or_default();
+            let bridge = KvEventBridge::start_except(
+                instances.clone(),
+                plane.clone(),
+                bridge_config.clone(),
+                local,
+            );
             (plane, Some(bridge))
         }
     };

@@ -117,6 +117,70 @@ async fn the_bridge_forwards_every_listed_workers_events_and_resumes_after_recon
     assert!(quiet.is_err(), "no events after removal, got {quiet:?}");
 }
 
+#[tokio::test]
+async fn the_bridge_leaves_out_local_workers_whose_publishers_forward_to_the_plane() {
+    // Worker 6 is served over the request plane but forwards to the plane itself; worker 7 is
+    // only reachable over the request plane.
+    let local = KvEventPublisher::new(6, 64);
+    let remote = KvEventPublisher::new(7, 64);
+    let (local_server, _local_engine) =
+        start_worker_with(WorkerServerConfig::new(6).with_kv_events(local.clone())).await;
+    let (remote_server, _remote_engine) =
+        start_worker_with(WorkerServerConfig::new(7).with_kv_events(remote.clone())).await;
+    let (tx, rx) = watch::channel(InstanceSet::default());
+    let plane: Arc<dyn EventPlane> = Arc::new(InProcessEventPlane::default());
+    let mut events = plane.subscribe(KV_EVENT_SUBJECT).await.unwrap();
+    assert!(local.forward_to(plane.clone()));
+    let _bridge = KvEventBridge::start_except(
+        rx,
+        plane.clone(),
+        KvEventBridgeConfig::default(),
+        [6].into_iter().collect(),
+    );
+    tx.send_replace(Arc::new(
+        [
+            (6, InstanceInfo::new(6, local_server.local_addr().to_string(), 16)),
+            (7, InstanceInfo::new(7, remote_server.local_addr().to_string(), 16)),
+        ]
+        .into_iter()
+        .collect(),
+    ));
+    // Once the bridge follows worker 7, every event of both workers arrives exactly once: a
+    // bridge that also followed worker 6 would deliver its events twice.
+    bounded("the bridge to follow worker 7", async {
+        loop {
+            remote.publish(0, KvCacheEventData::Cleared);
+            tokio::select! {
+                m = events.next() => {
+                    if m.unwrap().router_event().unwrap().worker_id == 7 {
+                        return;
+                    }
+                }
+                () = tokio::time::sleep(Duration::from_millis(20)) => {}
+            }
+        }
+    })
+    .await;
+    while tokio::time::timeout(Duration::from_millis(100), events.next())
+        .await
+        .is_ok()
+    {}
+    let mut sent = Vec::new();
+    for _ in 0..5 {
+        sent.push((6, local.publish(0, KvCacheEventData::Cleared).event.event_id));
+        sent.push((7, remote.publish(0, KvCacheEventData::Cleared).event.event_id));
+    }
+    let mut got = Vec::new();
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(300), events.next()).await
+    {
+        let event = m.router_event().unwrap();
+        got.push((event.worker_id, event.event.event_id));
+    }
+    got.sort_unstable();
+    sent.sort_unstable();
+    assert_eq!(got, sent);
+}
+
 fn quick() -> RemoteDiscoveryConfig {
     RemoteDiscoveryConfig {
         retry_interval: Duration::from_millis(20),

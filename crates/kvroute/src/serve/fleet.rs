@@ -14,7 +14,7 @@ use kvroute_engines::EngineKind;
 use kvroute_protocols::WorkerId;
 use kvroute_runtime::{
     DEFAULT_REPORT_HEARTBEAT, ENDPOINT_METADATA, InstanceInfo, LocalEngines, LocalRegistration,
-    StaticDiscovery, WorkerRole, WorkerServer, WorkerServerConfig,
+    EventPlane, StaticDiscovery, WorkerRole, WorkerServer, WorkerServerConfig,
 };
 use serde::Deserialize;
 
@@ -232,6 +232,17 @@ pub(crate) struct Fleet {
     /// them directly instead of over their loopback servers, which keep serving everything else
     /// (session control, KV event feeds and ranges, load reports).
     _local: Vec<LocalRegistration>,
+    /// The forwarders of the adapters' load reports onto the router's event plane
+    /// ([`Fleet::forward_local`]), stopped with the fleet.
+    report_forwarders: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for task in &self.report_forwarders {
+            task.abort();
+        }
+    }
 }
 
 impl Fleet {
@@ -296,7 +307,33 @@ impl Fleet {
             discovery,
             engines,
             _local: registrations,
+            report_forwarders: Vec::new(),
         })
+    }
+
+    /// Forwards the KV events and load reports of every engine this process fronts straight
+    /// onto `plane`, the router's in-process event plane, and returns their worker ids, which
+    /// the request-plane bridge then leaves out ([`KvEventBridge::start_except`]): no frame
+    /// encoding, loopback socket or decoding between an adapter and the router beside it. The
+    /// adapters' loopback servers still answer the router's range and dump requests, so a gap
+    /// is repaired as for any worker.
+    ///
+    /// [`KvEventBridge::start_except`]: kvroute_runtime::KvEventBridge::start_except
+    pub(crate) fn forward_local(
+        &mut self,
+        plane: &Arc<dyn EventPlane>,
+    ) -> std::collections::HashSet<WorkerId> {
+        let mut local = std::collections::HashSet::new();
+        for (_, adapter) in &self.engines {
+            // A publisher forwards to one plane; this one is new, so the call cannot refuse.
+            let forwarding = adapter.publisher.forward_to(plane.clone());
+            debug_assert!(forwarding, "an adapter's publisher forwards nowhere before this");
+            if let Some(reporter) = adapter.load_reporter() {
+                self.report_forwarders.push(reporter.forward_to(plane.clone()));
+            }
+            local.insert(adapter.publisher.worker_id());
+        }
+        local
     }
 
     /// Fails once an engine's KV event feed proves unusable (see [`Adapter::failed`]).
