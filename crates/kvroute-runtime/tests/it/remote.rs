@@ -139,8 +139,14 @@ async fn the_bridge_leaves_out_local_workers_whose_publishers_forward_to_the_pla
     );
     tx.send_replace(Arc::new(
         [
-            (6, InstanceInfo::new(6, local_server.local_addr().to_string(), 16)),
-            (7, InstanceInfo::new(7, remote_server.local_addr().to_string(), 16)),
+            (
+                6,
+                InstanceInfo::new(6, local_server.local_addr().to_string(), 16),
+            ),
+            (
+                7,
+                InstanceInfo::new(7, remote_server.local_addr().to_string(), 16),
+            ),
         ]
         .into_iter()
         .collect(),
@@ -167,12 +173,17 @@ async fn the_bridge_leaves_out_local_workers_whose_publishers_forward_to_the_pla
     {}
     let mut sent = Vec::new();
     for _ in 0..5 {
-        sent.push((6, local.publish(0, KvCacheEventData::Cleared).event.event_id));
-        sent.push((7, remote.publish(0, KvCacheEventData::Cleared).event.event_id));
+        sent.push((
+            6,
+            local.publish(0, KvCacheEventData::Cleared).event.event_id,
+        ));
+        sent.push((
+            7,
+            remote.publish(0, KvCacheEventData::Cleared).event.event_id,
+        ));
     }
     let mut got = Vec::new();
-    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(300), events.next()).await
-    {
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(300), events.next()).await {
         let event = m.router_event().unwrap();
         got.push((event.worker_id, event.event.event_id));
     }

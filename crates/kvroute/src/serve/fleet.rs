@@ -13,8 +13,8 @@ use anyhow::{Context as _, bail};
 use kvroute_engines::EngineKind;
 use kvroute_protocols::WorkerId;
 use kvroute_runtime::{
-    DEFAULT_REPORT_HEARTBEAT, ENDPOINT_METADATA, InstanceInfo, LocalEngines, LocalRegistration,
-    EventPlane, StaticDiscovery, WorkerRole, WorkerServer, WorkerServerConfig,
+    DEFAULT_REPORT_HEARTBEAT, ENDPOINT_METADATA, EventPlane, InstanceInfo, LocalEngines,
+    LocalRegistration, StaticDiscovery, WorkerRole, WorkerServer, WorkerServerConfig,
 };
 use serde::Deserialize;
 
@@ -327,9 +327,13 @@ impl Fleet {
         for (_, adapter) in &self.engines {
             // A publisher forwards to one plane; this one is new, so the call cannot refuse.
             let forwarding = adapter.publisher.forward_to(plane.clone());
-            debug_assert!(forwarding, "an adapter's publisher forwards nowhere before this");
+            debug_assert!(
+                forwarding,
+                "an adapter's publisher forwards nowhere before this"
+            );
             if let Some(reporter) = adapter.load_reporter() {
-                self.report_forwarders.push(reporter.forward_to(plane.clone()));
+                self.report_forwarders
+                    .push(reporter.forward_to(plane.clone()));
             }
             local.insert(adapter.publisher.worker_id());
         }
