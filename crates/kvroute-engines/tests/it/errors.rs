@@ -169,6 +169,49 @@ async fn no_answer_within_the_first_byte_timeout_is_a_timeout() {
 }
 
 #[tokio::test]
+async fn a_stream_that_goes_quiet_mid_body_ends_at_the_idle_limit() {
+    let mock = MockEngine::start(vec![Reply::sse(&[vllm_token(10)], After::Hang)]).await;
+    let mut config = HttpEngineConfig::new(EngineKind::Vllm, &mock.base_url);
+    config.idle_timeout = Some(Duration::from_millis(100));
+    let engine = HttpEngine::new(config).unwrap();
+    let started = std::time::Instant::now();
+    let outcome = run(&engine, request()).await;
+    assert!(started.elapsed() >= Duration::from_millis(100));
+    assert_eq!(outcome.token_ids(), vec![10]);
+    let message = outcome.unavailable();
+    assert!(
+        message.contains("lost the vllm engine's stream after 1 tokens")
+            && message.contains("timed out waiting for the next piece"),
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn a_stream_paced_within_the_idle_limit_runs_past_it() {
+    // Each piece comes well within the limit, the whole stream takes longer than it: the idle
+    // deadline moves with every piece.
+    let mut events: Vec<String> = (10..13).map(vllm_token).collect();
+    events.push(
+        r#"data: {"choices":[{"index":0,"text":"x","token_ids":[13],"finish_reason":"length"}]}"#
+            .to_owned(),
+    );
+    let mock = MockEngine::start(vec![Reply::paced(
+        &events,
+        Duration::from_millis(60),
+        After::End,
+    )])
+    .await;
+    let mut config = HttpEngineConfig::new(EngineKind::Vllm, &mock.base_url);
+    config.idle_timeout = Some(Duration::from_millis(150));
+    let engine = HttpEngine::new(config).unwrap();
+    let started = std::time::Instant::now();
+    let outcome = run(&engine, request()).await;
+    assert!(started.elapsed() >= Duration::from_millis(180));
+    assert!(outcome.failure.is_none(), "{outcome:?}");
+    assert_eq!(outcome.token_ids(), vec![10, 11, 12, 13], "{outcome:?}");
+}
+
+#[tokio::test]
 async fn an_engine_4xx_carries_its_status_and_a_context_overflow_its_code() {
     // llama.cpp's answer to a prompt over its context.
     let body = json!({"error": {"code": 400, "message": "the request exceeds the available context size, try increasing it", "type": "exceed_context_size_error", "n_prompt_tokens": 700, "n_ctx": 512}});

@@ -47,6 +47,7 @@ impl Recording {
             status: self.meta["status"].as_u64().expect("status") as u16,
             content_type: self.meta["content_type"].as_str().expect("type").to_owned(),
             pieces,
+            gap: std::time::Duration::ZERO,
             after,
         }
     }

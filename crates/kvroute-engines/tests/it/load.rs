@@ -25,6 +25,7 @@ fn metrics(status: u16, body: impl Into<Bytes>) -> Reply {
         status,
         content_type: "text/plain; version=0.0.4; charset=utf-8".to_owned(),
         pieces: vec![body.into()],
+        gap: std::time::Duration::ZERO,
         after: After::End,
     }
 }

@@ -25,11 +25,12 @@ pub(crate) const HANG_GUARD: Duration = Duration::from_secs(20);
 /// What the mock answers one request with.
 #[derive(Debug, Clone)]
 pub(crate) enum Reply {
-    /// `status` with `content_type`, the body sent in `pieces`, then `after`.
+    /// `status` with `content_type`, the body sent in `pieces` (`gap` apart), then `after`.
     Stream {
         status: u16,
         content_type: String,
         pieces: Vec<Bytes>,
+        gap: Duration,
         after: After,
     },
     /// Never answer (not even headers).
@@ -51,6 +52,11 @@ pub(crate) enum After {
 impl Reply {
     /// An event stream of `events` (each sent as one piece, `\n\n` appended), then `after`.
     pub(crate) fn sse(events: &[String], after: After) -> Self {
+        Self::paced(events, Duration::ZERO, after)
+    }
+
+    /// Like [`Reply::sse`], with `gap` between one event and the next.
+    pub(crate) fn paced(events: &[String], gap: Duration, after: After) -> Self {
         Reply::Stream {
             status: 200,
             content_type: "text/event-stream".to_owned(),
@@ -58,6 +64,7 @@ impl Reply {
                 .iter()
                 .map(|e| Bytes::from(format!("{e}\n\n")))
                 .collect(),
+            gap,
             after,
         }
     }
@@ -68,6 +75,7 @@ impl Reply {
             status,
             content_type: "application/json".to_owned(),
             pieces: vec![Bytes::from(body.to_string())],
+            gap: Duration::ZERO,
             after: After::End,
         }
     }
@@ -216,9 +224,10 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
             status,
             content_type,
             pieces,
+            gap,
             after,
         } => {
-            let body = Body::from_stream(body_stream(pieces, after, watch));
+            let body = Body::from_stream(body_stream(pieces, gap, after, watch));
             Response::builder()
                 .status(StatusCode::from_u16(status).expect("status"))
                 .header("content-type", content_type)
@@ -230,12 +239,16 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
 
 fn body_stream(
     pieces: Vec<Bytes>,
+    gap: Duration,
     after: After,
     watch: Watch,
 ) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send {
     async_stream::stream! {
         let watch = watch;
-        for piece in pieces {
+        for (i, piece) in pieces.into_iter().enumerate() {
+            if i > 0 && !gap.is_zero() {
+                tokio::time::sleep(gap).await;
+            }
             yield Ok(piece);
         }
         match after {
