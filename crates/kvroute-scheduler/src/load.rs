@@ -12,6 +12,7 @@
 //! one that sum *is* the holder.
 
 use std::collections::VecDeque;
+use std::collections::hash_map::Entry;
 use std::time::Duration;
 
 use kvroute_protocols::WorkerWithDpRank;
@@ -303,7 +304,13 @@ impl Requests {
         state.exclusive -= state.output_blocks;
         let prompt = std::mem::take(&mut state.prompt);
         for &h in prompt.iter() {
-            let holders = self.holders.get_mut(&h).expect("held block is tracked");
+            // One table lookup a block: the entry both updates the holder and, when the last
+            // one goes, removes the block (`get_mut` then `remove` looked it up twice, and a
+            // freed prompt's blocks mostly lose their last holder).
+            let Entry::Occupied(mut held) = self.holders.entry(h) else {
+                unreachable!("held block is tracked");
+            };
+            let holders = held.get_mut();
             let at = holders
                 .iter()
                 .position(|b| b.slot == state.slot)
@@ -319,7 +326,7 @@ impl Requests {
                     load.held_blocks -= 1;
                     holders.swap_remove(at);
                     if holders.is_empty() {
-                        self.holders.remove(&h);
+                        held.remove();
                     }
                 }
                 1 => {
