@@ -306,7 +306,8 @@ impl Requests {
         for &h in prompt.iter() {
             // One table lookup a block: the entry both updates the holder and, when the last
             // one goes, removes the block (`get_mut` then `remove` looked it up twice, and a
-            // freed prompt's blocks mostly lose their last holder).
+            // freed prompt's blocks mostly lose their last holder). std's `entry` reserves room
+            // for one key first, so a free can grow the table once, as an insert would.
             let Entry::Occupied(mut held) = self.holders.entry(h) else {
                 unreachable!("held block is tracked");
             };
