@@ -244,7 +244,11 @@ fn run_loom(root: &Path) -> Result<()> {
         ])
         .env("RUSTFLAGS", "--cfg loom")
         .env("CARGO_TARGET_DIR", &target)
-        .env("LOOM_MAX_PREEMPTIONS", "3");
+        .env("LOOM_MAX_PREEMPTIONS", "3")
+        // The models want optimised code, not the shipped binary's fat LTO (Cargo.toml), which
+        // would add minutes of linking to a test binary for nothing.
+        .env("CARGO_PROFILE_RELEASE_LTO", "false")
+        .env("CARGO_PROFILE_RELEASE_CODEGEN_UNITS", "16");
         run_command(&mut cmd)?;
     }
     Ok(())
