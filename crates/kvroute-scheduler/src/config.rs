@@ -220,6 +220,30 @@ pub struct CostWeights {
     /// keeps new conversations from piling onto a worker that a shared preamble draws them to
     /// until their histories outgrow its cache. Workers of unknown capacity are never charged.
     pub eviction_weight: f64,
+    /// Blocks of prefill charged per block of idle cache a placement would evict on a worker
+    /// whose cache is full, times how much more it has been allocating than the eligible worker
+    /// that allocated least (its churn above theirs over the mean churn, capped at 1; 0.0, the
+    /// reference's presets: no charge).
+    ///
+    /// A worker's churn is the new blocks (prompt blocks not cached there) routed to it lately,
+    /// each weighing half once the fleet has allocated its whole KV capacity again. A full cache
+    /// evicts a least recently used block for every new one, so where churn is high the blocks
+    /// that go were used recently: the contexts of conversations and agents between turns,
+    /// recomputed when they return. Where churn is low they are what nobody has asked for in a
+    /// long while. [`Self::eviction_weight`] is silent once every worker is full; this charge is
+    /// what then keeps a new conversation (whose uncached blocks are most of its prompt) off the
+    /// worker that is cycling through other conversations' live contexts, as SGLang's gateway
+    /// sends a prompt that matches little to the worker whose radix tree is smallest. A
+    /// continuing conversation's few new blocks weigh little against its cached prefix. Workers
+    /// of unknown capacity are never charged.
+    ///
+    /// Off in every preset, `kv-locality` included: measured (docs/benchmarks.md, "Evictions
+    /// charged by churn") at 1 it gained 0.2-0.5 points of hit rate and 15-19% of TTFT p99 on
+    /// 16 s of the peers bench's `agentic` (live and in virtual time), but lost 0.1 point on
+    /// `multi-turn` in virtual time and 0.01-0.04 on three of the evaluation set's cells, and the
+    /// `agentic` gains came from a handful of decisions that other weights flip. Policy `kv`
+    /// takes it (`churn_eviction_weight`) for fleets of long agent sessions to try.
+    pub churn_eviction_weight: f64,
     /// Whether the prefill term counts at all (the reference's `track_prefill_tokens`).
     pub track_prefill_tokens: bool,
     /// Whether prompt blocks already active on a worker are counted once (the reference's
@@ -253,6 +277,7 @@ impl CostWeights {
             decode_tolerance: 0.0,
             capacity_credit: false,
             eviction_weight: 0.0,
+            churn_eviction_weight: 0.0,
             track_prefill_tokens: true,
             assume_kv_reuse: true,
         }
@@ -302,6 +327,7 @@ impl CostWeights {
             decode_tolerance: 1.0,
             capacity_credit: true,
             eviction_weight: LOCALITY_EVICTION_WEIGHT,
+            churn_eviction_weight: 0.0,
             track_prefill_tokens: true,
             assume_kv_reuse: true,
         }
@@ -330,6 +356,7 @@ impl CostWeights {
             decode_tolerance: 0.0,
             capacity_credit: false,
             eviction_weight: 0.0,
+            churn_eviction_weight: 0.0,
             track_prefill_tokens: true,
             assume_kv_reuse: true,
         }
@@ -364,6 +391,9 @@ impl CostWeights {
         if let Some(e) = t.eviction_weight {
             self.eviction_weight = e;
         }
+        if let Some(e) = t.churn_eviction_weight {
+            self.churn_eviction_weight = e;
+        }
         self
     }
 
@@ -395,7 +425,16 @@ impl CostWeights {
         check_weight("overlap_score_credit_decay", self.overlap_credit_decay)?;
         check_unit("balanced_decode_weight", self.balanced_decode_weight)?;
         check_weight("decode_tolerance", self.decode_tolerance)?;
-        check_weight("eviction_weight", self.eviction_weight)
+        check_weight("eviction_weight", self.eviction_weight)?;
+        check_weight("churn_eviction_weight", self.churn_eviction_weight)
+    }
+
+    /// Whether the cost reads how many blocks each worker holds
+    /// ([`SelectRequest::resident_blocks`](crate::SelectRequest::resident_blocks)): only to
+    /// charge for evictions.
+    #[inline]
+    pub fn charges_evictions(&self) -> bool {
+        self.eviction_weight > 0.0 || self.churn_eviction_weight > 0.0
     }
 
     /// The prefill scale at `backlog` (outstanding prefill over batch budget, clamped to 0..=1).
@@ -469,6 +508,8 @@ pub struct CostTuning {
     pub capacity_credit: Option<bool>,
     /// [`CostWeights::eviction_weight`].
     pub eviction_weight: Option<f64>,
+    /// [`CostWeights::churn_eviction_weight`].
+    pub churn_eviction_weight: Option<f64>,
 }
 
 /// When a worker counts as loaded; `None` disables a check. Used both for the busy filter and

@@ -126,11 +126,18 @@ pub struct CandidateCost {
     /// worker with the most free capacity would ([`CostWeights::eviction_weight`]); 0 when the
     /// weights do not ask, or the worker's capacity is unknown.
     pub evicted_blocks: u64,
+    /// Blocks of idle cache this placement would evict at all, when the weights charge for it
+    /// by churn ([`CostWeights::churn_eviction_weight`]); 0 when they do not, or the worker's
+    /// capacity is unknown.
+    pub churn_evicted_blocks: u64,
+    /// How far the worker's churn is above the eligible workers' least, over their mean, capped
+    /// at 1 ([`CostWeights::churn_eviction_weight`]); 0 when the weights do not ask.
+    pub churn_share: f64,
     /// Preferred-taint multiplier (1.0 without preferences).
     pub taint_multiplier: f64,
-    /// `(scale * (credited_prefill_blocks + eviction_weight * evicted_blocks) +
-    /// weighted_decode_blocks) * taint_multiplier`, `scale` being
-    /// [`Decision::prefill_load_scale`].
+    /// `(scale * (credited_prefill_blocks + eviction_weight * evicted_blocks +
+    /// churn_eviction_weight * churn_share * churn_evicted_blocks) + weighted_decode_blocks) *
+    /// taint_multiplier`, `scale` being [`Decision::prefill_load_scale`].
     pub cost: f64,
 }
 
@@ -173,6 +180,13 @@ impl fmt::Display for CandidateCost {
         )?;
         if self.evicted_blocks > 0 {
             write!(f, " evicts {}", self.evicted_blocks)?;
+        }
+        if self.churn_share > 0.0 && self.churn_evicted_blocks > 0 {
+            write!(
+                f,
+                " evicts {} at churn {:.3}",
+                self.churn_evicted_blocks, self.churn_share
+            )?;
         }
         write!(f, " x{:.3}", self.taint_multiplier)
     }

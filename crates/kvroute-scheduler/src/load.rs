@@ -204,6 +204,8 @@ impl Requests {
         self.slab[ri as usize] = Some(state);
         self.by_id.insert(req.id, ri);
         self.arrivals.push_back((now, req.id, ri));
+        let new_blocks = (req.block_hashes.len() as u64).saturating_sub(req.overlap_blocks.into());
+        workers.record_allocation(slot_idx, new_blocks);
         Ok(())
     }
 

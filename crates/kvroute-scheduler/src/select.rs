@@ -22,7 +22,11 @@
 //! (`unkept_blocks`). With [`CostWeights::eviction_weight`], `scale * eviction_weight *
 //! evicted_blocks` is added, where `evicted_blocks` is how many more blocks of other prompts' idle
 //! cache the prompt's uncached blocks would evict there than on the eligible worker with the most
-//! free KV capacity (`evicted_blocks`).
+//! free KV capacity (`evicted_blocks`). With [`CostWeights::churn_eviction_weight`], `scale *
+//! churn_eviction_weight * churn_share * churn_evicted_blocks` is added too, where
+//! `churn_evicted_blocks` is how many blocks of idle cache the prompt's uncached blocks would
+//! evict there at all, and `churn_share` how far the worker's churn (new blocks routed to it
+//! lately) is above the eligible workers' least, over their mean, capped at 1.
 
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -299,6 +303,7 @@ impl Scheduler {
         s.prefill_load_scale = scale;
         let terms = CostTerms {
             req,
+            workers,
             w,
             preferred: &s.preferred,
             has_preferences,
@@ -309,6 +314,7 @@ impl Scheduler {
             floor_prefill: floor_prefill(workers, &s.eligible, w),
             mean_decode: mean_decode(workers, &s.eligible, w),
             max_room: max_room(workers, &s.eligible, &s.marks, generation, w),
+            churn: ChurnTerms::of(workers, &s.eligible, w),
         };
         s.candidates.clear();
         for &idx in &s.eligible {
@@ -360,7 +366,7 @@ impl Scheduler {
                 }
             }
         }
-        if w.eviction_weight > 0.0 {
+        if w.charges_evictions() {
             for (worker, blocks) in req.resident_blocks {
                 if let Some(&idx) = workers.slot_of.get(worker) {
                     marks[idx as usize].current(generation).resident = *blocks;
@@ -458,6 +464,48 @@ fn room(slot: &Slot, resident: u64) -> Option<u64> {
     Some(capacity.saturating_sub(resident.max(slot.load.held_blocks)))
 }
 
+/// The eligible workers' churn, for [`CostWeights::churn_eviction_weight`].
+#[derive(Debug, Clone, Copy)]
+struct ChurnTerms {
+    half_life: u64,
+    /// The least churn of an eligible worker of known capacity.
+    floor: f64,
+    /// Their mean churn (positive).
+    mean: f64,
+}
+
+impl ChurnTerms {
+    /// The eligible workers' churn, only when the weights charge for it and some eligible
+    /// worker of known capacity has had new blocks routed to it lately.
+    #[inline]
+    fn of(workers: &Workers, eligible: &[u32], w: &CostWeights) -> Option<Self> {
+        if w.churn_eviction_weight == 0.0 {
+            return None;
+        }
+        let half_life = workers.churn_half_life();
+        let (n, sum, floor) = eligible
+            .iter()
+            .filter_map(|&i| workers.slot(i))
+            .filter(|slot| slot.kv_capacity_blocks.is_some())
+            .map(|slot| workers.churn(slot, half_life))
+            .fold((0u32, 0.0f64, f64::INFINITY), |(n, sum, floor), c| {
+                (n + 1, sum + c, floor.min(c))
+            });
+        let mean = sum / f64::from(n.max(1));
+        (mean > 0.0).then_some(Self {
+            half_life,
+            floor,
+            mean,
+        })
+    }
+
+    /// How far `slot`'s churn is above the floor, over the mean, capped at 1.
+    #[inline]
+    fn share(&self, workers: &Workers, slot: &Slot) -> f64 {
+        ((workers.churn(slot, self.half_life) - self.floor) / self.mean).clamp(0.0, 1.0)
+    }
+}
+
 /// The eligible workers' least outstanding prefill, only when the credit decays with it.
 #[inline]
 fn floor_prefill(workers: &Workers, eligible: &[u32], w: &CostWeights) -> u64 {
@@ -476,6 +524,7 @@ fn floor_prefill(workers: &Workers, eligible: &[u32], w: &CostWeights) -> u64 {
 /// What every candidate's cost in one selection shares.
 struct CostTerms<'a> {
     req: &'a SelectRequest<'a>,
+    workers: &'a Workers,
     w: &'a CostWeights,
     /// Preferred taints some worker carries, as (bit, weight).
     preferred: &'a [(u64, f64)],
@@ -488,6 +537,8 @@ struct CostTerms<'a> {
     mean_decode: f64,
     /// The most free KV capacity of an eligible worker, when evictions are charged.
     max_room: Option<u64>,
+    /// The eligible workers' churn, when evictions on full workers are charged by it.
+    churn: Option<ChurnTerms>,
 }
 
 impl CostTerms<'_> {
@@ -531,13 +582,23 @@ impl CostTerms<'_> {
             1.0
         };
         let weighted_decode_blocks = w.decode_cost(decode_blocks, self.mean_decode);
-        // Without a charge (`max_room` is `None`) no candidate's room is read.
+        // Without a charge (`max_room` and `churn` are `None`) no candidate's room is read.
+        let new_blocks = (req.block_hashes.len() as u64).saturating_sub(overlap_blocks.into());
         let evicted = self.max_room.map_or(0, |best| {
-            let new_blocks = (req.block_hashes.len() as u64).saturating_sub(overlap_blocks.into());
             room(slot, mark.resident).map_or(0, |here| evicted_blocks(new_blocks, here, best))
         });
+        let (churn_share, churn_evicted) = match &self.churn {
+            Some(churn) => room(slot, mark.resident).map_or((0.0, 0), |here| {
+                (
+                    churn.share(self.workers, slot),
+                    new_blocks.saturating_sub(here),
+                )
+            }),
+            None => (0.0, 0),
+        };
         // Exactly 0.0 without a charge, so the cost is then bit for bit the one before it.
-        let eviction = w.eviction_weight * evicted as f64;
+        let eviction = w.eviction_weight * evicted as f64
+            + w.churn_eviction_weight * churn_share * churn_evicted as f64;
         let cost = (self.scale * (credited_prefill_blocks + eviction) + weighted_decode_blocks)
             * taint_multiplier;
         CandidateCost {
@@ -553,6 +614,8 @@ impl CostTerms<'_> {
             decode_blocks,
             weighted_decode_blocks,
             evicted_blocks: evicted,
+            churn_evicted_blocks: churn_evicted,
+            churn_share,
             taint_multiplier,
             cost,
         }

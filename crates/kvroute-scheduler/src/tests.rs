@@ -94,6 +94,8 @@ fn costs(values: &[f64]) -> Vec<CandidateCost> {
             decode_blocks: cost,
             weighted_decode_blocks: cost,
             evicted_blocks: 0,
+            churn_evicted_blocks: 0,
+            churn_share: 0.0,
             taint_multiplier: 1.0,
             cost,
         })

@@ -97,6 +97,10 @@ pub(crate) struct Slot {
     pub(crate) kv_capacity_blocks: Option<u64>,
     pub(crate) max_batched_tokens: Option<u64>,
     pub(crate) load: SlotLoad,
+    /// New blocks routed here lately ([`Workers::churn`]), decayed to [`Self::churn_clock`].
+    pub(crate) churn: f64,
+    /// [`Workers::allocated`] when `churn` was last brought up to date.
+    pub(crate) churn_clock: u64,
 }
 
 /// Maps taint names to bit positions.
@@ -134,6 +138,9 @@ pub(crate) struct Workers {
     pub(crate) ranks_of: FxHashMap<WorkerId, Vec<u32>>,
     free: Vec<u32>,
     pub(crate) taints: TaintInterner,
+    /// New blocks routed to any slot since the table was made: the clock by which each slot's
+    /// churn decays, so that it is deterministic and needs no time source.
+    pub(crate) allocated: u64,
 }
 
 impl Workers {
@@ -162,6 +169,8 @@ impl Workers {
                 kv_capacity_blocks: spec.kv_capacity_blocks,
                 max_batched_tokens: spec.max_batched_tokens,
                 load: SlotLoad::default(),
+                churn: 0.0,
+                churn_clock: self.allocated,
             };
             let idx = match self.free.pop() {
                 Some(i) => {
@@ -205,4 +214,44 @@ impl Workers {
     pub(crate) fn slot_mut(&mut self, idx: u32) -> Option<&mut Slot> {
         self.slots.get_mut(idx as usize).and_then(Option::as_mut)
     }
+
+    /// The half-life of churn, in blocks allocated over the fleet: the KV capacity of every
+    /// live slot whose capacity is known, so that a slot's churn counts the new blocks routed
+    /// to it over about one lifetime of the fleet's caches. 0 when no capacity is known.
+    pub(crate) fn churn_half_life(&self) -> u64 {
+        self.live
+            .iter()
+            .filter_map(|&i| self.slot(i)?.kv_capacity_blocks)
+            .sum()
+    }
+
+    /// Records `blocks` new blocks (a routed prompt's blocks not cached there) allocated on
+    /// slot `idx`.
+    pub(crate) fn record_allocation(&mut self, idx: u32, blocks: u64) {
+        let half_life = self.churn_half_life();
+        self.allocated = self.allocated.saturating_add(blocks);
+        let clock = self.allocated;
+        if let Some(slot) = self.slot_mut(idx) {
+            slot.churn = decayed(slot.churn, clock - slot.churn_clock, half_life) + blocks as f64;
+            slot.churn_clock = clock;
+        }
+    }
+
+    /// How many new blocks have been routed to `slot` lately: each block weighs half as much
+    /// once `half_life` ([`Self::churn_half_life`]) more have been allocated over the fleet.
+    /// A worker whose cache is full evicts one block of what it holds for each new one, so
+    /// the higher its churn, the more recently used the least recently used of its blocks are.
+    #[inline]
+    pub(crate) fn churn(&self, slot: &Slot, half_life: u64) -> f64 {
+        decayed(slot.churn, self.allocated - slot.churn_clock, half_life)
+    }
+}
+
+/// `value` after `elapsed` blocks of a `half_life` (no decay when the half-life is 0).
+#[inline]
+fn decayed(value: f64, elapsed: u64, half_life: u64) -> f64 {
+    if half_life == 0 || elapsed == 0 || value == 0.0 {
+        return value;
+    }
+    value * (-(elapsed as f64 / half_life as f64) * std::f64::consts::LN_2).exp()
 }

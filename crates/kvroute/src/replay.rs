@@ -123,6 +123,12 @@ pub(crate) struct ReplayArgs {
     /// would (default 0, the reference's; kv-locality scores with 1).
     #[arg(long, value_name = "X")]
     eviction_weight: Option<f64>,
+    /// Policy kv's charge, in blocks of prefill, per block of idle cache a placement would
+    /// evict on a worker whose cache is full, times how far the new blocks routed there lately
+    /// exceed the least of the eligible workers', over their mean, capped at 1 (default 0, the
+    /// reference's; kv-locality scores with 0).
+    #[arg(long, value_name = "X")]
+    churn_eviction_weight: Option<f64>,
     /// Replay speed: 2.0 makes requests arrive twice as fast as the trace says.
     #[arg(long, default_value_t = 1.0, value_name = "X")]
     speed: f64,
@@ -307,6 +313,7 @@ impl Plan {
             decode_tolerance: args.decode_tolerance,
             capacity_credit: args.capacity_credit,
             eviction_weight: args.eviction_weight,
+            churn_eviction_weight: args.churn_eviction_weight,
         };
         validate_kv_weights(&kv_weights, asked)?;
         // A policy named twice would only print the same row twice.

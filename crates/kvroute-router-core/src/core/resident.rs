@@ -15,7 +15,7 @@ impl<S: AffinityStore> KvRouterCore<S> {
     pub(super) fn charges_evictions(&self) -> bool {
         let policy = self.config.policy;
         let weights = policy.cost_weights().unwrap_or(self.config.scheduler.cost);
-        weights.eviction_weight > 0.0
+        weights.charges_evictions()
             && !matches!(policy, Policy::RoundRobin | Policy::Random | Policy::Direct)
     }
 

@@ -991,6 +991,95 @@ fn a_placement_is_charged_for_the_idle_cache_it_evicts_beyond_the_roomiest_worke
 }
 
 #[test]
+fn a_full_workers_evictions_are_charged_by_how_fast_it_has_been_allocating() {
+    // Prefill weighs 4 decode blocks; each worker's KV holds 100 blocks.
+    let fleet = |churn_eviction_weight| {
+        let mut config = SchedulerConfig::new(BS);
+        config.cost = CostWeights {
+            prefill_load_scale: 4.0,
+            loaded_prefill_load_scale: 4.0,
+            churn_eviction_weight,
+            ..CostWeights::reference()
+        };
+        let mut s = scheduler_with(
+            config,
+            (0..3).map(|id| WorkerSpec::new(id).with_kv_capacity(100)),
+        );
+        // 60 new blocks routed to worker 0, then 20 to worker 1, none to worker 2; all done.
+        add(&mut s, 1, w(0), &blocks(1000, 60));
+        add(&mut s, 2, w(1), &blocks(2000, 20));
+        s.free(RequestId(1)).expect("active");
+        s.free(RequestId(2)).expect("active");
+        s
+    };
+    // Every worker's cache is full; a new 10-block prompt whose 2-block preamble each caches.
+    let full = [(w(0), 100), (w(1), 100), (w(2), 100)];
+    let prompt = blocks(100, 10);
+    let overlaps = [(w(0), 2), (w(1), 2), (w(2), 2)];
+    let mut req = SelectRequest::new(160, &prompt, &overlaps);
+    req.resident_blocks = &full;
+
+    let mut s = fleet(1.0);
+    let d = s.select(&req, &mut rng()).expect("selected");
+    // Churn halves over the fleet's 300 blocks of capacity: worker 0's 60 blocks weigh
+    // 60 * 2^(-20/300) by now, worker 1's 20, worker 2's nothing; their mean is 25.76.
+    let churn0 = 60.0 * (-20.0f64 / 300.0).exp2();
+    let mean = (churn0 + 20.0) / 3.0;
+    let (c0, c1, c2) = (
+        cost_of(d.candidates, w(0)),
+        cost_of(d.candidates, w(1)),
+        cost_of(d.candidates, w(2)),
+    );
+    // Each evicts the 8 blocks it allocates; worker 0 at the full share (capped at 1), worker 1
+    // at 20 / mean, worker 2 (the floor) at none. Prefill 10 - 2 = 8, decode 10.
+    assert_eq!((c0.churn_evicted_blocks, c0.churn_share), (8, 1.0));
+    assert_eq!(c0.cost, 4.0 * (8.0 + 8.0) + 10.0);
+    assert!((c1.churn_share - 20.0 / mean).abs() < 1e-9, "{c1}");
+    assert!((c1.cost - (4.0 * (8.0 + 8.0 * 20.0 / mean) + 10.0)).abs() < 1e-9);
+    assert_eq!((c2.churn_share, c2.cost), (0.0, 42.0));
+    assert_eq!(d.chosen.worker, w(2));
+    assert!(c0.to_string().contains("evicts 8 at churn 1.000"), "{c0}");
+    assert!(!c2.to_string().contains("evicts"), "{c2}");
+
+    // A continuing prompt with 9 of its 10 blocks cached on worker 0 allocates one block there:
+    // 4 * (1 + 1) + 10 = 18 against 4 * 10 + 10 = 50 elsewhere; it stays.
+    let overlaps = [(w(0), 9)];
+    let mut next = SelectRequest::new(160, &prompt, &overlaps);
+    next.resident_blocks = &full;
+    let d = s.select(&next, &mut rng()).expect("selected");
+    assert_eq!((d.chosen.worker, d.candidates[0].cost), (w(0), 18.0));
+
+    // A worker with room evicts nothing, whatever its churn.
+    let roomy = [(w(0), 50), (w(1), 100), (w(2), 100)];
+    req.resident_blocks = &roomy;
+    let d = s.select(&req, &mut rng()).expect("selected");
+    let c0 = cost_of(d.candidates, w(0));
+    assert_eq!((c0.churn_evicted_blocks, c0.cost), (0, 42.0));
+
+    // Without the weight, no churn is read and the three tie.
+    let mut s = fleet(0.0);
+    req.resident_blocks = &full;
+    let d = s.select(&req, &mut rng()).expect("selected");
+    assert!(
+        d.candidates
+            .iter()
+            .all(|c| (c.churn_share, c.churn_evicted_blocks, c.cost) == (0.0, 0, 42.0)),
+        "{:?}",
+        d.candidates
+    );
+
+    // Churn fades as the fleet allocates: after 3,000 blocks more on worker 2 (ten half-lives),
+    // worker 2 churns most and worker 0's 60 blocks weigh almost nothing.
+    let mut s = fleet(1.0);
+    add(&mut s, 3, w(2), &blocks(5000, 3000));
+    s.free(RequestId(3)).expect("active");
+    let d = s.select(&req, &mut rng()).expect("selected");
+    assert_eq!(cost_of(d.candidates, w(2)).churn_share, 1.0);
+    assert!(cost_of(d.candidates, w(0)).churn_share < 0.001);
+    assert_ne!(d.chosen.worker, w(2));
+}
+
+#[test]
 fn a_reported_capacity_is_set_and_read_back() {
     let mut s = scheduler(1);
     assert_eq!(s.kv_capacity(w(0)), None);

@@ -169,6 +169,12 @@ pub(crate) struct RouterOptions {
     /// (default 0, the reference's; kv-locality scores with 1).
     #[arg(long, allow_negative_numbers = true)]
     pub(crate) eviction_weight: Option<f64>,
+    /// Blocks of prefill policy kv charges per block of idle cache a placement would evict on a
+    /// worker whose cache is full, times how far the new blocks routed there lately exceed the
+    /// least of the eligible workers', over their mean, capped at 1 (default 0, the
+    /// reference's; kv-locality scores with 0).
+    #[arg(long, allow_negative_numbers = true)]
+    pub(crate) churn_eviction_weight: Option<f64>,
     /// Credit per cached block found on a worker's host (CPU) tier, continuing its device
     /// prefix, against a device block's 1 (default 0.75, as the reference).
     #[arg(long, allow_negative_numbers = true)]
@@ -472,6 +478,7 @@ impl ServeOptions {
                 cached_share_exponent: pick(r.cached_share_exponent, fr.cached_share_exponent),
                 capacity_credit: pick(r.capacity_credit, fr.capacity_credit),
                 eviction_weight: pick(r.eviction_weight, fr.eviction_weight),
+                churn_eviction_weight: pick(r.churn_eviction_weight, fr.churn_eviction_weight),
                 host_cache_hit_weight: pick(r.host_cache_hit_weight, fr.host_cache_hit_weight),
                 disk_cache_hit_weight: pick(r.disk_cache_hit_weight, fr.disk_cache_hit_weight),
                 max_migrations: pick(r.max_migrations, fr.max_migrations),

@@ -737,6 +737,25 @@ fn policy_kv_takes_every_weight_of_kv_locality_and_scores_as_it() {
         &[],
         Err("no eviction weight with policy kv-locality"),
     );
+    check(
+        "[router]\npolicy = \"kv\"\n",
+        &["--churn-eviction-weight", "-1"],
+        Err("router.churn_eviction_weight"),
+    );
+    check(
+        "[router]\nchurn_eviction_weight = 1.0\n",
+        &[],
+        Err("no churn eviction weight with policy kv-locality"),
+    );
+    let options =
+        ServeOptions::from_toml("[router]\npolicy = \"kv\"\nchurn_eviction_weight = 1.0\n")
+            .expect("toml")
+            .validate()
+            .expect("valid");
+    assert_eq!(
+        options.router.core.scheduler.cost.churn_eviction_weight,
+        1.0
+    );
 }
 
 #[test]

@@ -388,6 +388,12 @@ fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(
             "eviction-weight",
             "eviction weight",
         ),
+        (
+            r.churn_eviction_weight,
+            "router.churn_eviction_weight",
+            "churn-eviction-weight",
+            "churn eviction weight",
+        ),
     ] {
         let Some(v) = value else { continue };
         if !(v.is_finite() && v >= 0.0) {
@@ -426,6 +432,7 @@ fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(
         decode_tolerance: r.decode_tolerance,
         capacity_credit: r.capacity_credit,
         eviction_weight: r.eviction_weight,
+        churn_eviction_weight: r.churn_eviction_weight,
     });
     validate_cache_hit_weights(r, router)
 }
