@@ -206,15 +206,12 @@ impl Scheduler {
         worker: WorkerWithDpRank,
         blocks: Option<u64>,
     ) -> Result<(), LoadError> {
-        let slot = self
-            .workers
-            .slot_of
-            .get(&worker)
-            .copied()
-            .and_then(|idx| self.workers.slot_mut(idx))
-            .ok_or(LoadError::UnknownWorker(worker))?;
-        slot.kv_capacity_blocks = blocks;
-        Ok(())
+        let idx = self.workers.slot_of.get(&worker).copied();
+        if idx.is_some_and(|idx| self.workers.set_kv_capacity(idx, blocks)) {
+            Ok(())
+        } else {
+            Err(LoadError::UnknownWorker(worker))
+        }
     }
 
     /// The KV capacity of one (worker, dp rank), in blocks, when it is known.

@@ -141,6 +141,9 @@ pub(crate) struct Workers {
     /// New blocks routed to any slot since the table was made: the clock by which each slot's
     /// churn decays, so that it is deterministic and needs no time source.
     pub(crate) allocated: u64,
+    /// The KV capacity of every live slot whose capacity is known, kept as slots come, go and
+    /// report their capacity ([`Self::churn_half_life`]).
+    capacity: u64,
 }
 
 impl Workers {
@@ -184,6 +187,7 @@ impl Workers {
             };
             self.slot_of.insert(key, idx);
             self.live.push(idx);
+            self.capacity += spec.kv_capacity_blocks.unwrap_or(0);
             ranks.push(idx);
         }
         self.ranks_of.insert(spec.worker_id, ranks);
@@ -198,6 +202,7 @@ impl Workers {
         for idx in ranks {
             if let Some(slot) = self.slots[idx as usize].take() {
                 self.slot_of.remove(&slot.key);
+                self.capacity -= slot.kv_capacity_blocks.unwrap_or(0);
             }
             self.live.retain(|&i| i != idx);
             self.free.push(idx);
@@ -218,11 +223,20 @@ impl Workers {
     /// The half-life of churn, in blocks allocated over the fleet: the KV capacity of every
     /// live slot whose capacity is known, so that a slot's churn counts the new blocks routed
     /// to it over about one lifetime of the fleet's caches. 0 when no capacity is known.
+    #[inline]
     pub(crate) fn churn_half_life(&self) -> u64 {
-        self.live
-            .iter()
-            .filter_map(|&i| self.slot(i)?.kv_capacity_blocks)
-            .sum()
+        self.capacity
+    }
+
+    /// Sets (or, with `None`, forgets) slot `idx`'s KV capacity; returns whether it exists.
+    pub(crate) fn set_kv_capacity(&mut self, idx: u32, blocks: Option<u64>) -> bool {
+        let Some(slot) = self.slots.get_mut(idx as usize).and_then(Option::as_mut) else {
+            return false;
+        };
+        self.capacity -= slot.kv_capacity_blocks.unwrap_or(0);
+        self.capacity += blocks.unwrap_or(0);
+        slot.kv_capacity_blocks = blocks;
+        true
     }
 
     /// Records `blocks` new blocks (a routed prompt's blocks not cached there) allocated on

@@ -1077,6 +1077,12 @@ fn a_full_workers_evictions_are_charged_by_how_fast_it_has_been_allocating() {
     assert_eq!(cost_of(d.candidates, w(2)).churn_share, 1.0);
     assert!(cost_of(d.candidates, w(0)).churn_share < 0.001);
     assert_ne!(d.chosen.worker, w(2));
+
+    // A worker whose capacity is forgotten is never charged (nor counted in the mean).
+    s.set_kv_capacity(w(2), None).expect("registered");
+    let d = s.select(&req, &mut rng()).expect("selected");
+    let c2 = cost_of(d.candidates, w(2));
+    assert_eq!((c2.churn_share, c2.churn_evicted_blocks), (0.0, 0));
 }
 
 #[test]
