@@ -187,7 +187,9 @@ impl Workers {
             };
             self.slot_of.insert(key, idx);
             self.live.push(idx);
-            self.capacity += spec.kv_capacity_blocks.unwrap_or(0);
+            self.capacity = self
+                .capacity
+                .wrapping_add(spec.kv_capacity_blocks.unwrap_or(0));
             ranks.push(idx);
         }
         self.ranks_of.insert(spec.worker_id, ranks);
@@ -202,7 +204,9 @@ impl Workers {
         for idx in ranks {
             if let Some(slot) = self.slots[idx as usize].take() {
                 self.slot_of.remove(&slot.key);
-                self.capacity -= slot.kv_capacity_blocks.unwrap_or(0);
+                self.capacity = self
+                    .capacity
+                    .wrapping_sub(slot.kv_capacity_blocks.unwrap_or(0));
             }
             self.live.retain(|&i| i != idx);
             self.free.push(idx);
@@ -233,8 +237,12 @@ impl Workers {
         let Some(slot) = self.slots.get_mut(idx as usize).and_then(Option::as_mut) else {
             return false;
         };
-        self.capacity -= slot.kv_capacity_blocks.unwrap_or(0);
-        self.capacity += blocks.unwrap_or(0);
+        // Wrapping, so that an absurd reported capacity cannot panic: the sum stays exact as
+        // slots come and go.
+        self.capacity = self
+            .capacity
+            .wrapping_sub(slot.kv_capacity_blocks.unwrap_or(0))
+            .wrapping_add(blocks.unwrap_or(0));
         slot.kv_capacity_blocks = blocks;
         true
     }
