@@ -584,17 +584,21 @@ impl CostTerms<'_> {
         let weighted_decode_blocks = w.decode_cost(decode_blocks, self.mean_decode);
         // Without a charge (`max_room` and `churn` are `None`) no candidate's room is read.
         let new_blocks = (req.block_hashes.len() as u64).saturating_sub(overlap_blocks.into());
-        let evicted = self.max_room.map_or(0, |best| {
-            room(slot, mark.resident).map_or(0, |here| evicted_blocks(new_blocks, here, best))
-        });
-        let (churn_share, churn_evicted) = match &self.churn {
-            Some(churn) => room(slot, mark.resident).map_or((0.0, 0), |here| {
-                (
-                    churn.share(self.workers, slot),
-                    new_blocks.saturating_sub(here),
-                )
-            }),
-            None => (0.0, 0),
+        let here = if self.max_room.is_some() || self.churn.is_some() {
+            room(slot, mark.resident)
+        } else {
+            None
+        };
+        let evicted = match (self.max_room, here) {
+            (Some(best), Some(here)) => evicted_blocks(new_blocks, here, best),
+            _ => 0,
+        };
+        let (churn_share, churn_evicted) = match (&self.churn, here) {
+            (Some(churn), Some(here)) => (
+                churn.share(self.workers, slot),
+                new_blocks.saturating_sub(here),
+            ),
+            _ => (0.0, 0),
         };
         // Exactly 0.0 without a charge, so the cost is then bit for bit the one before it.
         let eviction = w.eviction_weight * evicted as f64
