@@ -8,7 +8,8 @@
 //!
 //! Entry types: [`HttpEngine`] (with [`HttpEngine::health`] and [`HttpEngine::load`]),
 //! [`HttpEngineConfig`], [`EngineKind`], [`EngineLoad`], and the errors [`EngineConfigError`],
-//! [`HealthError`] and [`LoadError`]. Serving it is the runtime's job:
+//! [`HealthError`] and [`LoadError`]; [`write_token_ids`] writes a prompt's ids as the JSON
+//! numbers the request bodies carry. Serving it is the runtime's job:
 //! `WorkerServer::bind(addr, Arc::new(engine), config)`.
 //!
 //! Load reading: [`HttpEngine::load`] reads the engine's own Prometheus `/metrics` and gives,
@@ -45,6 +46,7 @@ mod sse;
 mod stream;
 
 pub use config::{EngineConfigError, EngineKind, HttpEngineConfig, ParseEngineKindError};
+pub use dialect::write_token_ids;
 pub use engine::HttpEngine;
 pub use error::HealthError;
 pub use identify::{EngineIdentity, IdentifyError};

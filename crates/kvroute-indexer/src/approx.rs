@@ -280,6 +280,9 @@ pub struct ApproxIndex {
     queue: VecDeque<(u64, WorkerWithDpRank, u64)>,
     store_scratch: KvCacheStoreData,
     remove_scratch: KvCacheRemoveData,
+    /// A recorded prompt's sequence hashes, and what was predicted for each before.
+    seq_scratch: Vec<u64>,
+    found_scratch: Vec<Option<(u64, u64)>>,
 }
 
 impl ApproxIndex {
@@ -299,6 +302,8 @@ impl ApproxIndex {
             remove_scratch: KvCacheRemoveData {
                 block_hashes: Vec::with_capacity(1),
             },
+            seq_scratch: Vec::new(),
+            found_scratch: Vec::new(),
         }
     }
 
@@ -320,19 +325,36 @@ impl ApproxIndex {
     ) {
         self.expire(now);
         let deadline = nanos(now.saturating_add(self.config.ttl));
-        // First the ages the prompt's predicted blocks have now, and how many blocks are new.
+        // The prompt's sequence hashes, once for both passes below.
+        self.seq_scratch.clear();
+        let mut prev: Option<SequenceHash> = None;
+        for &block in local {
+            let seq = next_seq_hash(prev, block);
+            self.seq_scratch.push(seq.0);
+            prev = Some(seq);
+        }
+        // What was predicted for each block, looked up in a loop of its own: the table is far
+        // larger than the CPU's caches and nearly every lookup misses them, and lookups that do
+        // nothing else between them overlap their misses (this loop was three quarters of the
+        // method's time when each lookup sat among the hashing and the bookkeeping).
+        let deadlines = &self.deadlines;
+        self.found_scratch.clear();
+        self.found_scratch.extend(
+            self.seq_scratch
+                .iter()
+                .map(|&seq| deadlines.get(&(worker, seq)).map(|p| (p.stamp, p.request))),
+        );
+        // The ages the prompt's predicted blocks have now, and how many blocks are new.
         let learned = self.learned.entry(worker).or_default();
         let (allocated, requests) = (learned.allocated, learned.requests);
         let mut runs: Vec<Run> = Vec::new();
         let mut fresh = 0u64;
-        let mut prev: Option<SequenceHash> = None;
         let mut held = true;
-        for &block in local {
-            let seq = next_seq_hash(prev, block);
-            match self.deadlines.get(&(worker, seq.0)) {
-                Some(p) if held => {
-                    let blocks = allocated.saturating_sub(p.stamp);
-                    let requests = requests.saturating_sub(p.request);
+        for found in &self.found_scratch {
+            match *found {
+                Some((stamp, request)) if held => {
+                    let blocks = allocated.saturating_sub(stamp);
+                    let requests = requests.saturating_sub(request);
                     match runs.last_mut() {
                         Some(run) if run.blocks == blocks && run.requests == requests => {
                             run.len += 1;
@@ -350,25 +372,23 @@ impl ApproxIndex {
                     fresh += 1;
                 }
             }
-            prev = Some(seq);
         }
         learned.allocated += fresh;
         learned.requests += 1;
         let (stamp, request_stamp) = (learned.allocated, learned.requests);
-        let mut prev: Option<SequenceHash> = None;
-        for &block in local {
-            let seq = next_seq_hash(prev, block);
+        let mut parent: Option<u64> = None;
+        for (&seq, &block) in self.seq_scratch.iter().zip(local) {
             let prediction = Prediction {
                 deadline,
                 stamp,
                 request: request_stamp,
             };
-            let fresh = self.deadlines.insert((worker, seq.0), prediction).is_none();
+            let fresh = self.deadlines.insert((worker, seq), prediction).is_none();
             if fresh {
-                self.store_scratch.parent_hash = prev.map(|p| ExternalSequenceBlockHash(p.0));
+                self.store_scratch.parent_hash = parent.map(ExternalSequenceBlockHash);
                 self.store_scratch.blocks.clear();
                 self.store_scratch.blocks.push(KvCacheStoredBlockData {
-                    block_hash: ExternalSequenceBlockHash(seq.0),
+                    block_hash: ExternalSequenceBlockHash(seq),
                     tokens_hash: block,
                 });
                 // The parent was stored or refreshed one step earlier, so this cannot fail.
@@ -376,8 +396,8 @@ impl ApproxIndex {
                     .index
                     .store(worker, StorageTier::Device, &self.store_scratch);
             }
-            self.queue.push_back((deadline, worker, seq.0));
-            prev = Some(seq);
+            self.queue.push_back((deadline, worker, seq));
+            parent = Some(seq);
         }
         if let Some(request) = request {
             if self.pending.len() >= MAX_PENDING_REPORTS {
@@ -548,6 +568,8 @@ impl ApproxIndex {
         stats.table_bytes += self.deadlines.capacity() * 49
             + self.queue.capacity() * 24
             + self.learned.capacity() * 81
+            + self.seq_scratch.capacity() * 8
+            + self.found_scratch.capacity() * 24
             + self
                 .pending
                 .values()

@@ -56,7 +56,6 @@ impl Flavor {
 pub(super) struct Body<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     model: Option<&'a str>,
-    prompt: &'a [u32],
     #[serde(skip_serializing_if = "Option::is_none")]
     max_tokens: Option<u32>,
     stream: bool,
@@ -128,7 +127,6 @@ impl<'a> Body<'a> {
         let model = (flavor == Flavor::Trtllm || !target.model.is_empty()).then_some(target.model);
         Self {
             model,
-            prompt: &request.token_ids,
             max_tokens: target.max_tokens,
             stream: true,
             stream_options: Some(StreamOptions {

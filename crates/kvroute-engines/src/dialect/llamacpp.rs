@@ -36,7 +36,6 @@ struct Body<'a> {
     /// Selects the model on a multi-model (router mode) server; a single-model one ignores it.
     #[serde(skip_serializing_if = "Option::is_none")]
     model: Option<&'a str>,
-    prompt: &'a [u32],
     #[serde(skip_serializing_if = "Option::is_none")]
     n_predict: Option<u32>,
     stream: bool,
@@ -79,9 +78,9 @@ impl Dialect for Llamacpp {
         let stop = &request.stop_conditions;
         let sampling = &request.sampling_options;
         Built::json(
+            "prompt",
             &Body {
                 model: Some(target.model).filter(|m| !m.is_empty()),
-                prompt: &request.token_ids,
                 n_predict: target.max_tokens,
                 stream: true,
                 return_tokens: true,

@@ -31,7 +31,11 @@ impl Dialect for Openai {
         request: &PreprocessedRequest,
         target: &Target<'_>,
     ) -> Result<Built, EngineError> {
-        Built::json(&Body::new(Flavor::Openai, request, target), request)
+        Built::json(
+            "prompt",
+            &Body::new(Flavor::Openai, request, target),
+            request,
+        )
     }
 
     fn parser(&self, request: &PreprocessedRequest) -> Box<dyn StreamParser> {

@@ -40,7 +40,6 @@ pub(super) struct Sglang;
 
 #[derive(Debug, Serialize)]
 struct Body<'a> {
-    input_ids: &'a [u32],
     sampling_params: SamplingParams<'a>,
     stream: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -110,8 +109,8 @@ impl Dialect for Sglang {
         let logprobs = request.output_options.logprobs;
         let bootstrap = request.bootstrap_info.as_ref();
         Built::json(
+            "input_ids",
             &Body {
-                input_ids: &request.token_ids,
                 sampling_params: SamplingParams {
                     max_new_tokens: target.max_tokens,
                     min_new_tokens: stop.min_tokens,

@@ -8,7 +8,7 @@ use kvroute_protocols::{
 use kvroute_runtime::{EngineError, WorkerRole};
 use serde_json::{Value, json};
 
-use super::{Parsed, Step, Target, check_supported, for_kind};
+use super::{Parsed, Step, Target, check_supported, for_kind, write_token_ids};
 use crate::config::EngineKind;
 use crate::error::Failure;
 use crate::sse::SseEvent;
@@ -729,4 +729,42 @@ fn llamacpp_errors() {
             )),
         ],
     );
+}
+
+/// The prompt's ids are written by hand (`write_token_ids`); they must read back as the same
+/// numbers serde writes, at every digit count, and appended after what the buffer held.
+#[test]
+fn token_ids_are_written_as_serde_writes_them() {
+    let mut edges = vec![
+        0u32,
+        1,
+        9,
+        10,
+        11,
+        99,
+        100,
+        101,
+        999,
+        1_000,
+        65_535,
+        151_643,
+        u32::MAX,
+    ];
+    edges.extend((0..10).map(|d| 10u32.pow(d)));
+    edges.extend((1..10).map(|d| 10u32.pow(d) - 1));
+    // Numbers of every length, scattered.
+    edges.extend((0..2_000u32).map(|i| i.wrapping_mul(2_654_435_761) >> (i % 32)));
+    for ids in [&edges[..], &edges[..1], &[][..], &[7][..], &[0, 0][..]] {
+        let mut out = b"[".to_vec();
+        write_token_ids(&mut out, ids);
+        out.push(b']');
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            serde_json::to_string(ids).unwrap(),
+            "ids {ids:?}"
+        );
+    }
+    let mut out = b"{\"prompt\":[".to_vec();
+    write_token_ids(&mut out, &[12, 3]);
+    assert_eq!(out, b"{\"prompt\":[12,3");
 }

@@ -51,7 +51,7 @@ impl Dialect for Trtllm {
             }
             WorkerRole::Aggregated => false,
         };
-        let mut built = Built::json(&body, request)?;
+        let mut built = Built::json("prompt", &body, request)?;
         built.whole = whole;
         Ok(built)
     }

@@ -63,7 +63,7 @@ impl Dialect for Vllm {
             }
             WorkerRole::Aggregated => false,
         };
-        let mut built = Built::json(&body, request)?;
+        let mut built = Built::json("prompt", &body, request)?;
         built.whole = whole;
         let dp_rank = request.routing.as_ref().and_then(|r| r.dp_rank);
         if let Some(rank) = dp_rank.filter(|&r| r != u32::MAX) {
