@@ -105,7 +105,7 @@ impl Built {
 /// buffer on the stack, and the buffer is copied out whenever it is nearly full, so that no
 /// number costs a call (`cargo bench -p kvroute-engines --bench token_ids`).
 pub fn write_token_ids(out: &mut Vec<u8>, ids: &[u32]) {
-    /// Ten digits (`u32::MAX`) and a comma.
+    /// A comma and ten digits (`u32::MAX`).
     const WINDOW: usize = 11;
     /// The two digits of every number below 100.
     const PAIRS: &[u8; 200] = b"0001020304050607080910111213141516171819\
@@ -116,13 +116,13 @@ pub fn write_token_ids(out: &mut Vec<u8>, ids: &[u32]) {
     let mut buf = [0u8; 2048];
     let mut at = 0;
     for (i, &id) in ids.iter().enumerate() {
-        if at > buf.len() - WINDOW - 1 {
+        if at > buf.len() - WINDOW {
             out.extend_from_slice(&buf[..at]);
             at = 0;
         }
-        let window: &mut [u8; WINDOW + 1] = (&mut buf[at..at + WINDOW + 1])
+        let window: &mut [u8; WINDOW] = (&mut buf[at..at + WINDOW])
             .try_into()
-            .expect("the window is WINDOW + 1 bytes");
+            .expect("the window is WINDOW bytes");
         // A comma before every number but the first.
         let sep = usize::from(i > 0);
         window[0] = b',';
