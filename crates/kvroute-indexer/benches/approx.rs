@@ -74,8 +74,9 @@ fn bench_approx(c: &mut Criterion) {
         .collect();
     let blocks = prompts[0].1.len() as u64;
     eprintln!(
-        "approx bench: {} predicted blocks, {blocks} blocks a prompt",
-        approx.live_blocks()
+        "approx bench: {} predicted blocks, {blocks} blocks a prompt, tables {:.1} MB",
+        approx.live_blocks(),
+        approx.memory().table_bytes as f64 / 1e6
     );
     let mut group = c.benchmark_group("approx");
     group.throughput(Throughput::Elements(blocks));

@@ -23,7 +23,9 @@
 //! worker's matches are cut by the one whose predictions have lately been closer to what its
 //! engine reported (the block model unless the request model is clearly better).
 
-use std::collections::VecDeque;
+mod wheel;
+
+use std::collections::hash_map::Entry;
 use std::time::Duration;
 
 use kvroute_protocols::WorkerWithDpRank;
@@ -36,6 +38,7 @@ use crate::fasthash::FastMap;
 use crate::hash::{SequenceHash, next_seq_hash};
 use crate::index::{KvIndex, MemoryStats};
 use crate::scores::OverlapScores;
+use wheel::Wheel;
 
 /// Settings of approximate mode.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -84,6 +87,9 @@ const SWITCH_RATIO: f64 = 0.8;
 struct Prediction {
     /// Expiry, in nanoseconds of the caller's clock.
     deadline: u64,
+    /// The deadline of the prediction's one entry in the expiry queue: the deadline it had when
+    /// queued, earlier than `deadline` once a later decision refreshed it.
+    queued: u64,
     /// The worker's allocation count when the block was last used.
     stamp: u64,
     /// The worker's request count when the block was last used.
@@ -275,9 +281,12 @@ pub struct ApproxIndex {
     learned: FastMap<WorkerWithDpRank, Learned>,
     /// Routed requests (by the caller's id) awaiting their engine's report.
     pending: FastMap<u64, PendingReport>,
-    /// Deadlines in the order they were set; stale entries are skipped when popped. Because the
-    /// TTL is fixed this is also deadline order, so expiry and pruning pop from the front.
-    queue: VecDeque<(u64, WorkerWithDpRank, u64)>,
+    /// One entry per prediction, bucketed by deadline, for expiry and pruning (see [`wheel`]).
+    /// A refresh leaves the prediction's entry where it is; popped, an entry whose prediction
+    /// was refreshed since is queued again at the deadline it has now. A queue entry per
+    /// refresh would hold one per block per turn of every conversation over a TTL (millions on
+    /// a busy router) and look each up when it came due.
+    queue: Wheel,
     store_scratch: KvCacheStoreData,
     remove_scratch: KvCacheRemoveData,
     /// A recorded prompt's sequence hashes, and what was predicted for each before.
@@ -294,7 +303,7 @@ impl ApproxIndex {
             deadlines: FastMap::default(),
             learned: FastMap::default(),
             pending: FastMap::default(),
-            queue: VecDeque::new(),
+            queue: Wheel::new(nanos(config.ttl)),
             store_scratch: KvCacheStoreData {
                 parent_hash: None,
                 blocks: Vec::with_capacity(1),
@@ -378,25 +387,34 @@ impl ApproxIndex {
         let (stamp, request_stamp) = (learned.allocated, learned.requests);
         let mut parent: Option<u64> = None;
         for (&seq, &block) in self.seq_scratch.iter().zip(local) {
-            let prediction = Prediction {
-                deadline,
-                stamp,
-                request: request_stamp,
-            };
-            let fresh = self.deadlines.insert((worker, seq), prediction).is_none();
-            if fresh {
-                self.store_scratch.parent_hash = parent.map(ExternalSequenceBlockHash);
-                self.store_scratch.blocks.clear();
-                self.store_scratch.blocks.push(KvCacheStoredBlockData {
-                    block_hash: ExternalSequenceBlockHash(seq),
-                    tokens_hash: block,
-                });
-                // The parent was stored or refreshed one step earlier, so this cannot fail.
-                let _ = self
-                    .index
-                    .store(worker, StorageTier::Device, &self.store_scratch);
+            match self.deadlines.entry((worker, seq)) {
+                Entry::Occupied(mut held) => {
+                    // Its queue entry stays; popped, it is queued again at this deadline.
+                    let p = held.get_mut();
+                    p.deadline = deadline;
+                    p.stamp = stamp;
+                    p.request = request_stamp;
+                }
+                Entry::Vacant(new) => {
+                    new.insert(Prediction {
+                        deadline,
+                        queued: deadline,
+                        stamp,
+                        request: request_stamp,
+                    });
+                    self.queue.push((deadline, worker, seq));
+                    self.store_scratch.parent_hash = parent.map(ExternalSequenceBlockHash);
+                    self.store_scratch.blocks.clear();
+                    self.store_scratch.blocks.push(KvCacheStoredBlockData {
+                        block_hash: ExternalSequenceBlockHash(seq),
+                        tokens_hash: block,
+                    });
+                    // The parent was stored or refreshed one step earlier, so this cannot fail.
+                    let _ = self
+                        .index
+                        .store(worker, StorageTier::Device, &self.store_scratch);
+                }
             }
-            self.queue.push_back((deadline, worker, seq));
             parent = Some(seq);
         }
         if let Some(request) = request {
@@ -408,7 +426,13 @@ impl ApproxIndex {
         }
         if self.deadlines.len() > self.config.max_blocks {
             let target = (self.config.max_blocks as f64 * self.config.prune_target_ratio) as usize;
-            self.pop_while(|_, live| live > target);
+            while self.deadlines.len() > target {
+                let Some((queued, worker, seq)) = self.queue.pop(None) else {
+                    break;
+                };
+                // The earliest deadlines go first: one refreshed since is queued again at its own.
+                self.settle(queued, worker, seq, |_| false);
+            }
         }
     }
 
@@ -464,10 +488,13 @@ impl ApproxIndex {
         self.learned.get(&worker).and_then(Learned::retention)
     }
 
-    /// Drops every prediction whose deadline is at or before `now`.
+    /// Drops every prediction whose deadline is at or before `now`, give or take the expiry
+    /// queue's bucket: a prediction goes at most `ttl / 64` after its deadline, never before.
     pub fn expire(&mut self, now: Duration) {
         let now = nanos(now);
-        self.pop_while(|deadline, _| deadline <= now);
+        while let Some((queued, worker, seq)) = self.queue.pop(Some(now)) {
+            self.settle(queued, worker, seq, |deadline| deadline <= now);
+        }
     }
 
     /// Forgets every prediction for every rank of a worker.
@@ -499,7 +526,8 @@ impl ApproxIndex {
                 .index
                 .remove(worker, StorageTier::Device, &self.remove_scratch);
         }
-        // Their queue entries are stale now and are skipped when popped.
+        // Their queue entries are stale now and are skipped when popped (a prediction made again
+        // before then is queued anew, and its old entry no longer matches it).
         drop.len()
     }
 
@@ -565,8 +593,10 @@ impl ApproxIndex {
     /// The underlying index's accounting plus this mode's own tables.
     pub fn memory(&self) -> MemoryStats {
         let mut stats = self.index.memory();
-        stats.table_bytes += self.deadlines.capacity() * 49
-            + self.queue.capacity() * 24
+        // A map entry is its key, its value and one control byte.
+        let prediction = size_of::<((WorkerWithDpRank, u64), Prediction)>() + 1;
+        stats.table_bytes += self.deadlines.capacity() * prediction
+            + self.queue.bytes()
             + self.learned.capacity() * 81
             + self.seq_scratch.capacity() * 8
             + self.found_scratch.capacity() * 24
@@ -578,28 +608,35 @@ impl ApproxIndex {
         stats
     }
 
-    /// Pops queue entries while `more(deadline, live)` holds, removing live predictions.
-    fn pop_while(&mut self, more: impl Fn(u64, usize) -> bool) {
-        while let Some(&(deadline, worker, seq)) = self.queue.front() {
-            if !more(deadline, self.deadlines.len()) {
-                break;
-            }
-            self.queue.pop_front();
-            if self.deadlines.get(&(worker, seq)).map(|p| p.deadline) != Some(deadline) {
-                continue; // Refreshed later; a newer queue entry stands for it.
-            }
-            self.deadlines.remove(&(worker, seq));
-            self.remove_scratch.block_hashes.clear();
-            self.remove_scratch
-                .block_hashes
-                .push(ExternalSequenceBlockHash(seq));
-            let _ = self
-                .index
-                .remove(worker, StorageTier::Device, &self.remove_scratch);
+    /// Settles a popped queue entry: drops its prediction, unless a later decision refreshed
+    /// it to a deadline for which `gone` does not hold: then it is queued again there.
+    fn settle(
+        &mut self,
+        queued: u64,
+        worker: WorkerWithDpRank,
+        seq: u64,
+        gone: impl Fn(u64) -> bool,
+    ) {
+        let Some(p) = self.deadlines.get_mut(&(worker, seq)) else {
+            return; // Dropped already (see `retain_worker`).
+        };
+        if p.queued != queued {
+            return; // Dropped and predicted again since: its own entry stands for it.
         }
-        if self.queue.capacity() > 4096 && self.queue.len() * 4 < self.queue.capacity() {
-            self.queue.shrink_to(self.queue.len() * 2);
+        if p.deadline != queued && !gone(p.deadline) {
+            // Refreshed since: it lives on to its deadline now.
+            p.queued = p.deadline;
+            self.queue.push((p.deadline, worker, seq));
+            return;
         }
+        self.deadlines.remove(&(worker, seq));
+        self.remove_scratch.block_hashes.clear();
+        self.remove_scratch
+            .block_hashes
+            .push(ExternalSequenceBlockHash(seq));
+        let _ = self
+            .index
+            .remove(worker, StorageTier::Device, &self.remove_scratch);
     }
 }
 

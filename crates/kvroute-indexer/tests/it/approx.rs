@@ -170,10 +170,12 @@ fn block_counts_are_the_live_predictions_at_most_the_learnt_capacity() {
     approx.record_request(a, &blocks(&[700, 701, 702, 703, 704]), secs(2), Some(5));
     assert_eq!(approx.on_report(5, 0), Learnt::Lowered(5.0));
     assert_eq!(counts(&approx), [(a, 5), (b, 3), stray]);
-    // Expired predictions count no more; a worker once predicted stays, at 0.
-    approx.expire(secs(11));
+    // Expired predictions count no more (within the expiry queue's bucket, a 64th of the TTL,
+    // of their deadline); a worker once predicted stays, at 0.
+    let bucket = secs(10) / 64;
+    approx.expire(secs(11) + bucket);
     assert_eq!(counts(&approx), [(a, 5), (b, 0), stray]);
-    approx.expire(secs(12));
+    approx.expire(secs(12) + bucket);
     assert_eq!(counts(&approx), [(a, 0), (b, 0), stray]);
 }
 
@@ -395,4 +397,52 @@ fn in_requests_a_first_miss_starts_at_the_least_the_report_allows_and_only_the_l
     approx.record_request(w, &blocks(&[500, 501]), secs(12), Some(4));
     approx.on_report(4, 2);
     assert_eq!(approx.request_capacity(w), Some(3.0));
+}
+
+#[test]
+fn refreshing_a_prompt_does_not_grow_the_tables() {
+    // A long conversation's prompt re-recorded by every turn, well within the TTL: its blocks
+    // are refreshed, never new, so the tables (the expiry queue included) stay the size one
+    // recording made them, and each block still expires at its last refresh plus the TTL.
+    let w = WorkerWithDpRank::from_worker_id(3);
+    let mut approx = ApproxIndex::new(ApproxConfig {
+        ttl: secs(100),
+        ..ApproxConfig::default()
+    });
+    let prompt: Vec<u64> = (0..500).collect();
+    approx.record(w, &blocks(&prompt), Duration::ZERO);
+    let once = approx.memory().table_bytes;
+    for turn in 1..=2_000u64 {
+        approx.record(w, &blocks(&prompt), Duration::from_millis(turn * 10));
+    }
+    assert_eq!(approx.live_blocks(), 500);
+    assert!(
+        approx.memory().table_bytes <= once * 2,
+        "{} bytes after 2,000 refreshes, {once} after one recording",
+        approx.memory().table_bytes
+    );
+    // The last refresh was at 20 s: the blocks outlive their first deadline (100 s) and go
+    // after 120 s, within the expiry queue's bucket of it (a 64th of the TTL).
+    approx.expire(secs(119));
+    assert_eq!(approx.find_matches(&blocks(&prompt)).score(w), 500);
+    approx.expire(secs(120) + secs(100) / 64);
+    assert_eq!(approx.live_blocks(), 0);
+    assert_eq!(approx.memory().live_nodes, 0);
+}
+
+#[test]
+fn a_prediction_dropped_and_made_again_expires_once_at_its_new_deadline() {
+    let w = WorkerWithDpRank::from_worker_id(4);
+    let mut approx = ApproxIndex::new(ApproxConfig {
+        ttl: secs(10),
+        ..ApproxConfig::default()
+    });
+    approx.record(w, &blocks(&[1, 2, 3]), secs(0));
+    // The engine lost everything but nothing is kept; then the prompt is routed there again.
+    assert_eq!(approx.retain_worker(w, &[]), 3);
+    approx.record(w, &blocks(&[1, 2, 3]), secs(5));
+    approx.expire(secs(10));
+    assert_eq!(approx.find_matches(&blocks(&[1, 2, 3])).score(w), 3);
+    approx.expire(secs(15));
+    assert_eq!(approx.live_blocks(), 0);
 }
