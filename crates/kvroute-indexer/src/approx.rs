@@ -570,19 +570,16 @@ impl ApproxIndex {
         scores
     }
 
-    /// Every worker rank ever predicted (and not removed) with the blocks predicted held there,
-    /// appended to `out`: its live predictions (0 once they all expired), at most the capacity in
-    /// blocks learnt for it (older ones are predicted evicted; a rank whose engine forgets whole
-    /// requests is not cut).
+    /// Every worker rank ever predicted (and not removed) with the blocks it was sent, appended
+    /// to `out`: its live predictions (0 once they all expired), for how full its engine's cache
+    /// is. Not cut by the capacity learnt for it: an engine that evicts predicted blocks is full
+    /// (a least-recently-used cache stays full once it has filled), its place taken by the
+    /// blocks of the requests running there and of younger prefixes, so the live predictions
+    /// (which a caller caps at the engine's KV capacity) are the better count. Counting only the
+    /// blocks younger than the capacity made the worker that evicted most look the roomiest, and
+    /// a charge for evictions then sent new prompts to it.
     pub fn block_counts(&self, out: &mut Vec<(WorkerWithDpRank, u64)>) {
-        let start = out.len();
         self.index.block_counts(StorageTier::Device, out);
-        for (worker, blocks) in &mut out[start..] {
-            if let Some(Retention::Blocks(limit)) = self.retention(*worker) {
-                // A capacity learnt from reports is finite and non-negative.
-                *blocks = (*blocks).min(limit.ceil() as u64);
-            }
-        }
     }
 
     /// Predicted blocks currently live, over all workers.

@@ -142,7 +142,7 @@ fn matches_stop_at_the_first_block_older_than_the_capacity() {
 }
 
 #[test]
-fn block_counts_are_the_live_predictions_at_most_the_learnt_capacity() {
+fn block_counts_are_the_live_predictions_whatever_capacity_is_learnt() {
     let (a, b) = (
         WorkerWithDpRank::from_worker_id(1),
         WorkerWithDpRank::from_worker_id(2),
@@ -165,15 +165,19 @@ fn block_counts_are_the_live_predictions_at_most_the_learnt_capacity() {
     // Appended after what `out` held, one entry a worker.
     let stray = (WorkerWithDpRank::from_worker_id(9), 99);
     assert_eq!(counts(&approx), [(a, 20), (b, 3), stray]);
-    // The 700s are 5 blocks old and gone: a learnt capacity of 5 blocks, so the engine holds at
-    // most that many of the 20 predicted.
+    // The 700s are 5 blocks old and gone: a learnt capacity of 5 blocks, which cuts the
+    // matches (the 10-block prompt matches none of its blocks now) but not the count. The engine
+    // evicts, so its cache is full: it holds as many blocks as it was sent, up to its KV
+    // capacity, even if not the predicted ones.
     approx.record_request(a, &blocks(&[700, 701, 702, 703, 704]), secs(2), Some(5));
     assert_eq!(approx.on_report(5, 0), Learnt::Lowered(5.0));
-    assert_eq!(counts(&approx), [(a, 5), (b, 3), stray]);
+    assert_eq!(approx.find_matches(&blocks(&long)).score(a), 0);
+    assert_eq!(counts(&approx), [(a, 20), (b, 3), stray]);
     // Expired predictions count no more (within the expiry queue's bucket, a 64th of the TTL,
     // of their deadline); a worker once predicted stays, at 0.
     let bucket = secs(10) / 64;
     approx.expire(secs(11) + bucket);
+    // Only the 700s, refreshed at 2 s, live on.
     assert_eq!(counts(&approx), [(a, 5), (b, 0), stray]);
     approx.expire(secs(12) + bucket);
     assert_eq!(counts(&approx), [(a, 0), (b, 0), stray]);
