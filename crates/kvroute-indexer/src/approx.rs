@@ -43,7 +43,8 @@ use wheel::Wheel;
 /// Settings of approximate mode.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ApproxConfig {
-    /// How long a prediction lives unless refreshed by another decision.
+    /// How long a prediction lives unless refreshed by another decision (it goes at most a 64th
+    /// of this after its deadline: the expiry queue's buckets are that wide).
     pub ttl: Duration,
     /// The most predicted blocks kept over all workers; beyond it the oldest are pruned.
     pub max_blocks: usize,
