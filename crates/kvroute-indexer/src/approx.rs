@@ -518,14 +518,7 @@ impl ApproxIndex {
             .map(|&(_, seq)| seq)
             .collect();
         for &seq in &drop {
-            self.deadlines.remove(&(worker, seq));
-            self.remove_scratch.block_hashes.clear();
-            self.remove_scratch
-                .block_hashes
-                .push(ExternalSequenceBlockHash(seq));
-            let _ = self
-                .index
-                .remove(worker, StorageTier::Device, &self.remove_scratch);
+            self.drop_prediction(worker, seq);
         }
         // Their queue entries are stale now and are skipped when popped (a prediction made again
         // before then is queued anew, and its old entry no longer matches it).
@@ -627,11 +620,17 @@ impl ApproxIndex {
             self.queue.push((p.deadline, worker, seq));
             return;
         }
+        self.drop_prediction(worker, seq);
+    }
+
+    /// Forgets the prediction of block `seq` on `worker`, in the table and in the index.
+    fn drop_prediction(&mut self, worker: WorkerWithDpRank, seq: u64) {
         self.deadlines.remove(&(worker, seq));
         self.remove_scratch.block_hashes.clear();
         self.remove_scratch
             .block_hashes
             .push(ExternalSequenceBlockHash(seq));
+        // The block was stored when predicted, so this cannot fail.
         let _ = self
             .index
             .remove(worker, StorageTier::Device, &self.remove_scratch);
