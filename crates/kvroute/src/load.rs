@@ -6,6 +6,10 @@ use anyhow::Context as _;
 use kvroute_protocols::WorkerLoadReport;
 use kvroute_runtime::LoadReporter;
 
+/// The shortest interval an engine's load is read at (`kvroute worker --load-report-interval`,
+/// a static fleet's `load_report_interval_ms`).
+pub(crate) const MIN_LOAD_REPORT_INTERVAL: Duration = Duration::from_millis(50);
+
 /// The task reading the engine's load into a [`LoadReporter`]; stops when dropped.
 pub(crate) struct LoadSampler(tokio::task::JoinHandle<()>);
 

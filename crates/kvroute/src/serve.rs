@@ -158,26 +158,39 @@ pub(crate) async fn start(config: &mut ServeConfig) -> anyhow::Result<Started> {
     // With NATS the workers publish their KV events to JetStream themselves; otherwise the
     // bridge subscribes to each worker and feeds an in-process plane, but for the engines this
     // process fronts, which forward to that plane directly.
-    let (plane, bridge): (Arc<dyn EventPlane>, _) = match &workers.nats {
-        Some(shared) => (Arc::new(shared.plane.clone()), None),
+    let plane: Arc<dyn EventPlane> = match &workers.nats {
+        Some(shared) => Arc::new(shared.plane.clone()),
+        None => Arc::new(InProcessEventPlane::default()),
+    };
+    let (router, disagg) = start_routers(
+        config,
+        instances.clone(),
+        plane.clone(),
+        workers.nats.as_ref(),
+    )
+    .await?;
+    // Fed only once the routers have subscribed: the in-process plane keeps nothing, and an
+    // engine's first load report (which states its KV capacity, read by the cost's capacity
+    // credit and eviction charges) is sent once at start, then again only when the load changes
+    // or a heartbeat passes. Fed before, the first requests were routed blind to every
+    // engine's capacity for up to a heartbeat (the peers bench's first 19 requests), and the
+    // placements of new conversations made then stayed for the whole run.
+    let bridge = match &workers.nats {
+        Some(_) => None,
         None => {
-            let plane: Arc<dyn EventPlane> = Arc::new(InProcessEventPlane::default());
             let local = workers
                 .static_fleet
                 .as_mut()
                 .map(|fleet| fleet.forward_local(&plane))
                 .unwrap_or_default();
-            let bridge = KvEventBridge::start_except(
+            Some(KvEventBridge::start_except(
                 instances.clone(),
                 plane.clone(),
                 bridge_config.clone(),
                 local,
-            );
-            (plane, Some(bridge))
+            ))
         }
     };
-    let (router, disagg) =
-        start_routers(config, instances.clone(), plane, workers.nats.as_ref()).await?;
     // One set of replica metrics (the names carry no phase label): the router of the decode
     // phase, when disaggregated, which serves every aggregated request too.
     let replica_routers = vec![router.clone()];

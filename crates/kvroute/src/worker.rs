@@ -33,10 +33,11 @@ use kvroute_runtime::{
 
 use crate::adapter::{Adapter, EngineSpec};
 use crate::cli::nats::Shared;
+use crate::load::MIN_LOAD_REPORT_INTERVAL;
 use crate::load::{LoadSampler, spawn_load_sampler};
 use crate::signal;
+use args::RoleArg;
 pub(crate) use args::WorkerArgs;
-use args::{MIN_LOAD_REPORT_INTERVAL, RoleArg};
 use metrics::{CountingEngine, WorkerStats, serve_metrics};
 use register::{Registration, watch_engine_health};
 

@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use kvroute_engines::EngineKind;
@@ -19,6 +20,7 @@ use kvroute_runtime::{
 use serde::Deserialize;
 
 use crate::adapter::{Adapter, DEFAULT_ENGINE_WAIT, EngineSpec};
+use crate::load::MIN_LOAD_REPORT_INTERVAL;
 
 /// One `[[workers]]` entry.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -64,6 +66,10 @@ pub(crate) struct FleetWorker {
     /// migrates (default 60000: 60 s).
     #[serde(default)]
     pub(crate) idle_timeout_ms: Option<u64>,
+    /// How often the engine's `/metrics` is read and its load reported to the router, in
+    /// milliseconds (default 1000, at least 50; `kvroute worker --load-report-interval`).
+    #[serde(default)]
+    pub(crate) load_report_interval_ms: Option<u64>,
     /// A file whose first line is the engine's API key (never logged).
     #[serde(default)]
     pub(crate) engine_api_key_file: Option<std::path::PathBuf>,
@@ -145,7 +151,8 @@ pub(crate) fn check_against_router(
 /// What an entry is, checked.
 enum Entry {
     Process(InstanceInfo),
-    Engine(InstanceInfo, EngineSpec),
+    /// An engine this process fronts, and how often its load is read.
+    Engine(InstanceInfo, EngineSpec, Duration),
 }
 
 fn check(worker: FleetWorker) -> anyhow::Result<Entry> {
@@ -173,6 +180,7 @@ fn check(worker: FleetWorker) -> anyhow::Result<Entry> {
         || worker.served_model_name.is_some()
         || worker.first_byte_timeout_ms.is_some()
         || worker.idle_timeout_ms.is_some()
+        || worker.load_report_interval_ms.is_some()
         || worker.engine_api_key_file.is_some()
         || worker.bootstrap_port.is_some();
     match (worker.address, worker.engine, worker.engine_url) {
@@ -189,6 +197,17 @@ fn check(worker: FleetWorker) -> anyhow::Result<Entry> {
                     "workers[id={id}]: first_byte_timeout_ms and idle_timeout_ms must be greater than 0 (milliseconds; the defaults are 300000 and 60000)"
                 );
             }
+            let load_interval = match worker.load_report_interval_ms {
+                None => DEFAULT_REPORT_HEARTBEAT,
+                Some(ms) if Duration::from_millis(ms) >= MIN_LOAD_REPORT_INTERVAL => {
+                    Duration::from_millis(ms)
+                }
+                Some(ms) => bail!(
+                    "workers[id={id}]: load_report_interval_ms must be at least {} (milliseconds; \
+                     the default is 1000), got {ms}",
+                    MIN_LOAD_REPORT_INTERVAL.as_millis()
+                ),
+            };
             let api_key = worker
                 .engine_api_key_file
                 .as_deref()
@@ -211,6 +230,7 @@ fn check(worker: FleetWorker) -> anyhow::Result<Entry> {
                     role: worker.role,
                     bootstrap_port: worker.bootstrap_port,
                 },
+                load_interval,
             ))
         }
         (None, Some(_), None) => bail!("workers[id={id}]: `engine` needs `engine_url`"),
@@ -261,13 +281,13 @@ impl Fleet {
         for worker in workers {
             match check(worker)? {
                 Entry::Process(info) => instances.push(info),
-                Entry::Engine(mut info, spec) => {
+                Entry::Engine(mut info, spec, load_interval) => {
                     let adapter = Adapter::start(
                         info.id,
                         &spec,
                         info.kv_block_size,
                         DEFAULT_ENGINE_WAIT,
-                        DEFAULT_REPORT_HEARTBEAT,
+                        load_interval,
                     )
                     .await
                     .with_context(|| format!("starting engine worker {}", info.id))?;

@@ -2,7 +2,6 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use kvroute_engines::EngineKind;
 
@@ -161,9 +160,6 @@ pub(crate) struct WorkerArgs {
     #[arg(long, default_value = "1s", value_name = "DURATION")]
     pub(super) load_report_interval: HumanDuration,
 }
-
-/// The shortest `--load-report-interval`.
-pub(super) const MIN_LOAD_REPORT_INTERVAL: Duration = Duration::from_millis(50);
 
 /// `--role` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -432,6 +432,33 @@ async fn a_static_fleet_over_engine_sim_routes_a_repeated_prompt_to_the_engine_w
     a_repeated_prompt_goes_to_the_engine_with_its_events(&fleet).await;
 }
 
+/// A static fleet's engines state their load, and with it their KV capacity, to the router as
+/// soon as it starts, not a report interval later: the router subscribes before the engines'
+/// first reports are forwarded (`serve::start`). With the engines' load read once an hour, only
+/// that first report can arrive; before the fix it was sent before the router listened, and the
+/// first second of requests was routed blind to every engine's capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_static_fleets_first_load_reports_reach_the_router_at_start() {
+    let sim = EngineSim::start("first-reports", 2);
+    let dir = scratch("engine-sim-first-reports");
+    let mut file = String::new();
+    for i in 0..2 {
+        file.push_str(&format!(
+            "[[workers]]\nid = {}\nkv_block_size = 16\nengine = \"vllm\"\nengine_url = \"{}\"\n\
+             served_model_name = \"{MODEL}\"\nload_report_interval_ms = 3600000\n\n",
+            i + 1,
+            sim.field(i, "url"),
+        ));
+    }
+    let fleet = serve_fleet_file(&dir, &file, &[]).await;
+    fleet
+        .eventually(
+            "both engines' first load reports to reach the router",
+            |m| (1..=2).all(|w| gauge(m, "worker_reported_requests", w) == Some(0.0)),
+        )
+        .await;
+}
+
 /// Four long prompts, each sent until the router predicts it cached (its engine's KV events
 /// reached the router's index), then on the worker that served it first, which reports cached
 /// tokens; every load back to zero after.

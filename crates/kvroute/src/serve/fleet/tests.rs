@@ -9,8 +9,8 @@ fn checked(toml_text: &str) -> String {
     let worker = workers(toml_text).pop().unwrap();
     match check(worker) {
         Ok(Entry::Process(info)) => format!("ok: process at {}", info.address),
-        Ok(Entry::Engine(info, spec)) => format!(
-            "ok: engine {} at {} events={:?} block={}",
+        Ok(Entry::Engine(info, spec, load_interval)) => format!(
+            "ok: engine {} at {} events={:?} block={} load every {load_interval:?}",
             spec.engine, spec.engine_url, spec.kv_events, info.kv_block_size
         ),
         Err(e) => e.to_string(),
@@ -26,7 +26,19 @@ fn an_entry_is_a_worker_process_or_an_engine_this_process_fronts() {
         ),
         (
             "[[workers]]\nid = 2\nengine = \"vllm\"\nengine_url = \"http://127.0.0.1:8000\"\nkv_events = \"tcp://127.0.0.1:5557\"\nkv_block_size = 16\n",
-            "ok: engine vllm at http://127.0.0.1:8000 events=Some(\"tcp://127.0.0.1:5557\") block=16",
+            "ok: engine vllm at http://127.0.0.1:8000 events=Some(\"tcp://127.0.0.1:5557\") block=16 load every 1s",
+        ),
+        (
+            "[[workers]]\nid = 8\nengine = \"vllm\"\nengine_url = \"http://h:2\"\nload_report_interval_ms = 250\nkv_block_size = 16\n",
+            "ok: engine vllm at http://h:2 events=None block=16 load every 250ms",
+        ),
+        (
+            "[[workers]]\nid = 9\nengine = \"vllm\"\nengine_url = \"http://h:2\"\nload_report_interval_ms = 10\nkv_block_size = 16\n",
+            "workers[id=9]: load_report_interval_ms must be at least 50 (milliseconds; the default is 1000), got 10",
+        ),
+        (
+            "[[workers]]\nid = 10\naddress = \"h:1\"\nload_report_interval_ms = 250\nkv_block_size = 16\n",
+            "workers[id=10]: `address` names a worker process",
         ),
         (
             "[[workers]]\nid = 3\nengine = \"llamacpp\"\nkv_block_size = 16\n",
@@ -111,7 +123,7 @@ fn the_example_fleet_file_is_valid() {
         .into_iter()
         .map(|w| match check(w).unwrap() {
             Entry::Process(_) => "process".to_owned(),
-            Entry::Engine(_, spec) => spec.engine.to_string(),
+            Entry::Engine(_, spec, _) => spec.engine.to_string(),
         })
         .collect();
     assert_eq!(kinds, ["vllm", "llamacpp", "process"]);
