@@ -244,6 +244,34 @@ pub struct CostWeights {
     /// `agentic` gains came from a handful of decisions that other weights flip. Policy `kv`
     /// takes it (`churn_eviction_weight`) for fleets of long agent sessions to try.
     pub churn_eviction_weight: f64,
+    /// Blocks of prefill charged per new block a placement allocates (prompt blocks not cached
+    /// there), times how much fuller the worker's KV cache is than the emptiest eligible
+    /// worker's (fractions of their capacities), times the square of the share of the prompt
+    /// that is new there (0.0, the reference's presets: no charge).
+    ///
+    /// A worker's fill is what [`Self::eviction_weight`] reads: its capacity less its free
+    /// blocks, over its capacity. That charge speaks only once a prompt would not fit; this one
+    /// speaks while the fleet fills. A new context (a conversation's or an agent's first turn,
+    /// whose cached share is a shared preamble at most) placed on a fuller worker will compete
+    /// with more of other contexts' blocks as all of them grow, and on an idle fleet nothing
+    /// else tells the workers apart but the preamble's small credit, which draws every new
+    /// session to the worker that cached it first: on the peers bench's 8-engine `agentic`
+    /// cell four of six agent sessions shared one worker and evicted one another while five
+    /// workers stayed empty. This is SGLang's gateway sending a prompt that matches little to
+    /// the worker whose radix tree is smallest, in the cost. The square of the new share keeps
+    /// a continuing context (most of it cached) with its cache however full the worker is;
+    /// once every worker is full alike, or while every one is empty, the charge is silent.
+    /// Workers of unknown capacity are never charged.
+    ///
+    /// Off in every preset, `kv-locality` included: measured at 2 (docs/benchmarks.md, "New
+    /// contexts charged by occupancy") it took the peers bench's 8-engine `agentic` cell from
+    /// 87.5% to 88.5% of prompt tokens cached (its ceiling 88.7%) and its TTFT p99 down by a
+    /// third, but lost 0.1-0.4 points on 32-engine `agentic`, `rag` and `bursty`, where no
+    /// worker's cache fills within the run and the spread only forgoes shared preambles, and
+    /// raised the evaluation set's `agentic` TTFT p99 6-12% (first turns computed without their
+    /// preamble). Policy `kv` takes it (`occupancy_weight`) for fleets where new long sessions
+    /// outgrow a worker's cache.
+    pub occupancy_weight: f64,
     /// Whether the prefill term counts at all (the reference's `track_prefill_tokens`).
     pub track_prefill_tokens: bool,
     /// Whether prompt blocks already active on a worker are counted once (the reference's
@@ -278,6 +306,7 @@ impl CostWeights {
             capacity_credit: false,
             eviction_weight: 0.0,
             churn_eviction_weight: 0.0,
+            occupancy_weight: 0.0,
             track_prefill_tokens: true,
             assume_kv_reuse: true,
         }
@@ -328,6 +357,7 @@ impl CostWeights {
             capacity_credit: true,
             eviction_weight: LOCALITY_EVICTION_WEIGHT,
             churn_eviction_weight: 0.0,
+            occupancy_weight: 0.0,
             track_prefill_tokens: true,
             assume_kv_reuse: true,
         }
@@ -357,6 +387,7 @@ impl CostWeights {
             capacity_credit: false,
             eviction_weight: 0.0,
             churn_eviction_weight: 0.0,
+            occupancy_weight: 0.0,
             track_prefill_tokens: true,
             assume_kv_reuse: true,
         }
@@ -394,6 +425,9 @@ impl CostWeights {
         if let Some(e) = t.churn_eviction_weight {
             self.churn_eviction_weight = e;
         }
+        if let Some(o) = t.occupancy_weight {
+            self.occupancy_weight = o;
+        }
         self
     }
 
@@ -426,15 +460,18 @@ impl CostWeights {
         check_unit("balanced_decode_weight", self.balanced_decode_weight)?;
         check_weight("decode_tolerance", self.decode_tolerance)?;
         check_weight("eviction_weight", self.eviction_weight)?;
-        check_weight("churn_eviction_weight", self.churn_eviction_weight)
+        check_weight("churn_eviction_weight", self.churn_eviction_weight)?;
+        check_weight("occupancy_weight", self.occupancy_weight)
     }
 
     /// Whether the cost reads how many blocks each worker holds
     /// ([`SelectRequest::resident_blocks`](crate::SelectRequest::resident_blocks)): only to
-    /// charge for evictions.
+    /// charge for evictions or for occupancy.
     #[inline]
     pub fn charges_evictions(&self) -> bool {
-        self.eviction_weight > 0.0 || self.churn_eviction_weight > 0.0
+        self.eviction_weight > 0.0
+            || self.churn_eviction_weight > 0.0
+            || self.occupancy_weight > 0.0
     }
 
     /// The prefill scale at `backlog` (outstanding prefill over batch budget, clamped to 0..=1).
@@ -510,6 +547,8 @@ pub struct CostTuning {
     pub eviction_weight: Option<f64>,
     /// [`CostWeights::churn_eviction_weight`].
     pub churn_eviction_weight: Option<f64>,
+    /// [`CostWeights::occupancy_weight`].
+    pub occupancy_weight: Option<f64>,
 }
 
 /// When a worker counts as loaded; `None` disables a check. Used both for the busy filter and

@@ -133,10 +133,17 @@ pub struct CandidateCost {
     /// How far the worker's churn is above the eligible workers' least, over their mean, capped
     /// at 1 ([`CostWeights::churn_eviction_weight`]); 0 when the weights do not ask.
     pub churn_share: f64,
+    /// The prompt's blocks not cached on this worker: what placing it there allocates.
+    pub new_blocks: u64,
+    /// How much fuller the worker's KV cache is than the emptiest eligible worker's, as fractions
+    /// of their capacities ([`CostWeights::occupancy_weight`]); 0 when the weights do not ask,
+    /// or the worker's capacity is unknown.
+    pub occupancy_share: f64,
     /// Preferred-taint multiplier (1.0 without preferences).
     pub taint_multiplier: f64,
     /// `(scale * (credited_prefill_blocks + eviction_weight * evicted_blocks +
-    /// churn_eviction_weight * churn_share * churn_evicted_blocks) + weighted_decode_blocks) *
+    /// churn_eviction_weight * churn_share * churn_evicted_blocks + occupancy_weight *
+    /// occupancy_share * new_blocks * (new_blocks / prompt_blocks)^2) + weighted_decode_blocks) *
     /// taint_multiplier`, `scale` being [`Decision::prefill_load_scale`].
     pub cost: f64,
 }
@@ -186,6 +193,13 @@ impl fmt::Display for CandidateCost {
                 f,
                 " evicts {} at churn {:.3}",
                 self.churn_evicted_blocks, self.churn_share
+            )?;
+        }
+        if self.occupancy_share > 0.0 && self.new_blocks > 0 {
+            write!(
+                f,
+                " allocates {} at fill +{:.3}",
+                self.new_blocks, self.occupancy_share
             )?;
         }
         write!(f, " x{:.3}", self.taint_multiplier)

@@ -26,7 +26,11 @@
 //! churn_eviction_weight * churn_share * churn_evicted_blocks` is added too, where
 //! `churn_evicted_blocks` is how many blocks of idle cache the prompt's uncached blocks would
 //! evict there at all, and `churn_share` how far the worker's churn (new blocks routed to it
-//! lately) is above the eligible workers' least, over their mean, capped at 1.
+//! lately) is above the eligible workers' least, over their mean, capped at 1. With
+//! [`CostWeights::occupancy_weight`], `scale * occupancy_weight * occupancy_share * new_blocks *
+//! (new_blocks / prompt_blocks)^2` is added too, where `new_blocks` are the prompt's blocks not
+//! cached there and `occupancy_share` how much fuller the worker's KV cache is than the
+//! emptiest eligible worker's, as fractions of their capacities.
 
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -314,6 +318,7 @@ impl Scheduler {
             floor_prefill: floor_prefill(workers, &s.eligible, w),
             mean_decode: mean_decode(workers, &s.eligible, w),
             max_room: max_room(workers, &s.eligible, &s.marks, generation, w),
+            floor_fill: floor_fill(workers, &s.eligible, &s.marks, generation, w),
             churn: ChurnTerms::of(workers, &s.eligible, w),
         };
         s.candidates.clear();
@@ -454,6 +459,38 @@ fn max_room(
         .max()
 }
 
+/// The least fill of an eligible worker whose capacity is known (`None` when none is), only
+/// when the weights charge for occupancy ([`CostWeights::occupancy_weight`]).
+#[inline]
+fn floor_fill(
+    workers: &Workers,
+    eligible: &[u32],
+    marks: &[Mark],
+    generation: u32,
+    w: &CostWeights,
+) -> Option<f64> {
+    if w.occupancy_weight == 0.0 {
+        return None;
+    }
+    eligible
+        .iter()
+        .filter_map(|&i| {
+            let slot = workers.slot(i)?;
+            let mark = marks.get(i as usize).filter(|m| m.generation == generation);
+            fill(slot, mark.map_or(0, |m| m.resident))
+        })
+        .min_by(f64::total_cmp)
+}
+
+/// The share of `slot`'s KV capacity taken (0 to 1; see [`room`]), `None` when the capacity is
+/// unknown or zero.
+#[inline]
+fn fill(slot: &Slot, resident: u64) -> Option<f64> {
+    let capacity = slot.kv_capacity_blocks.filter(|&c| c > 0)?;
+    let free = room(slot, resident)?;
+    Some((capacity - free) as f64 / capacity as f64)
+}
+
 /// The KV capacity `slot` has free: its capacity less the blocks it holds, `resident` as the
 /// indexer counts them or the blocks of its active requests where those are more (requests
 /// routed there whose blocks the engine has not stored yet). `None` when the capacity is
@@ -537,6 +574,8 @@ struct CostTerms<'a> {
     mean_decode: f64,
     /// The most free KV capacity of an eligible worker, when evictions are charged.
     max_room: Option<u64>,
+    /// The least fill of an eligible worker, when occupancy is charged.
+    floor_fill: Option<f64>,
     /// The eligible workers' churn, when evictions on full workers are charged by it.
     churn: Option<ChurnTerms>,
 }
@@ -600,9 +639,20 @@ impl CostTerms<'_> {
             ),
             _ => (0.0, 0),
         };
+        // How much fuller than the emptiest; read only when occupancy is charged.
+        let occupancy_share = match self.floor_fill {
+            Some(floor) => fill(slot, mark.resident).map_or(0.0, |f| (f - floor).max(0.0)),
+            None => 0.0,
+        };
+        let new_share = if prompt_blocks > 0.0 {
+            new_blocks as f64 / prompt_blocks
+        } else {
+            0.0
+        };
         // Exactly 0.0 without a charge, so the cost is then bit for bit the one before it.
         let eviction = w.eviction_weight * evicted as f64
-            + w.churn_eviction_weight * churn_share * churn_evicted as f64;
+            + w.churn_eviction_weight * churn_share * churn_evicted as f64
+            + w.occupancy_weight * occupancy_share * new_blocks as f64 * new_share * new_share;
         let cost = (self.scale * (credited_prefill_blocks + eviction) + weighted_decode_blocks)
             * taint_multiplier;
         CandidateCost {
@@ -620,6 +670,8 @@ impl CostTerms<'_> {
             evicted_blocks: evicted,
             churn_evicted_blocks: churn_evicted,
             churn_share,
+            new_blocks,
+            occupancy_share,
             taint_multiplier,
             cost,
         }

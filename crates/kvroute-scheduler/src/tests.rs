@@ -96,6 +96,8 @@ fn costs(values: &[f64]) -> Vec<CandidateCost> {
             evicted_blocks: 0,
             churn_evicted_blocks: 0,
             churn_share: 0.0,
+            new_blocks: 0,
+            occupancy_share: 0.0,
             taint_multiplier: 1.0,
             cost,
         })

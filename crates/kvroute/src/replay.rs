@@ -129,6 +129,11 @@ pub(crate) struct ReplayArgs {
     /// reference's; kv-locality scores with 0).
     #[arg(long, value_name = "X")]
     churn_eviction_weight: Option<f64>,
+    /// Policy kv's charge, in blocks of prefill, per new block a placement allocates, times how
+    /// much fuller the worker's KV cache is than the emptiest eligible worker's, as fractions of
+    /// their capacities (default 0, the reference's; kv-locality scores with 0).
+    #[arg(long, value_name = "X")]
+    occupancy_weight: Option<f64>,
     /// Replay speed: 2.0 makes requests arrive twice as fast as the trace says.
     #[arg(long, default_value_t = 1.0, value_name = "X")]
     speed: f64,
@@ -314,6 +319,7 @@ impl Plan {
             capacity_credit: args.capacity_credit,
             eviction_weight: args.eviction_weight,
             churn_eviction_weight: args.churn_eviction_weight,
+            occupancy_weight: args.occupancy_weight,
         };
         validate_kv_weights(&kv_weights, asked)?;
         // A policy named twice would only print the same row twice.

@@ -1086,6 +1086,88 @@ fn a_full_workers_evictions_are_charged_by_how_fast_it_has_been_allocating() {
 }
 
 #[test]
+fn a_new_context_is_charged_for_how_much_fuller_a_worker_is_than_the_emptiest() {
+    // Prefill weighs 4 decode blocks; each worker's KV holds 100 blocks.
+    let fleet = |occupancy_weight| {
+        let mut config = SchedulerConfig::new(BS);
+        config.cost = CostWeights {
+            prefill_load_scale: 4.0,
+            loaded_prefill_load_scale: 4.0,
+            occupancy_weight,
+            ..CostWeights::reference()
+        };
+        scheduler_with(
+            config,
+            (0..3).map(|id| WorkerSpec::new(id).with_kv_capacity(100)),
+        )
+    };
+    // Worker 0 holds 40 blocks, worker 1 10, worker 2 none: fills 0.4, 0.1 and 0 (the floor).
+    let filling = [(w(0), 40), (w(1), 10), (w(2), 0)];
+    // A new 10-block context whose 2-block preamble worker 0 caches.
+    let prompt = blocks(100, 10);
+    let preamble = [(w(0), 2)];
+    let mut req = SelectRequest::new(160, &prompt, &preamble);
+    req.resident_blocks = &filling;
+
+    let mut s = fleet(2.0);
+    let d = s.select(&req, &mut rng()).expect("selected");
+    let (c0, c1, c2) = (
+        cost_of(d.candidates, w(0)),
+        cost_of(d.candidates, w(1)),
+        cost_of(d.candidates, w(2)),
+    );
+    // Worker 0 allocates 8 blocks, 0.8 of the prompt, at 0.4 above the floor: 2 * 0.4 * 8 *
+    // 0.8^2 = 4.096 blocks of prefill on top of its 10 - 2; decode 10 everywhere.
+    assert_eq!((c0.new_blocks, c0.occupancy_share), (8, 0.4));
+    assert!(
+        (c0.cost - (4.0 * (8.0 + 2.0 * 0.4 * 8.0 * 0.64) + 10.0)).abs() < 1e-9,
+        "{c0}"
+    );
+    // Worker 1 allocates all 10 at 0.1 above: 2 * 0.1 * 10 = 2 blocks.
+    assert_eq!(c1.new_blocks, 10);
+    assert!((c1.occupancy_share - 0.1).abs() < 1e-12, "{c1}");
+    assert!((c1.cost - (4.0 * (10.0 + 2.0) + 10.0)).abs() < 1e-9, "{c1}");
+    // Worker 2, the emptiest, is not charged, and takes the new context.
+    assert_eq!((c2.occupancy_share, c2.cost), (0.0, 50.0));
+    assert_eq!(d.chosen.worker, w(2));
+    assert!(
+        c0.to_string().contains("allocates 8 at fill +0.400"),
+        "{c0}"
+    );
+    assert!(!c2.to_string().contains("allocates"), "{c2}");
+
+    // Without the weight the preamble's credit takes it to worker 0: 4 * 8 + 10.
+    let mut plain = fleet(0.0);
+    let d = plain.select(&req, &mut rng()).expect("selected");
+    assert_eq!((d.chosen.worker, d.candidates[0].cost), (w(0), 42.0));
+    assert!(d.candidates.iter().all(|c| c.occupancy_share == 0.0));
+
+    // A continuing context with 9 of its 10 blocks cached on worker 0 allocates one there, a
+    // tenth of the prompt: 2 * 0.4 * 1 * 0.01 = 0.008 blocks; it stays.
+    let continuing = [(w(0), 9)];
+    let mut next = SelectRequest::new(160, &prompt, &continuing);
+    next.resident_blocks = &filling;
+    let d = s.select(&next, &mut rng()).expect("selected");
+    assert_eq!(d.chosen.worker, w(0));
+    assert!((d.candidates[0].cost - (4.0 * (1.0 + 0.008) + 10.0)).abs() < 1e-9);
+
+    // Every worker as full as the others: silent, and the preamble decides.
+    let full = [(w(0), 100), (w(1), 100), (w(2), 100)];
+    req.resident_blocks = &full;
+    let d = s.select(&req, &mut rng()).expect("selected");
+    assert_eq!((d.chosen.worker, d.candidates[0].cost), (w(0), 42.0));
+
+    // A worker whose capacity is unknown is neither charged nor the floor: worker 1's 0.1 is.
+    req.resident_blocks = &filling;
+    s.set_kv_capacity(w(2), None).expect("registered");
+    let d = s.select(&req, &mut rng()).expect("selected");
+    let c0 = cost_of(d.candidates, w(0));
+    assert!((c0.occupancy_share - 0.3).abs() < 1e-12, "{c0}");
+    assert_eq!(cost_of(d.candidates, w(1)).occupancy_share, 0.0);
+    assert_eq!(cost_of(d.candidates, w(2)).occupancy_share, 0.0);
+}
+
+#[test]
 fn a_reported_capacity_is_set_and_read_back() {
     let mut s = scheduler(1);
     assert_eq!(s.kv_capacity(w(0)), None);

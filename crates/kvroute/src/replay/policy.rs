@@ -140,6 +140,7 @@ pub(crate) fn validate_kv_weights(
         ("--decode-tolerance", weights.decode_tolerance),
         ("--eviction-weight", weights.eviction_weight),
         ("--churn-eviction-weight", weights.churn_eviction_weight),
+        ("--occupancy-weight", weights.occupancy_weight),
     ];
     if weights.capacity_credit.is_some() && !policies.contains(&ReplayPolicy::Kv) {
         anyhow::bail!(
@@ -200,6 +201,7 @@ mod tests {
             capacity_credit: Some(true),
             eviction_weight: Some(1.0),
             churn_eviction_weight: Some(0.0),
+            occupancy_weight: Some(0.0),
         };
         let kv = ReplayPolicy::Kv.router_config(16, &weights);
         let locality = ReplayPolicy::KvLocality.router_config(16, &weights);

@@ -175,6 +175,11 @@ pub(crate) struct RouterOptions {
     /// reference's; kv-locality scores with 0).
     #[arg(long, allow_negative_numbers = true)]
     pub(crate) churn_eviction_weight: Option<f64>,
+    /// Blocks of prefill policy kv charges per new block a placement allocates, times how much
+    /// fuller the worker's KV cache is than the emptiest eligible worker's, as fractions of
+    /// their capacities (default 0, the reference's; kv-locality scores with 0).
+    #[arg(long, allow_negative_numbers = true)]
+    pub(crate) occupancy_weight: Option<f64>,
     /// Credit per cached block found on a worker's host (CPU) tier, continuing its device
     /// prefix, against a device block's 1 (default 0.75, as the reference).
     #[arg(long, allow_negative_numbers = true)]
@@ -479,6 +484,7 @@ impl ServeOptions {
                 capacity_credit: pick(r.capacity_credit, fr.capacity_credit),
                 eviction_weight: pick(r.eviction_weight, fr.eviction_weight),
                 churn_eviction_weight: pick(r.churn_eviction_weight, fr.churn_eviction_weight),
+                occupancy_weight: pick(r.occupancy_weight, fr.occupancy_weight),
                 host_cache_hit_weight: pick(r.host_cache_hit_weight, fr.host_cache_hit_weight),
                 disk_cache_hit_weight: pick(r.disk_cache_hit_weight, fr.disk_cache_hit_weight),
                 max_migrations: pick(r.max_migrations, fr.max_migrations),

@@ -756,6 +756,21 @@ fn policy_kv_takes_every_weight_of_kv_locality_and_scores_as_it() {
         options.router.core.scheduler.cost.churn_eviction_weight,
         1.0
     );
+    check(
+        "[router]\npolicy = \"kv\"\n",
+        &["--occupancy-weight", "-1"],
+        Err("router.occupancy_weight"),
+    );
+    check(
+        "[router]\noccupancy_weight = 1.0\n",
+        &[],
+        Err("no occupancy weight with policy kv-locality"),
+    );
+    let options = ServeOptions::from_toml("[router]\npolicy = \"kv\"\noccupancy_weight = 0.5\n")
+        .expect("toml")
+        .validate()
+        .expect("valid");
+    assert_eq!(options.router.core.scheduler.cost.occupancy_weight, 0.5);
 }
 
 #[test]

@@ -394,6 +394,12 @@ fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(
             "churn-eviction-weight",
             "churn eviction weight",
         ),
+        (
+            r.occupancy_weight,
+            "router.occupancy_weight",
+            "occupancy-weight",
+            "occupancy weight",
+        ),
     ] {
         let Some(v) = value else { continue };
         if !(v.is_finite() && v >= 0.0) {
@@ -433,6 +439,7 @@ fn validate_cost(r: &RouterOptions, router: &mut KvPushRouterConfig) -> Result<(
         capacity_credit: r.capacity_credit,
         eviction_weight: r.eviction_weight,
         churn_eviction_weight: r.churn_eviction_weight,
+        occupancy_weight: r.occupancy_weight,
     });
     validate_cache_hit_weights(r, router)
 }
