@@ -173,8 +173,7 @@ pub(crate) async fn start(config: &mut ServeConfig) -> anyhow::Result<Started> {
     // engine's first load report (which states its KV capacity, read by the cost's capacity
     // credit and eviction charges) is sent once at start, then again only when the load changes
     // or a heartbeat passes. Fed before, the first requests were routed blind to every
-    // engine's capacity for up to a heartbeat (the peers bench's first 19 requests), and the
-    // placements of new conversations made then stayed for the whole run.
+    // engine's capacity for up to a heartbeat (the peers bench's first 19 requests).
     let bridge = match &workers.nats {
         Some(_) => None,
         None => {
