@@ -449,13 +449,8 @@ fn max_room(
     if w.eviction_weight == 0.0 {
         return None;
     }
-    eligible
-        .iter()
-        .filter_map(|&i| {
-            let slot = workers.slot(i)?;
-            let mark = marks.get(i as usize).filter(|m| m.generation == generation);
-            room(slot, mark.map_or(0, |m| m.resident))
-        })
+    resident(workers, eligible, marks, generation)
+        .filter_map(|(slot, blocks)| room(slot, blocks))
         .max()
 }
 
@@ -472,14 +467,25 @@ fn floor_fill(
     if w.occupancy_weight == 0.0 {
         return None;
     }
-    eligible
-        .iter()
-        .filter_map(|&i| {
-            let slot = workers.slot(i)?;
-            let mark = marks.get(i as usize).filter(|m| m.generation == generation);
-            fill(slot, mark.map_or(0, |m| m.resident))
-        })
+    resident(workers, eligible, marks, generation)
+        .filter_map(|(slot, blocks)| fill(slot, blocks))
         .min_by(f64::total_cmp)
+}
+
+/// Each eligible slot with the blocks it holds, as this request's marks (`generation`) count
+/// them (0 where unmarked).
+#[inline]
+fn resident<'a>(
+    workers: &'a Workers,
+    eligible: &'a [u32],
+    marks: &'a [Mark],
+    generation: u32,
+) -> impl Iterator<Item = (&'a Slot, u64)> + 'a {
+    eligible.iter().filter_map(move |&i| {
+        let slot = workers.slot(i)?;
+        let mark = marks.get(i as usize).filter(|m| m.generation == generation);
+        Some((slot, mark.map_or(0, |m| m.resident)))
+    })
 }
 
 /// The share of `slot`'s KV capacity taken (0 to 1; see [`room`]), `None` when the capacity is

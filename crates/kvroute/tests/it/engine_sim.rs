@@ -354,15 +354,16 @@ async fn fleet_over(sim: &EngineSim, test: &str) -> Fleet {
     .await
 }
 
-/// `kvroute serve` fronting both engines itself, from a static fleet file: its own engine
-/// adapters read the ZMQ events, and its KV event bridge carries them to the router.
-async fn static_fleet_over(sim: &EngineSim, test: &str) -> Fleet {
+/// `kvroute serve` fronting both engines itself, from a static fleet file (each entry with the
+/// TOML lines `extra` too): its own engine adapters read the ZMQ events, and its KV event
+/// bridge carries them to the router.
+async fn static_fleet_over(sim: &EngineSim, test: &str, extra: &str) -> Fleet {
     let dir = scratch(&format!("engine-sim-{test}"));
     let mut file = String::new();
     for i in 0..2 {
         file.push_str(&format!(
             "[[workers]]\nid = {}\nkv_block_size = 16\nengine = \"vllm\"\nengine_url = \"{}\"\n\
-             kv_events = \"{}\"\nkv_events_replay = \"{}\"\nserved_model_name = \"{MODEL}\"\n\n",
+             kv_events = \"{}\"\nkv_events_replay = \"{}\"\nserved_model_name = \"{MODEL}\"\n{extra}\n",
             i + 1,
             sim.field(i, "url"),
             sim.field(i, "kv_events"),
@@ -428,7 +429,7 @@ async fn sidecars_over_engine_sim_route_a_repeated_prompt_to_the_engine_with_its
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_static_fleet_over_engine_sim_routes_a_repeated_prompt_to_the_engine_with_its_events() {
     let sim = EngineSim::start("static-fleet", 2);
-    let fleet = static_fleet_over(&sim, "static-fleet").await;
+    let fleet = static_fleet_over(&sim, "static-fleet", "").await;
     a_repeated_prompt_goes_to_the_engine_with_its_events(&fleet).await;
 }
 
@@ -440,17 +441,8 @@ async fn a_static_fleet_over_engine_sim_routes_a_repeated_prompt_to_the_engine_w
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_static_fleets_first_load_reports_reach_the_router_at_start() {
     let sim = EngineSim::start("first-reports", 2);
-    let dir = scratch("engine-sim-first-reports");
-    let mut file = String::new();
-    for i in 0..2 {
-        file.push_str(&format!(
-            "[[workers]]\nid = {}\nkv_block_size = 16\nengine = \"vllm\"\nengine_url = \"{}\"\n\
-             served_model_name = \"{MODEL}\"\nload_report_interval_ms = 3600000\n\n",
-            i + 1,
-            sim.field(i, "url"),
-        ));
-    }
-    let fleet = serve_fleet_file(&dir, &file, &[]).await;
+    let fleet =
+        static_fleet_over(&sim, "first-reports", "load_report_interval_ms = 3600000\n").await;
     fleet
         .eventually(
             "both engines' first load reports to reach the router",
