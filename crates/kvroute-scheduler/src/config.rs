@@ -266,10 +266,10 @@ pub struct CostWeights {
     /// Off in every preset, `kv-locality` included: measured at 2 (docs/benchmarks.md, "New
     /// contexts charged by occupancy") it took the peers bench's 8-engine `agentic` cell from
     /// 87.5% to 88.5% of prompt tokens cached (its ceiling 88.7%) and its TTFT p99 down by a
-    /// third, but lost 0.1-0.4 points on 32-engine `agentic`, `rag` and `bursty`, where no
-    /// worker's cache fills within the run and the spread only forgoes shared preambles, and
-    /// raised the evaluation set's `agentic` TTFT p99 6-12% (first turns computed without their
-    /// preamble). Policy `kv` takes it (`occupancy_weight`) for fleets where new long sessions
+    /// third, but lost points on 32 engines (`agentic` 0.3, `rag` 0.2-0.4, the noisy `bursty`
+    /// 0.5-1.0; likely where caches never fill within the run, so the spread only forgoes shared
+    /// preambles) and raised the evaluation set's `agentic` TTFT p99 6-12% in virtual time
+    /// (first turns computed without their preamble). Policy `kv` takes it (`occupancy_weight`) for fleets where new long sessions
     /// outgrow a worker's cache.
     pub occupancy_weight: f64,
     /// Whether the prefill term counts at all (the reference's `track_prefill_tokens`).
