@@ -645,20 +645,25 @@ impl CostTerms<'_> {
             ),
             _ => (0.0, 0),
         };
-        // How much fuller than the emptiest; read only when occupancy is charged.
-        let occupancy_share = match self.floor_fill {
-            Some(floor) => fill(slot, mark.resident).map_or(0.0, |f| (f - floor).max(0.0)),
-            None => 0.0,
-        };
-        let new_share = if prompt_blocks > 0.0 {
-            new_blocks as f64 / prompt_blocks
-        } else {
-            0.0
+        // How much fuller than the emptiest, and the new blocks weighed by the square of the
+        // prompt's new share; read only when occupancy is charged.
+        let (occupancy_share, occupied_blocks) = match self.floor_fill {
+            Some(floor) => {
+                let share = fill(slot, mark.resident).map_or(0.0, |f| (f - floor).max(0.0));
+                let new = new_blocks as f64;
+                let new_share = if prompt_blocks > 0.0 {
+                    new / prompt_blocks
+                } else {
+                    0.0
+                };
+                (share, share * new * new_share * new_share)
+            }
+            None => (0.0, 0.0),
         };
         // Exactly 0.0 without a charge, so the cost is then bit for bit the one before it.
         let eviction = w.eviction_weight * evicted as f64
             + w.churn_eviction_weight * churn_share * churn_evicted as f64
-            + w.occupancy_weight * occupancy_share * new_blocks as f64 * new_share * new_share;
+            + w.occupancy_weight * occupied_blocks;
         let cost = (self.scale * (credited_prefill_blocks + eviction) + weighted_decode_blocks)
             * taint_multiplier;
         CandidateCost {
